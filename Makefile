@@ -1,0 +1,49 @@
+# One-command setup: `make demo` and `make test` install what is missing, then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEB_PKGS := fuse3 libfuse3-dev liburing-dev pkg-config
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+STAMP := $(VENV)/.ckptfs-installed
+
+.PHONY: setup deps demo test test-quick soak bench lint clean
+
+setup: deps $(STAMP)
+
+# Debian packages, only when one is missing (apt-get update once, then install).
+deps:
+	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		$(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+# The virtual environment; torch is pinned so that this machine takes its CPU build.
+$(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ckptfs demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-quick: setup
+	$(PY) -m pytest -q -m 'not slow'
+
+soak: setup
+	CKPTFS_SOAK_S=600 $(PY) -m pytest -q tests/test_load.py
+
+bench: setup
+	$(VENV)/bin/ckptfs bench e2e
+
+lint: setup
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check ckptfs tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info ckptfs/io/*.so ckptfs/io/_uring_cffi.c

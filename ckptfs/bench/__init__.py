@@ -1,0 +1,1 @@
+"""Benchmarks: `ckptfs bench engine|micro|e2e`. Each module has `main(argv) -> int`."""
