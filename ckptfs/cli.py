@@ -4,25 +4,292 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import logging
+import os
 import sys
 
 BENCHES = ("engine", "micro", "e2e")
 
+EPILOG = """examples:
+  ckptfs mount /lustre/proj/run42 /ckpt       mount (daemonizes once the mount is live)
+  python train.py --save-dir /ckpt            unmodified training code writes there
+  ckptfs sync /ckpt                           barrier: everything written so far is durable
+  ckptfs status /ckpt                         live figures (--json for machines)
+  ckptfs umount /ckpt                         flush, wait until durable, unmount
+  ckptfs mount /lustre/proj/run42 /ckpt       later, anywhere: the same tree again
+  ckptfs demo                                 save and restore a model through a temporary mount
+  ckptfs bench engine|micro|e2e --help        the benchmarks
+"""
 
-def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
-        print("usage: ckptfs bench {%s} [options]   (ckptfs bench NAME --help)" % "|".join(BENCHES),
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    mod = importlib.import_module(f"ckptfs.bench.{argv[0]}")
-    return mod.main(argv[1:])
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
+          "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8M' -> 8 MiB (binary units; 'K', 'M', 'G', 'T', optionally followed by 'B' or 'iB')."""
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8M, 1G)") from None
+    if unit not in _UNITS or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8M, 1G)")
+    return int(value * _UNITS[unit])
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s ckptfs[%(process)d] %(levelname)s %(name)s: "
+                               "%(message)s")
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(f"ckptfs: {msg}", file=sys.stderr)
+    return code
+
+
+# ---------------------------------------------------------------- mount
+def _add_mount(sub) -> None:
+    from ckptfs.daemon import MountConfig
+
+    d = MountConfig("", "")
+    p = sub.add_parser("mount", help="mount a backing directory",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Mount BACKING (a directory on the real file system, created "
+                       "on first use) at MOUNTPOINT (an empty directory). Returns once the "
+                       "mount is live; the daemon keeps running in the background.",
+                       epilog="example: ckptfs mount /lustre/proj/run42 /ckpt --staging-size 2G")
+    p.add_argument("backing")
+    p.add_argument("mountpoint")
+    p.add_argument("-f", "--foreground", action="store_true", help="do not daemonize")
+    p.add_argument("--debug", action="store_true", help="debug logging (and FUSE debug)")
+    p.add_argument("--writer-id", default="", help="writer identity in the backing directory "
+                   "(default: the host name); distinct mounts writing the same backing "
+                   "directory need distinct ids")
+    p.add_argument("--staging-size", type=parse_size, default="512M",
+                   help="memory for staging segments; writers wait when it is full")
+    p.add_argument("--segment-size", type=parse_size, default=f"{d.segment_bytes >> 20}M",
+                   help="segment size: the unit of aggregation and of backing writes")
+    p.add_argument("--queue-depth", type=int, default=d.queue_depth,
+                   help="io_uring queue depth of the flusher")
+    p.add_argument("--io", choices=["auto", "direct", "buffered"], default=d.io_mode,
+                   help="O_DIRECT (auto: where the backing file system allows it) or buffered")
+    p.add_argument("--engine", choices=["auto", "io_uring", "posix"], default=d.engine,
+                   help="io engine (auto: io_uring when the kernel allows it)")
+    p.add_argument("--log-size", type=parse_size, default="1G",
+                   help="roll over to a new data log past this size")
+    p.add_argument("--io-chunk", type=parse_size, default=f"{d.io_chunk_bytes >> 20}M",
+                   help="largest single write request")
+    p.add_argument("--read-cache", type=parse_size, default="256M",
+                   help="memory for verified data read back from the logs")
+    p.add_argument("--prefetch", type=parse_size, default="64M",
+                   help="on the first read of a file, load up to this much of it at once")
+    p.add_argument("--idle-flush", type=float, default=d.idle_flush_s,
+                   help="seconds without writes after which a partial segment is flushed")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users see the mount (needs user_allow_other for non-root)")
+    p.add_argument("--no-populate", action="store_true",
+                   help="do not pre-fault the staging memory at mount")
+    p.add_argument("--log-file", default=None,
+                   help="daemon log when daemonized (default: BACKING/writers/ID/daemon.log)")
+
+
+def _mount(a) -> int:
+    from ckptfs.daemon import MountConfig, MountError, prepare, serve
+    from ckptfs.layout import FormatError
+
+    cfg = MountConfig(a.backing, a.mountpoint, writer_id=a.writer_id,
+                      staging_bytes=a.staging_size, segment_bytes=a.segment_size,
+                      queue_depth=a.queue_depth, io_mode=a.io, engine=a.engine,
+                      log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
+                      read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
+                      idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
+                      populate=not a.no_populate)
+    _setup_logging(a.debug)
+    if a.foreground:
+        def ready(msg: str) -> None:
+            print(msg, flush=True)
+        try:
+            return serve(cfg, ready)
+        except (MountError, ValueError, FormatError, OSError) as exc:
+            return _fail(str(exc))
+    # Daemonize: check in the parent (clear errors on the terminal), fork, report readiness.
+    try:
+        prepare(cfg)
+    except (MountError, ValueError, FormatError, OSError) as exc:
+        return _fail(str(exc))
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        os.setsid()
+        logfile = a.log_file or os.path.join(cfg.backing, "writers", cfg.writer_id,
+                                             "daemon.log")
+        os.makedirs(os.path.dirname(os.path.abspath(logfile)), mode=0o700, exist_ok=True)
+        lfd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        nul = os.open(os.devnull, os.O_RDWR)
+        os.dup2(nul, 0)
+        os.dup2(lfd, 1)
+        os.dup2(lfd, 2)
+        os.close(nul)
+        os.close(lfd)
+
+        def ready(msg: str) -> None:
+            try:
+                os.write(wfd, msg.encode() + b"\n")
+                os.close(wfd)
+            except OSError:
+                pass
+        code = 1
+        try:
+            code = serve(cfg, ready)
+        except BaseException as exc:  # noqa: BLE001 - the daemon must report, then exit
+            ready(f"error: {exc}")
+            logging.getLogger("ckptfs").exception("daemon failed")
+        os._exit(code)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        line = r.readline().decode(errors="replace").strip()
+    if line.startswith("ready"):
+        print(line)
+        return 0
+    if not line:
+        _, st = os.waitpid(pid, 0)
+        line = f"error: daemon exited ({st}) before the mount was live; see its log"
+    return _fail(line.removeprefix("error: "))
+
+
+# ---------------------------------------------------------------- umount, sync, status
+def _umount(a) -> int:
+    from ckptfs import api
+
+    mp = a.mountpoint
+    if not api.is_mounted(mp):
+        return _fail(f"{mp} is not mounted")
+    try:
+        st = api.status(mp)
+    except OSError as exc:
+        # A dead daemon leaves the mount behind (ENOTCONN): detach it lazily.
+        res = api.fusermount(mp, lazy=True)
+        if res.returncode == 0:
+            print(f"ckptfs: {mp}: daemon is gone ({exc.strerror}); stale mount detached. "
+                  "Data not synced before the crash may be missing: remount the backing "
+                  "directory to see what was durable.", file=sys.stderr)
+            return 1
+        return _fail(f"{mp}: cannot reach the daemon ({exc}) and lazy unmount failed: "
+                     f"{res.stderr.strip()}")
+    pid = st["pid"]
+    try:
+        api.sync(mp)
+    except OSError as exc:
+        print(f"ckptfs: {mp}: could not make everything durable: {exc}", file=sys.stderr)
+        if not a.force:
+            return _fail("not unmounted (use --force to unmount anyway, losing what is staged)")
+    res = api.fusermount(mp)
+    if res.returncode != 0:
+        if a.lazy:
+            res = api.fusermount(mp, lazy=True)
+        if res.returncode != 0:
+            return _fail(f"cannot unmount {mp}: {res.stderr.strip()} (busy? close files "
+                         "or use --lazy)")
+    if not api.wait_pid_exit(pid, a.timeout):
+        return _fail(f"daemon {pid} still running after {a.timeout}s")
+    st2 = st.get("bytes_durable", 0)
+    print(f"unmounted {mp}: everything durable in {st['backing']} "
+          f"({st2 / 1e9:.3f} GB flushed by this mount)")
+    return 0
+
+
+def _sync(a) -> int:
+    from ckptfs import api
+
+    try:
+        api.sync(a.mountpoint)
+    except OSError as exc:
+        return _fail(f"sync {a.mountpoint}: {exc.strerror or exc}")
+    return 0
+
+
+def _status(a) -> int:
+    import time
+
+    from ckptfs import api
+
+    while True:
+        try:
+            st = api.status(a.mountpoint)
+        except OSError as exc:
+            return _fail(f"{a.mountpoint}: not a live ckptfs mount ({exc.strerror or exc})")
+        if a.json:
+            print(json.dumps(st, indent=None if a.watch else 2), flush=True)
+        else:
+            width = max(len(k) for k in st)
+            for k, v in st.items():
+                print(f"{k:<{width}}  {v}")
+            print(flush=True)
+        if not a.watch:
+            return 0
+        time.sleep(a.interval)
+
+
+def _demo(a) -> int:
+    from ckptfs import demo
+
+    return demo.main(a)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="ckptfs")
-    parser.add_argument("command", choices=["bench"])
-    parser.parse_args(argv)
-    return 0
+    parser = argparse.ArgumentParser(
+        prog="ckptfs", description="ckptfs: a FUSE file system for checkpoints. Packs many "
+        "checkpoint files into large aligned io_uring writes to a few logs.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_mount(sub)
+    p = sub.add_parser("umount", help="flush, wait until durable, unmount",
+                       description="Barrier, then unmount; returns once the daemon has made "
+                       "everything durable and exited. On a mount whose daemon died, detaches "
+                       "the stale mount.", epilog="example: ckptfs umount /ckpt")
+    p.add_argument("mountpoint")
+    p.add_argument("--lazy", action="store_true", help="lazy unmount if the mount is busy")
+    p.add_argument("--force", action="store_true",
+                   help="unmount even when the final sync fails")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the drain")
+    p = sub.add_parser("sync", help="barrier: returns when everything is durable",
+                       epilog="example: ckptfs sync /ckpt")
+    p.add_argument("mountpoint")
+    p = sub.add_parser("status", help="live figures of a mount",
+                       epilog="example: ckptfs status /ckpt --json")
+    p.add_argument("mountpoint")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", action="store_true", help="repeat every --interval seconds")
+    p.add_argument("--interval", type=float, default=1.0)
+    p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
+                       epilog="example: ckptfs demo --size 512M")
+    p.add_argument("--size", type=parse_size, default="1G", help="model state size")
+    p.add_argument("--dir", default=None, help="where to put the temporary backing directory "
+                   "(default: under the current directory's file system, /var/tmp)")
+    sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e --help")
+    a = parser.parse_args(argv)
+    handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
+                "demo": _demo}
+    if a.command is None:
+        parser.print_help()
+        return 2
+    return handlers[a.command](a)
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        helping = bool(argv) and argv[0] in ("-h", "--help")
+        print("usage: ckptfs bench {%s} [options]   (ckptfs bench NAME --help)" % "|".join(BENCHES),
+              file=sys.stdout if helping else sys.stderr)
+        return 0 if helping else 2
+    mod = importlib.import_module(f"ckptfs.bench.{argv[0]}")
+    return mod.main(argv[1:])

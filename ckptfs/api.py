@@ -1,0 +1,201 @@
+"""The Python face of ckptfs for scripts and tests.
+
+    with ckptfs.api.Mount("/lustre/run42", "/ckpt", staging="256M") as m:
+        torch.save(t, "/ckpt/step_1/w.pt")
+        m.sync()                  # everything durable
+        print(m.status()["bytes_durable"])
+    # leaving the block unmounts: returns once everything is durable, raises if it is not
+
+The daemon runs as a child process (`python -m ckptfs mount -f ...`), so a crash of the file
+system never takes the caller down, and the caller can kill it by PID.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+XATTR_STATUS = "user.ckptfs.status"
+XATTR_SYNC = "user.ckptfs.sync"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class CkptfsError(RuntimeError):
+    pass
+
+
+def syncfs(path: str) -> None:
+    """Write back the kernel's dirty pages of the file system holding `path` (files still
+    open in the writeback cache) to the daemon."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+    finally:
+        os.close(fd)
+
+
+def sync(mountpoint: str) -> None:
+    """Barrier: returns when everything written to the mount before the call is durable in the
+    backing directory. Raises OSError with the flusher's errno (ENOSPC, EIO) when it is not."""
+    syncfs(mountpoint)
+    os.getxattr(mountpoint, XATTR_SYNC)
+
+
+def status(mountpoint: str) -> dict:
+    return json.loads(os.getxattr(mountpoint, XATTR_STATUS))
+
+
+def fusermount(mountpoint: str, lazy: bool = False) -> subprocess.CompletedProcess:
+    exe = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount3"
+    args = [exe, "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def wait_pid_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie child of ours counts as gone
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _size_arg(v) -> str:
+    return str(v)
+
+
+class Mount:
+    """Mount `backing` at `mountpoint` for the duration of a `with` block (or start()/stop()).
+
+    Options are `ckptfs mount` options with underscores: staging="256M", segment="8M",
+    queue_depth=32, io="buffered", engine="posix", writer_id="w1", idle_flush=0.5 ...
+    """
+
+    def __init__(self, backing: str, mountpoint: str, *, timeout: float = 60.0,
+                 log_file: str | None = None, env: dict | None = None, **options) -> None:
+        self.backing = backing
+        self.mountpoint = mountpoint
+        self.timeout = timeout
+        self.options = options
+        self.log_file = log_file
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "ckptfs", "mount", "-f", self.backing, self.mountpoint]
+        for k, v in self.options.items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                cmd.append(flag)
+            elif v is False or v is None:
+                continue
+            else:
+                cmd += [flag, _size_arg(v)]
+        return cmd
+
+    def start(self) -> "Mount":
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=out, env=env,
+                                     start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()
+        line = b""
+        deadline = time.monotonic() + self.timeout
+        # the daemon prints one line: "ready: ..." or "error: ..."
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line or self.proc.poll() is not None:
+                break
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("ready"):
+            self._reap(kill=True)
+            raise CkptfsError(text or f"ckptfs mount exited with {self.proc.returncode}")
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def sync(self) -> None:
+        sync(self.mountpoint)
+
+    def status(self) -> dict:
+        return status(self.mountpoint)
+
+    def stop(self) -> int:
+        """Unmount; wait until the daemon drained everything. Returns its exit status (0 when
+        everything was made durable); raises CkptfsError when it was not."""
+        if self.proc is None:
+            return 0
+        res = fusermount(self.mountpoint)
+        if res.returncode != 0 and self.proc.poll() is None:
+            # still busy or already gone: ask the daemon itself, then the lazy way
+            self.proc.send_signal(signal.SIGTERM)
+        if not wait_pid_exit(self.proc.pid, self.timeout):
+            self._reap(kill=True)
+            raise CkptfsError(f"ckptfs daemon {self.proc.pid} did not exit; killed")
+        self._reap(kill=False)
+        if self.returncode != 0:
+            raise CkptfsError(f"ckptfs daemon exited with status {self.returncode}: "
+                              "not everything was made durable (see its log)")
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (crash tests), then clean up the dead mount."""
+        if self.proc is not None:
+            self.proc.kill()
+            self._reap(kill=False)
+
+    def _reap(self, kill: bool) -> None:
+        if self.proc is None:
+            return
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.returncode = self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.returncode = self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if is_mounted(self.mountpoint):
+            fusermount(self.mountpoint, lazy=True)
+        self.proc = None
+
+    def __enter__(self) -> "Mount":
+        return self.start()
+
+    def __exit__(self, et, ev, tb) -> None:
+        if et is None:
+            self.stop()
+        else:
+            try:
+                self.stop()
+            except CkptfsError:
+                pass
+
+
+def is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4].replace("\\040", " ") == real for line in f)

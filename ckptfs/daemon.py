@@ -1,0 +1,335 @@
+"""The mounted daemon: open (or create) this writer's part of the backing directory, replay the
+index, start the flusher, serve FUSE until unmounted, then drain everything to disk.
+
+`serve(cfg)` runs in the foreground; `ckptfs mount` forks first (cli.py) and reports the
+child's first line (ready or error) to the user.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from ckptfs import layout
+from ckptfs.flusher import Flusher, Journal
+from ckptfs.fs import CkptOperations, idle_sealer
+from ckptfs.io import probe_direct
+from ckptfs.layout import FormatError
+from ckptfs.namespace import Namespace
+from ckptfs.reader import Reader
+from ckptfs.staging import Staging
+
+log = logging.getLogger("ckptfs")
+
+MiB = 1 << 20
+
+
+@dataclass
+class MountConfig:
+    backing: str
+    mountpoint: str
+    writer_id: str = ""
+    staging_bytes: int = 512 * MiB
+    segment_bytes: int = 8 * MiB
+    queue_depth: int = 32
+    io_mode: str = "auto"  # auto | direct | buffered
+    engine: str = "auto"  # auto | io_uring | posix
+    log_bytes: int = 1 << 30
+    io_chunk_bytes: int = 8 * MiB
+    read_cache_bytes: int = 256 * MiB
+    prefetch_bytes: int = 64 * MiB
+    idle_flush_s: float = 1.0
+    allow_other: bool = False
+    debug: bool = False
+    populate: bool = True
+
+    def check(self) -> None:
+        if self.segment_bytes < 64 * 1024 or self.segment_bytes % 4096:
+            raise ValueError("--segment-size must be a multiple of 4 KiB and at least 64 KiB")
+        if self.staging_bytes < 2 * self.segment_bytes:
+            raise ValueError("--staging-size must hold at least two segments")
+        if not 1 <= self.queue_depth <= 4096:
+            raise ValueError("--queue-depth must be between 1 and 4096")
+        if self.io_mode not in ("auto", "direct", "buffered"):
+            raise ValueError("--io must be auto, direct or buffered")
+        if self.engine not in ("auto", "io_uring", "posix"):
+            raise ValueError("--engine must be auto, io_uring or posix")
+        if self.log_bytes < self.segment_bytes + layout.DATA_HEADER_BYTES:
+            raise ValueError("--log-size must be larger than a segment")
+        if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
+            raise ValueError("--io-chunk must be a multiple of 4 KiB")
+        if self.idle_flush_s <= 0:
+            raise ValueError("--idle-flush must be positive")
+
+
+class MountError(Exception):
+    """Bad input to mount: reported as one line, nothing written to the backing directory."""
+
+
+def is_mountpoint(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                mp = line.split()[4].replace("\\040", " ")
+                if mp == real:
+                    return True
+    except OSError:
+        return os.path.ismount(path)
+    return False
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    if not os.path.exists(mountpoint):
+        if os.path.islink(mountpoint):
+            raise MountError(f"mount point {mountpoint} is a dangling symlink")
+        raise MountError(f"mount point {mountpoint} does not exist")
+    if is_mountpoint(mountpoint):
+        raise MountError(f"{mountpoint} is already a mount point (ckptfs umount {mountpoint})")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory")
+    if os.listdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not empty")
+
+
+class WriterDir:
+    """This mount's own directory in the backing store, locked for the daemon's lifetime."""
+
+    def __init__(self, backing: str, writer_id: str) -> None:
+        self.backing = backing
+        self.writer_id = writer_id
+        self.path = os.path.join(backing, layout.WRITERS_DIR, writer_id)
+        self.lock_fd = -1
+
+    def open(self) -> None:
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        meta = os.path.join(self.path, "writer.json")
+        if not os.path.exists(meta):
+            layout.write_atomic(meta, json.dumps({
+                "writer": self.writer_id, "host": socket.gethostname(), "created": time.time(),
+                "version": layout.FORMAT_VERSION}).encode() + b"\n")
+        fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise MountError(
+                f"writer '{self.writer_id}' of {self.backing} is in use ({holder or 'locked'}); "
+                "mount with a distinct --writer-id to write from a second mount") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.lock_fd = fd
+
+    def close(self) -> None:
+        if self.lock_fd >= 0:
+            os.ftruncate(self.lock_fd, 0)
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
+    """Apply an index to `ns`. Returns (last commit sequence, valid bytes, warnings). Records
+    that do not fit the tree are skipped with a warning (a hostile or damaged index)."""
+    scan = layout.read_index(index_path)
+    warnings = list(scan.warnings)
+    for group in scan.groups:
+        for rec in group:
+            try:
+                ns.apply(rec)
+            except FormatError as exc:
+                warnings.append(f"{index_path}: record skipped: {exc}")
+    return scan.last_seq, scan.valid_bytes, warnings
+
+
+def validate_extents(ns: Namespace, writer_dir: str) -> list[str]:
+    """Extents that point past the end of their data log (or at a missing log) are dropped so
+    the index never points at garbage; their files read as holes -> reported."""
+    sizes = {n: os.path.getsize(p) for n, p in layout.data_logs(writer_dir).items()}
+    warnings = []
+    for x in ns.inodes.values():
+        if x.emap is None:
+            continue
+        bad = [p for p in x.emap.pieces
+               if p[2].log not in sizes or p[2].loff + p[2].length > sizes[p[2].log]]
+        for p in bad:
+            warnings.append(f"inode {x.ino} ({ns.path_of(x.ino)}): extent at data log "
+                            f"{p[2].log} offset {p[2].loff} lies beyond the log; dropped")
+            x.emap.punch(p[0], p[0] + p[1])
+    return warnings
+
+
+def open_index(path: str, valid_bytes: int) -> tuple[int, int]:
+    """Open the index for appending: create it with a header, or cut a torn tail off."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    size = os.fstat(fd).st_size
+    if size == 0 or valid_bytes == 0:
+        os.ftruncate(fd, 0)
+        os.write(fd, layout.index_header())
+        os.fsync(fd)
+        return fd, layout.INDEX_HEADER.size
+    if size > valid_bytes:
+        log.warning("%s: cutting %d bytes of torn or uncommitted tail", path, size - valid_bytes)
+        os.ftruncate(fd, valid_bytes)
+        os.fsync(fd)
+    return fd, valid_bytes
+
+
+def prepare(cfg: MountConfig) -> dict:
+    """Everything that can fail on bad input, before anything is written. Returns facts."""
+    cfg.check()
+    if not os.path.exists(cfg.backing):
+        raise MountError(f"backing directory {cfg.backing} does not exist")
+    if not os.path.isdir(cfg.backing):
+        raise MountError(f"backing path {cfg.backing} is not a directory")
+    if not os.access(cfg.backing, os.W_OK | os.X_OK):
+        raise MountError(f"backing directory {cfg.backing} is not writable")
+    check_mountpoint(cfg.mountpoint)
+    if os.path.realpath(cfg.mountpoint) == os.path.realpath(cfg.backing):
+        raise MountError("backing directory and mount point must differ")
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse is missing (load the fuse module)")
+    try:
+        layout.check_backing(cfg.backing, create=False)
+    except FormatError as exc:
+        if os.path.exists(os.path.join(cfg.backing, layout.BACKING_MARKER)) or \
+                os.path.isdir(os.path.join(cfg.backing, layout.WRITERS_DIR)):
+            raise MountError(str(exc)) from None
+        # A new backing directory: fine, initialised after all checks.
+    cfg.writer_id = layout.safe_writer_id(cfg.writer_id or layout.default_writer_id())
+    wdir = os.path.join(cfg.backing, layout.WRITERS_DIR, cfg.writer_id)
+    index = os.path.join(wdir, layout.INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            layout.read_index(index)  # version check before anything is written
+        except FormatError as exc:
+            raise MountError(str(exc)) from None
+    facts: dict = {}
+    if cfg.io_mode == "buffered":
+        facts["direct"] = False
+        facts["align"] = 4096
+        facts["io_reason"] = "buffered I/O requested"
+    else:
+        info = probe_direct(cfg.backing)
+        if cfg.io_mode == "direct" and not info.supported:
+            raise MountError(f"O_DIRECT is not available on {cfg.backing}: {info.reason}")
+        facts["direct"] = info.supported
+        facts["align"] = max(info.offset_align, info.mem_align, 4096) if info.supported else 4096
+        facts["io_reason"] = info.reason
+    return facts
+
+
+def serve(cfg: MountConfig, ready=None) -> int:
+    """Mount and serve until unmounted. `ready(msg)` is called once the mount is live (or with
+    an error string starting with 'error:'). Returns the exit status."""
+    try:
+        facts = prepare(cfg)
+    except (MountError, ValueError, FormatError, OSError) as exc:
+        if ready:
+            ready(f"error: {exc}")
+        raise
+    layout.check_backing(cfg.backing, create=True)
+    wd = WriterDir(cfg.backing, cfg.writer_id)
+    wd.open()
+    if not facts["direct"]:
+        log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
+    try:
+        return trio.run(_serve, cfg, wd, facts, ready)
+    finally:
+        wd.close()
+
+
+async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
+    index_path = os.path.join(wd.path, layout.INDEX_NAME)
+    journal = Journal()
+    ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
+    t0 = time.perf_counter()
+    last_seq, valid, warnings = (0, 0, [])
+    if os.path.exists(index_path):
+        last_seq, valid, warnings = replay(ns, index_path)
+    warnings += validate_extents(ns, wd.path)
+    for w in warnings:
+        log.warning("%s", w)
+    journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
+    index_fd, index_size = open_index(index_path, valid)
+    logs = layout.data_logs(wd.path)
+    ninodes, nbytes = ns.totals()
+    log.info("replayed %s: %d inodes, %d bytes in files, %d warnings, %.3f s",
+             index_path, ninodes, nbytes, len(warnings), time.perf_counter() - t0)
+
+    flusher: Flusher | None = None
+    staging = Staging(cfg.segment_bytes, cfg.staging_bytes, lambda seg: flusher.seal_hook(seg),
+                      populate=cfg.populate)
+    flusher = Flusher(wd.path, cfg.writer_id, staging, journal, engine=cfg.engine,
+                      depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
+                      log_bytes=cfg.log_bytes, next_log=max(logs, default=0) + 1,
+                      index_fd=index_fd, index_size=index_size,
+                      io_chunk_bytes=cfg.io_chunk_bytes)
+    reader = Reader(wd.path, cfg.read_cache_bytes, cfg.prefetch_bytes)
+    info = {"writer": cfg.writer_id, "mountpoint": os.path.abspath(cfg.mountpoint),
+            "io_mode": "direct" if facts["direct"] else "buffered",
+            "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
+            "replay_warnings": len(warnings)}
+    ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
+                         info)
+    flusher.start()
+    log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",
+             flusher.engine_name, info["io_mode"], cfg.queue_depth,
+             len(staging.buffers), cfg.segment_bytes // MiB)
+
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=ckptfs", "subtype=ckptfs"}
+    if cfg.allow_other:
+        options.add("allow_other")
+    if cfg.debug:
+        options.add("debug")
+    status = 0
+    try:
+        pyfuse3.init(ops, cfg.mountpoint, options)
+    except Exception as exc:
+        await flusher.stop()
+        msg = f"error: cannot mount {cfg.mountpoint}: {exc}"
+        if ready:
+            ready(msg)
+        raise MountError(msg[7:]) from None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
+            nursery.start_soon(_signals, nursery)
+            if ready:
+                ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+    finally:
+        try:
+            with trio.CancelScope(shield=True):
+                await flusher.stop()
+                log.info("unmounted: all data and index records durable (%d bytes, %d segments)",
+                         flusher.stats.payload_bytes, flusher.stats.segments)
+        except OSError as exc:
+            log.error("unmount: NOT everything could be made durable: %s", exc)
+            status = 1
+        pyfuse3.close(unmount=True)
+        reader.close()
+        staging.close()
+        os.close(index_fd)
+    return status
+
+
+async def _signals(nursery) -> None:
+    # SIGTERM/SIGINT: unmount cleanly (drain and commit), like `ckptfs umount`.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+        async for sig in sigs:
+            log.info("signal %d: unmounting", sig)
+            pyfuse3.terminate()
+            return
+

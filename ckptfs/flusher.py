@@ -1,0 +1,386 @@
+"""Sealed segments to durable data logs, then the index records that describe them.
+
+Two halves with one contract between them:
+
+- `Journal` (trio thread) holds every change not yet committed, in the order it happened:
+  namespace records and extent entries (a file range pointing at a run in a segment). Only a
+  prefix whose extents are all durable can be committed, so the index never points at data that
+  is not on disk and replay always sees operations in their real order.
+- `Flusher` runs a thread that owns the io engine. It takes sealed segments in order, computes
+  the runs' CRC32C, writes each segment whole (tail padded to the alignment) at the next aligned
+  offset of the current data log, fdatasyncs, reports the segments durable to the trio thread,
+  then appends the committable journal prefix to the index and fdatasyncs it (group commit).
+
+Barriers (`fsync`, `ckptfs sync`, unmount) seal the open segment and wait until everything
+journaled before them is committed. A failed write (ENOSPC, EIO) keeps the segments staged, is
+reported to waiting barriers and writers as that errno, and is retried every RETRY_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+
+import trio
+from crc32c import crc32c
+
+from ckptfs import layout
+from ckptfs.io import alloc_aligned, open_engine
+from ckptfs.layout import CommitRec, ExtentRec, Record
+from ckptfs.staging import Run, Segment, Staging, round_up
+
+log = logging.getLogger("ckptfs.flusher")
+
+RETRY_S = 1.0
+_COMMIT = "commit"
+_STOP = "stop"
+
+
+class ExtentEntry:
+    __slots__ = ("ino", "foff", "run")
+
+    def __init__(self, ino: int, foff: int, run: Run) -> None:
+        self.ino = ino
+        self.foff = foff
+        self.run = run
+
+
+class Journal:
+    """Changes not yet in the index, in order. Trio thread only."""
+
+    def __init__(self, committed_seq: int = 0) -> None:
+        self.entries: deque = deque()
+        self.last_seq = committed_seq  # sequence number of the newest change
+        self.committed_seq = committed_seq
+        self.unsent = b""  # encoded records whose index write failed, to be written first
+        self.unsent_upto = committed_seq
+
+    def add(self, item: Record | ExtentEntry) -> None:
+        self.last_seq += 1
+        self.entries.append((self.last_seq, item))
+
+    def tail(self) -> Record | ExtentEntry | None:
+        return self.entries[-1][1] if self.entries else None
+
+    def take_committable(self) -> tuple[bytes, int]:
+        """Encode the longest committable prefix, followed by a COMMIT record: (bytes, the
+        sequence number it covers). Records taken but not yet confirmed (a failed index write)
+        are taken again first."""
+        parts = [self.unsent] if self.unsent else []
+        upto = self.unsent_upto if self.unsent else self.committed_seq
+        entries = self.entries
+        encode = layout.encode
+        while entries:
+            seq, item = entries[0]
+            if type(item) is ExtentEntry:
+                run = item.run
+                if not run.seg.durable:
+                    break
+                parts.append(encode(ExtentRec(item.ino, item.foff, run.length, run.log,
+                                              run.loff, run.crc)))
+            else:
+                parts.append(encode(item))
+            upto = seq
+            entries.popleft()
+        if not parts:
+            return b"", upto
+        self.unsent = b"".join(parts)
+        self.unsent_upto = upto
+        return self.unsent + encode(CommitRec(upto, time.time_ns())), upto
+
+    def confirm(self, upto: int) -> None:
+        """The records up to `upto` are durable in the index."""
+        self.unsent = b""
+        if upto > self.committed_seq:
+            self.committed_seq = upto
+
+    def pending(self) -> bool:
+        return bool(self.entries) or bool(self.unsent)
+
+
+class FlushStats:
+    def __init__(self) -> None:
+        self.segments = 0
+        self.bytes_written = 0  # to data logs, padding included
+        self.payload_bytes = 0  # file bytes
+        self.index_bytes = 0
+        self.index_commits = 0
+        self.data_syncs = 0
+        self.flush_seconds = 0.0
+        self.errors = 0
+        self.last_error = ""
+
+
+class Flusher:
+    """Owns the flusher thread and the barrier logic. Create and use from the trio thread."""
+
+    def __init__(self, writer_dir: str, writer_id: str, staging: Staging, journal: Journal,
+                 *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
+                 next_log: int, index_fd: int, index_size: int, io_chunk_bytes: int) -> None:
+        self.writer_dir = writer_dir
+        self.writer_id = writer_id
+        self.staging = staging
+        self.journal = journal
+        self.engine_kind = engine
+        self.depth = depth
+        self.direct = direct
+        self.align = align
+        self.log_bytes = log_bytes
+        self.next_log = next_log
+        self.index_fd = index_fd
+        self.index_size = index_size
+        self.io_chunk_bytes = io_chunk_bytes
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: OSError | None = None
+        self.committed = trio.Event()
+        self.stats = FlushStats()
+        self.engine_name = "?"
+        self.thread: threading.Thread | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.inflight_segments = 0
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        # flusher-thread state
+        self._log = -1
+        self._log_fd = -1
+        self._log_off = 0
+
+    # ------------------------------------------------------------ trio side
+    def start(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        self.thread = threading.Thread(target=self._thread_main, name="ckptfs-flusher")
+        self.thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self.thread.join()
+            raise self._start_error
+
+    def seal_hook(self, seg: Segment) -> None:
+        self.inflight_segments += 1
+        self.q.put(seg)
+
+    def kick(self) -> None:
+        """Ask for a commit of whatever is committable (namespace-only changes)."""
+        self.q.put(_COMMIT)
+
+    async def barrier(self) -> None:
+        """Return when every change made before the call is in the index and durable."""
+        self.staging.seal()
+        target = self.journal.last_seq
+        if self.journal.committed_seq >= target:
+            return
+        self.q.put(_COMMIT)
+        while self.journal.committed_seq < target:
+            if self.error is not None:
+                raise self.error
+            await self.committed.wait()
+
+    async def stop(self) -> None:
+        """Unmount: seal, drain, commit and join the thread. Raises if data could not be made
+        durable (after the thread gave up retrying at shutdown)."""
+        self.staging.seal()
+        self.q.put(_STOP)
+        await trio.to_thread.run_sync(self.thread.join)
+        if self.journal.pending() or self.inflight_segments:
+            raise self.error or OSError(5, "flusher stopped with changes not committed")
+
+    def _wake(self) -> None:
+        ev, self.committed = self.committed, trio.Event()
+        ev.set()
+
+    def _on_durable(self, segs: list[Segment]) -> None:
+        for seg in segs:
+            seg.durable = True
+            self.staging.release(seg)
+            self.inflight_segments -= 1
+        if self.error is not None:
+            self.error = None
+            self.staging.error = None
+
+    def _on_error(self, exc: OSError) -> None:
+        self.error = exc
+        self.staging.error = exc
+        self.stats.errors += 1
+        self.stats.last_error = f"{exc.__class__.__name__}: {exc}"
+        self.staging.free_event.set()  # wake writers waiting for a segment: they see the error
+        self._wake()
+
+    def _on_committed(self, upto: int) -> None:
+        self.journal.confirm(upto)
+        self._wake()
+
+    def _call(self, fn, *args):
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+
+    # ------------------------------------------------------------ flusher thread
+    def _thread_main(self) -> None:
+        try:
+            self.engine = open_engine(self.engine_kind, depth=self.depth)
+            self.engine_name = self.engine.name
+            try:
+                self.engine.register_buffers(self.staging.buffers)
+            except Exception as exc:  # registration is an optimisation only
+                log.info("buffer registration skipped: %s", exc)
+            self._pad = alloc_aligned(max(self.align, 4096))
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+            if self._log_fd >= 0:
+                os.close(self._log_fd)
+
+    def _loop(self) -> None:
+        pending: list[Segment] = []
+        stopping = False
+        stop_attempts = 0
+        while True:
+            items = []
+            if stopping:
+                # Unmount with a failing backing store: a few more tries, then give up (stop()
+                # reports what could not be made durable).
+                stop_attempts += 1
+                if stop_attempts > 3:
+                    return
+                time.sleep(RETRY_S)
+            else:
+                timeout = RETRY_S if (pending and self.error is not None) else None
+                try:
+                    items.append(self.q.get(timeout=timeout))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    items.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            for it in items:
+                if it is _STOP:
+                    stopping = True
+                elif type(it) is Segment:
+                    pending.append(it)
+            if pending:
+                try:
+                    self._write_segments(pending)
+                except OSError as exc:
+                    log.error("flush of %d segments failed: %s (will retry)", len(pending), exc)
+                    self._call(self._on_error, exc)
+                    continue
+                done, pending = pending, []
+                self._call(self._on_durable, done)
+            try:
+                self._commit()
+            except OSError as exc:
+                log.error("index commit failed: %s (will retry)", exc)
+                self._call(self._on_error, exc)
+                continue
+            if stopping:
+                return
+
+    def _open_log(self) -> None:
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
+        number = self.next_log
+        path = os.path.join(self.writer_dir, layout.data_log_name(number))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        if self.direct:
+            flags |= os.O_DIRECT
+        fd = os.open(path, flags, 0o600)
+        try:
+            head = layout.data_log_header(self.writer_id, number)
+            hbuf = alloc_aligned(layout.DATA_HEADER_BYTES, populate=False)
+            hbuf[:] = head
+            self.engine.write_all([(fd, hbuf, 0)])
+            hbuf.close()
+            dfd = os.open(self.writer_dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self.next_log = number + 1
+        self._log, self._log_fd, self._log_off = number, fd, layout.DATA_HEADER_BYTES
+
+    def _place(self, seg: Segment, nbytes: int) -> None:
+        if self._log_fd < 0 or self._log_off + nbytes > self.log_bytes:
+            self._open_log()
+        seg.log, seg.loff = self._log, self._log_off
+        self._log_off += nbytes
+        for run in seg.runs:
+            run.log = seg.log
+            run.loff = seg.loff + run.soff
+
+    def _write_segments(self, segs: list[Segment]) -> None:
+        t0 = time.perf_counter()
+        reqs = []
+        by_log_fd: dict[int, int] = {}
+        payload = written = 0
+        chunk = self.io_chunk_bytes
+        for seg in segs:
+            nbytes = round_up(seg.used, self.align)
+            if seg.log < 0:  # first attempt; a retry keeps its place
+                if nbytes > seg.used:
+                    seg.view[seg.used:nbytes] = bytes(nbytes - seg.used)
+                for run in seg.runs:
+                    run.crc = crc32c(seg.view[run.soff:run.soff + run.length])
+                self._place(seg, nbytes)
+            fd = self._log_fd if seg.log == self._log else self._fd_for_retry(seg.log)
+            by_log_fd[seg.log] = fd
+            for off in range(0, nbytes, chunk):
+                n = min(chunk, nbytes - off)
+                reqs.append((fd, seg.view[off:off + n], seg.loff + off))
+            payload += seg.used
+            written += nbytes
+        try:
+            self.engine.write_all(reqs)
+            for fd in set(by_log_fd.values()):
+                self.engine.fsync(fd, datasync=True)
+                self.stats.data_syncs += 1
+        finally:
+            for _, mv, _ in reqs:
+                mv.release()
+            for lg, fd in by_log_fd.items():
+                if fd != self._log_fd:
+                    os.close(fd)
+        self.stats.segments += len(segs)
+        self.stats.bytes_written += written
+        self.stats.payload_bytes += payload
+        self.stats.flush_seconds += time.perf_counter() - t0
+
+    def _fd_for_retry(self, number: int) -> int:
+        path = os.path.join(self.writer_dir, layout.data_log_name(number))
+        return os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
+
+    def _commit(self) -> None:
+        blob, upto = self._call(self.journal.take_committable)
+        if blob:
+            try:
+                view = memoryview(blob)
+                while view:
+                    n = os.write(self.index_fd, view)
+                    view = view[n:]
+                os.fdatasync(self.index_fd)
+            except OSError:
+                # Cut a torn group off so that later appends stay reachable on replay; the
+                # journal keeps the records and writes them first next time.
+                try:
+                    os.ftruncate(self.index_fd, self.index_size)
+                except OSError:
+                    pass
+                raise
+            self.index_size += len(blob)
+            self.stats.index_bytes += len(blob)
+            self.stats.index_commits += 1
+        self._call(self._on_committed, upto)

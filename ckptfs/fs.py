@@ -1,0 +1,524 @@
+"""pyfuse3 Operations: translate FUSE requests into namespace changes, staged writes and reads.
+
+Handlers run on the trio thread, check the request (POSIX errnos), then call into the namespace
+(namespace.py), the staging area (staging.py), the journal/flusher (flusher.py) or the reader
+(reader.py). They never block on disk I/O: writes only copy into staging (or wait for a free
+segment), reads of durable data go through a worker thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+import trio
+
+from ckptfs.flusher import ExtentEntry, Flusher, Journal
+from ckptfs.layout import (NAME_MAX, InodeRec, LinkRec, RenameRec, SetattrRec, SizeRec,
+                           UnlinkRec)
+from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
+from ckptfs.reader import Reader
+from ckptfs.staging import Run, Staging
+
+log = logging.getLogger("ckptfs.fs")
+
+ENTRY_TIMEOUT_S = 300.0
+ATTR_TIMEOUT_S = 300.0
+BLOCK_BYTES = 4096
+XATTR_PREFIX = b"user.ckptfs."
+
+
+def _err(e: int):
+    return pyfuse3.FUSEError(e)
+
+
+class _Handle:
+    __slots__ = ("ino", "inode", "flags")
+
+    def __init__(self, inode: Inode, flags: int) -> None:
+        self.ino = inode.ino
+        self.inode = inode
+        self.flags = flags
+
+
+class CkptOperations(pyfuse3.Operations):
+    enable_writeback_cache = True
+    supports_dot_lookup = True
+
+    def __init__(self, ns: Namespace, staging: Staging, journal: Journal, flusher: Flusher,
+                 reader: Reader, backing: str, info: dict) -> None:
+        super().__init__()
+        self.ns = ns
+        self.staging = staging
+        self.journal = journal
+        self.flusher = flusher
+        self.reader = reader
+        self.backing = backing
+        self.info = info
+        self.handles: dict[int, _Handle] = {}
+        self.next_fh = 1
+        self.bytes_written = 0
+        self.started = time.time()
+        self.fsyncs = 0
+
+    # ------------------------------------------------------------ helpers
+    def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = x.ino
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT_S
+        a.attr_timeout = ATTR_TIMEOUT_S
+        a.st_mode = x.mode
+        a.st_nlink = x.nlink
+        a.st_uid = x.uid
+        a.st_gid = x.gid
+        a.st_rdev = x.rdev
+        a.st_size = x.size
+        a.st_blksize = BLOCK_BYTES
+        a.st_blocks = (x.size + 511) // 512 if x.emap is not None else 0
+        a.st_atime_ns = x.atime_ns
+        a.st_mtime_ns = x.mtime_ns
+        a.st_ctime_ns = x.ctime_ns
+        return a
+
+    def _inode(self, ino: int) -> Inode:
+        x = self.ns.inodes.get(ino)
+        if x is None:
+            raise _err(errno.ENOENT)
+        return x
+
+    def _dir(self, ino: int) -> Inode:
+        x = self._inode(ino)
+        if x.children is None:
+            raise _err(errno.ENOTDIR)
+        return x
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if not name or b"/" in name or name in (b".", b".."):
+            raise _err(errno.EINVAL)
+
+    def _touch_dir(self, d: Inode, now: int) -> None:
+        # Directory mtime/ctime are not journaled separately: replay sets them from the
+        # records' own times (close enough for tools; documented in docs/format.md).
+        d.mtime_ns = d.ctime_ns = now
+
+    def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,
+             target: bytes = b"") -> Inode:
+        parent = self._dir(parent_ino)
+        self._check_name(name)
+        if name in parent.children:
+            raise _err(errno.EEXIST)
+        now = time.time_ns()
+        gid = ctx.gid
+        if parent.mode & stat.S_ISGID:
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        ino = self.ns.new_ino()
+        self.ns.change(InodeRec(ino, parent.ino, name, mode, ctx.uid, gid, rdev, now, now, now,
+                                target))
+        self._touch_dir(parent, now)
+        x = self.ns.inodes[ino]
+        x.lookups += 1
+        return x
+
+    # ------------------------------------------------------------ lookups and attributes
+    async def lookup(self, parent_inode, name, ctx):
+        parent = self._dir(parent_inode)
+        if name == b".":
+            x = parent
+        elif name == b"..":
+            x = self.ns.inodes[parent.parent]
+        else:
+            if len(name) > NAME_MAX:
+                raise _err(errno.ENAMETOOLONG)
+            ino = parent.children.get(name)
+            if ino is None:
+                raise _err(errno.ENOENT)
+            x = self.ns.inodes[ino]
+        x.lookups += 1
+        return self._attr(x)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            x = self.ns.inodes.get(ino)
+            if x is not None:
+                x.lookups -= n
+                self.ns.maybe_forget(x)
+
+    async def getattr(self, inode, ctx):
+        return self._attr(self._inode(inode))
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        x = self._inode(inode)
+        now = time.time_ns()
+        if fields.update_size:
+            if x.emap is None:
+                raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
+            mt = attr.st_mtime_ns if fields.update_mtime else now
+            self.ns.change(SizeRec(x.ino, attr.st_size, mt, now))
+        changed = False
+        mode, uid, gid = x.mode, x.uid, x.gid
+        atime, mtime = x.atime_ns, x.mtime_ns
+        if fields.update_mode:
+            mode = stat.S_IFMT(x.mode) | (attr.st_mode & 0o7777)
+            changed = True
+        if fields.update_uid and attr.st_uid != x.uid:
+            if ctx.uid != 0:
+                raise _err(errno.EPERM)
+            uid = attr.st_uid
+            changed = True
+        if fields.update_gid and attr.st_gid != x.gid:
+            if ctx.uid != 0 and (ctx.uid != x.uid):
+                raise _err(errno.EPERM)
+            gid = attr.st_gid
+            changed = True
+        if (fields.update_uid or fields.update_gid) and not fields.update_mode and ctx.uid != 0:
+            mode &= ~(stat.S_ISUID | stat.S_ISGID)
+        if fields.update_atime:
+            atime = attr.st_atime_ns
+            changed = True
+        if fields.update_mtime:
+            mtime = attr.st_mtime_ns
+            changed = True
+        if changed:
+            self.ns.change(SetattrRec(x.ino, mode, uid, gid, atime, mtime, now))
+        return self._attr(x)
+
+    async def readlink(self, inode, ctx):
+        x = self._inode(inode)
+        if not stat.S_ISLNK(x.mode):
+            raise _err(errno.EINVAL)
+        return x.target
+
+    async def statfs(self, ctx):
+        st = os.statvfs(self.backing)
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = BLOCK_BYTES
+        s.f_frsize = st.f_frsize
+        s.f_blocks = st.f_blocks
+        s.f_bfree = st.f_bfree
+        s.f_bavail = st.f_bavail
+        ninodes = len(self.ns.inodes)
+        s.f_files = ninodes + (1 << 32)
+        s.f_ffree = 1 << 32
+        s.f_favail = 1 << 32
+        s.f_namemax = NAME_MAX
+        return s
+
+    # ------------------------------------------------------------ namespace changes
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+                or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            raise _err(errno.EINVAL)
+        return self._attr(self._new(parent_inode, name, mode & ~ctx.umask, ctx, rdev))
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        mode = stat.S_IFDIR | (mode & ~ctx.umask & 0o7777)
+        return self._attr(self._new(parent_inode, name, mode, ctx))
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        if len(target) > 4096:
+            raise _err(errno.ENAMETOOLONG)
+        return self._attr(self._new(parent_inode, name, stat.S_IFLNK | 0o777, ctx, 0, target))
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
+        x = self._new(parent_inode, name, mode, ctx)
+        fh = self._open_handle(x, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attr(x)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        x = self._inode(inode)
+        if x.is_dir:
+            raise _err(errno.EPERM)
+        parent = self._dir(new_parent_inode)
+        self._check_name(new_name)
+        if new_name in parent.children:
+            raise _err(errno.EEXIST)
+        self.ns.change(LinkRec(x.ino, parent.ino, new_name))
+        now = time.time_ns()
+        x.ctime_ns = now
+        self._touch_dir(parent, now)
+        x.lookups += 1
+        return self._attr(x)
+
+    async def unlink(self, parent_inode, name, ctx):
+        parent = self._dir(parent_inode)
+        x = self.ns.child(parent, name)
+        if x is None:
+            raise _err(errno.ENOENT)
+        if x.is_dir:
+            raise _err(errno.EISDIR)
+        self.ns.change(UnlinkRec(parent.ino, name))
+        now = time.time_ns()
+        x.ctime_ns = now
+        self._touch_dir(parent, now)
+
+    async def rmdir(self, parent_inode, name, ctx):
+        parent = self._dir(parent_inode)
+        x = self.ns.child(parent, name)
+        if x is None:
+            raise _err(errno.ENOENT)
+        if not x.is_dir:
+            raise _err(errno.ENOTDIR)
+        if x.children:
+            raise _err(errno.ENOTEMPTY)
+        self.ns.change(UnlinkRec(parent.ino, name))
+        self._touch_dir(parent, time.time_ns())
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        op = self._dir(parent_inode_old)
+        np_ = self._dir(parent_inode_new)
+        self._check_name(name_new)
+        moving = self.ns.child(op, name_old)
+        if moving is None:
+            raise _err(errno.ENOENT)
+        target = self.ns.child(np_, name_new)
+        if flags & RENAME_NOREPLACE and target is not None:
+            raise _err(errno.EEXIST)
+        if flags & RENAME_EXCHANGE and target is None:
+            raise _err(errno.ENOENT)
+        if moving.is_dir and self.ns.is_ancestor(moving, np_):
+            raise _err(errno.EINVAL)
+        if target is not None and not flags & RENAME_EXCHANGE:
+            if target.ino == moving.ino:
+                return
+            if moving.is_dir and not target.is_dir:
+                raise _err(errno.ENOTDIR)
+            if not moving.is_dir and target.is_dir:
+                raise _err(errno.EISDIR)
+            if target.is_dir and target.children:
+                raise _err(errno.ENOTEMPTY)
+        if (flags & RENAME_EXCHANGE and target.is_dir
+                and self.ns.is_ancestor(target, op)):
+            raise _err(errno.EINVAL)
+        self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
+                                 flags & RENAME_EXCHANGE))
+        now = time.time_ns()
+        moving.ctime_ns = now
+        self._touch_dir(op, now)
+        self._touch_dir(np_, now)
+
+    # ------------------------------------------------------------ files
+    def _open_handle(self, x: Inode, flags: int) -> int:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = _Handle(x, flags)
+        x.opens += 1
+        return fh
+
+    async def open(self, inode, flags, ctx):
+        x = self._inode(inode)
+        if x.emap is None:
+            raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
+        if flags & os.O_TRUNC and x.size:
+            now = time.time_ns()
+            self.ns.change(SizeRec(x.ino, 0, now, now))
+        return pyfuse3.FileInfo(fh=self._open_handle(x, flags), keep_cache=True)
+
+    async def read(self, fh, off, size):
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        x = h.inode
+        if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
+            return b""
+        try:
+            return await self.reader.read(x.emap, off, size, x.size)
+        except OSError as exc:
+            raise _err(exc.errno or errno.EIO) from None
+
+    async def write(self, fh, off, buf):
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        x = h.inode
+        if x.emap is None:
+            raise _err(errno.EBADF)
+        if self.flusher.error is not None and not self.staging.free and self.staging.open is None:
+            raise _err(self.flusher.error.errno or errno.EIO)
+        journal = self.journal
+        emap = x.emap
+
+        def on_piece(seg, dpos, soff, k):
+            foff = off + dpos
+            run = x.tail_run
+            tail = journal.entries[-1][1] if journal.entries else None
+            if (run is not None and run.seg is seg and run.soff + run.length == soff
+                    and x.tail_end == foff and type(tail) is ExtentEntry and tail.run is run):
+                roff = run.length
+                run.length += k
+                last = emap.pieces[-1] if emap.pieces else None
+                if last is not None and last[2] is run and last[0] + last[1] == foff:
+                    last[1] += k
+                else:
+                    emap.insert(foff, k, run, roff)
+            else:
+                run = Run(seg, soff, k)
+                seg.runs.append(run)
+                journal.add(ExtentEntry(x.ino, foff, run))
+                emap.insert(foff, k, run, 0)
+                x.tail_run = run
+            x.tail_end = foff + k
+
+        try:
+            await self.staging.append(buf, on_piece)
+        except OSError as exc:
+            raise _err(exc.errno or errno.EIO) from None
+        end = off + len(buf)
+        if end > x.size:
+            x.size = end
+        x.mtime_ns = x.ctime_ns = time.time_ns()
+        self.bytes_written += len(buf)
+        return len(buf)
+
+    async def flush(self, fh):
+        # close() does not wait for durability (the product's promise); report a pending
+        # flusher error so that the application learns about it at close at the latest.
+        if self.flusher.error is not None:
+            raise _err(self.flusher.error.errno or errno.EIO)
+
+    async def release(self, fh):
+        h = self.handles.pop(fh, None)
+        if h is not None:
+            h.inode.opens -= 1
+            self.ns.maybe_forget(h.inode)
+
+    async def fsync(self, fh, datasync):
+        self.fsyncs += 1
+        await self._barrier()
+
+    async def _barrier(self) -> None:
+        try:
+            await self.flusher.barrier()
+        except OSError as exc:
+            raise _err(exc.errno or errno.EIO) from None
+
+    # ------------------------------------------------------------ directories
+    async def opendir(self, inode, ctx):
+        x = self._dir(inode)
+        fh = self.next_fh
+        self.next_fh += 1
+        # Snapshot of the entries: readdir resumes by index into it (POSIX allows entries
+        # added or removed during a listing to be missed or shown).
+        self.handles[fh] = _Handle(x, 0)
+        self.handles[fh].flags = sorted(x.children.items())
+        return fh
+
+    async def readdir(self, fh, start_id, token):
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        entries = h.flags
+        for i in range(start_id, len(entries)):
+            name, ino = entries[i]
+            x = self.ns.inodes.get(ino)
+            if x is None:
+                continue
+            if not pyfuse3.readdir_reply(token, name, self._attr(x), i + 1):
+                break
+            x.lookups += 1
+
+    async def releasedir(self, fh):
+        self.handles.pop(fh, None)
+
+    async def fsyncdir(self, fh, datasync):
+        self.fsyncs += 1
+        await self._barrier()
+
+    # ------------------------------------------------------------ status (xattrs on the root)
+    def status(self) -> dict:
+        st = self.flusher.stats
+        ninodes, user_bytes = self.ns.totals()
+        return {
+            "pid": os.getpid(),
+            "backing": self.backing,
+            **self.info,
+            "engine": self.flusher.engine_name,
+            "uptime_s": round(time.time() - self.started, 3),
+            "bytes_written": self.bytes_written,
+            "bytes_staged": self.staging.staged_segments() * self.staging.segment_bytes,
+            "staging_bytes": self.staging.capacity_bytes,
+            "segments_flushed": st.segments,
+            "bytes_durable": st.payload_bytes,
+            "log_bytes_written": st.bytes_written,
+            "flush_seconds": round(st.flush_seconds, 3),
+            "flush_gbps": round(st.bytes_written / st.flush_seconds / 1e9, 3)
+            if st.flush_seconds else 0.0,
+            "index_bytes": st.index_bytes,
+            "index_commits": st.index_commits,
+            "data_syncs": st.data_syncs,
+            "segments_in_flight": self.flusher.inflight_segments,
+            "writers_waiting": self.staging.waiting_writers,
+            "uncommitted_changes": len(self.journal.entries),
+            "fsyncs": self.fsyncs,
+            "errors": st.errors,
+            "last_error": st.last_error,
+            "current_error": str(self.flusher.error) if self.flusher.error else "",
+            "inodes": ninodes,
+            "file_bytes": user_bytes,
+            "read_disk_bytes": self.reader.disk_bytes,
+            "read_cache_bytes": self.reader.cached,
+        }
+
+    async def getxattr(self, inode, name, ctx):
+        if inode == ROOT_INO and name == XATTR_PREFIX + b"status":
+            return json.dumps(self.status()).encode()
+        if inode == ROOT_INO and name == XATTR_PREFIX + b"sync":
+            await self._barrier()
+            return b"ok"
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode, ctx):
+        if inode == ROOT_INO:
+            return [XATTR_PREFIX + b"status"]
+        return []
+
+    async def setxattr(self, inode, name, value, ctx):
+        raise _err(errno.ENOTSUP)
+
+    async def removexattr(self, inode, name, ctx):
+        raise _err(errno.ENOTSUP)
+
+
+async def idle_sealer(ops: CkptOperations, idle_s: float) -> None:
+    """Seal a partly filled segment after `idle_s` without writes, and commit namespace-only
+    changes, so that nothing stays volatile for long without a barrier."""
+    staging, journal, flusher = ops.staging, ops.journal, ops.flusher
+    while True:
+        await trio.sleep(min(idle_s, 0.25))
+        if staging.open is not None and trio.current_time() - staging.last_write >= idle_s:
+            staging.seal()
+        elif journal.entries and staging.open is None and flusher.inflight_segments == 0:
+            flusher.kick()
+
+
+def _guard(fn):
+    """An unexpected exception in a handler must not take the daemon (and the mount) down:
+    log it with its traceback and answer EIO."""
+    import functools
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
+
+
+for _name, _fn in list(vars(CkptOperations).items()):
+    if _name in dir(pyfuse3.Operations) and not _name.startswith("_") and callable(_fn):
+        setattr(CkptOperations, _name, _guard(_fn))

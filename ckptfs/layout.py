@@ -1,0 +1,379 @@
+"""The on-disk format: the one place that knows it (docs/format.md describes it for people).
+
+BACKING/
+  ckptfs.json                       format marker and version, written once, atomically
+  writers/<writer-id>/writer.json   who this writer is (host, created)
+  writers/<writer-id>/writer.lock   flock held by the mounted daemon that owns the writer
+  writers/<writer-id>/index.log     16-byte header, then checksummed records
+  writers/<writer-id>/data-NNNNNN.log  4 KiB header block, then segments at aligned offsets
+
+Index record: <u32 body length> <u32 crc32c(type + body)> <u8 type> <body>, little endian.
+Replay applies complete commit groups (records up to a COMMIT record) and stops at the first
+record that is torn, fails its checksum or does not parse: nothing after it was acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from crc32c import crc32c
+
+FORMAT_VERSION = 1
+BACKING_MARKER = "ckptfs.json"
+WRITERS_DIR = "writers"
+INDEX_NAME = "index.log"
+INDEX_MAGIC = b"CKPTIDX\0"
+DATA_MAGIC = b"CKPTDAT\0"
+DATA_HEADER_BYTES = 4096
+INDEX_HEADER = struct.Struct("<8sII")  # magic, version, crc32c(magic + version)
+REC_HEADER = struct.Struct("<IIB")  # body length, crc32c(type + body), type
+MAX_RECORD_BODY = 64 * 1024  # the largest record is a rename with two 255-byte names
+NAME_MAX = 255
+MAX_FILE_BYTES = 1 << 50  # 1 PiB: anything larger in an index is garbage
+
+# Record types.
+R_INODE = 1  # new inode linked into a directory (file, dir, symlink, node)
+R_EXTENT = 2  # file bytes [foff, foff + length) live at data log `log`, offset `loff`
+R_SETATTR = 3  # mode, uid, gid, times
+R_SIZE = 4  # truncate (up or down) to size
+R_RENAME = 5
+R_UNLINK = 6  # unlink or rmdir
+R_COMMIT = 7  # end of a commit group: sequence number, wall time
+R_LINK = 8  # hard link of an existing inode
+
+_INODE = struct.Struct("<QQIIIIqqqH")
+_EXTENT = struct.Struct("<QQIIQI")
+_SETATTR = struct.Struct("<QIIIqqq")
+_SIZE = struct.Struct("<Qqqq")
+_RENAME = struct.Struct("<QQIH")
+_UNLINK = struct.Struct("<Q")
+_COMMIT = struct.Struct("<Qq")
+_LINK = struct.Struct("<QQ")
+
+
+class FormatError(Exception):
+    """The backing directory or an index is not something this version can use."""
+
+
+# ---------------------------------------------------------------- records
+@dataclass(slots=True)
+class InodeRec:
+    ino: int
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    rdev: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    target: bytes = b""
+
+
+@dataclass(slots=True)
+class ExtentRec:
+    ino: int
+    foff: int
+    length: int
+    log: int
+    loff: int
+    crc: int
+
+
+@dataclass(slots=True)
+class SetattrRec:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+@dataclass(slots=True)
+class SizeRec:
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+@dataclass(slots=True)
+class RenameRec:
+    old_parent: int
+    old_name: bytes
+    new_parent: int
+    new_name: bytes
+    flags: int = 0
+
+
+@dataclass(slots=True)
+class UnlinkRec:
+    parent: int
+    name: bytes
+
+
+@dataclass(slots=True)
+class LinkRec:
+    ino: int
+    parent: int
+    name: bytes
+
+
+@dataclass(slots=True)
+class CommitRec:
+    seq: int
+    time_ns: int
+
+
+Record = InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | LinkRec | CommitRec
+
+
+def _frame(rtype: int, body: bytes) -> bytes:
+    crc = crc32c(body, crc32c(bytes((rtype,))))
+    return REC_HEADER.pack(len(body), crc, rtype) + body
+
+
+def encode(rec: Record) -> bytes:
+    """One record, framed and checksummed."""
+    t = type(rec)
+    if t is ExtentRec:
+        return _frame(R_EXTENT, _EXTENT.pack(rec.ino, rec.foff, rec.length, rec.log, rec.loff,
+                                             rec.crc))
+    if t is InodeRec:
+        return _frame(R_INODE, _INODE.pack(rec.ino, rec.parent, rec.mode, rec.uid, rec.gid,
+                                           rec.rdev, rec.atime_ns, rec.mtime_ns, rec.ctime_ns,
+                                           len(rec.name)) + rec.name + rec.target)
+    if t is SetattrRec:
+        return _frame(R_SETATTR, _SETATTR.pack(rec.ino, rec.mode, rec.uid, rec.gid, rec.atime_ns,
+                                               rec.mtime_ns, rec.ctime_ns))
+    if t is SizeRec:
+        return _frame(R_SIZE, _SIZE.pack(rec.ino, rec.size, rec.mtime_ns, rec.ctime_ns))
+    if t is RenameRec:
+        return _frame(R_RENAME, _RENAME.pack(rec.old_parent, rec.new_parent, rec.flags,
+                                             len(rec.old_name)) + rec.old_name + rec.new_name)
+    if t is UnlinkRec:
+        return _frame(R_UNLINK, _UNLINK.pack(rec.parent) + rec.name)
+    if t is LinkRec:
+        return _frame(R_LINK, _LINK.pack(rec.ino, rec.parent) + rec.name)
+    if t is CommitRec:
+        return _frame(R_COMMIT, _COMMIT.pack(rec.seq, rec.time_ns))
+    raise TypeError(f"not an index record: {rec!r}")
+
+
+def check_name(name: bytes) -> bytes:
+    """A directory entry name as POSIX allows it; raises FormatError otherwise."""
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise FormatError(f"invalid entry name {name!r}")
+    if len(name) > NAME_MAX:
+        raise FormatError(f"entry name of {len(name)} bytes (max {NAME_MAX})")
+    return name
+
+
+def decode(rtype: int, body: bytes) -> Record:
+    """Parse one record body; FormatError when it does not make sense."""
+    try:
+        if rtype == R_EXTENT:
+            rec = ExtentRec(*_EXTENT.unpack(body))
+            if rec.foff + rec.length > MAX_FILE_BYTES or rec.loff < DATA_HEADER_BYTES:
+                raise FormatError(f"extent out of range: {rec}")
+            return rec
+        if rtype == R_INODE:
+            fixed = _INODE.size
+            (ino, parent, mode, uid, gid, rdev, at, mt, ct, nlen) = _INODE.unpack_from(body)
+            name = check_name(body[fixed:fixed + nlen])
+            if len(name) != nlen:
+                raise FormatError("truncated name")
+            return InodeRec(ino, parent, name, mode, uid, gid, rdev, at, mt, ct,
+                            body[fixed + nlen:])
+        if rtype == R_SETATTR:
+            return SetattrRec(*_SETATTR.unpack(body))
+        if rtype == R_SIZE:
+            rec = SizeRec(*_SIZE.unpack(body))
+            if not 0 <= rec.size <= MAX_FILE_BYTES:
+                raise FormatError(f"absurd file size {rec.size}")
+            return rec
+        if rtype == R_RENAME:
+            fixed = _RENAME.size
+            op, np_, flags, olen = _RENAME.unpack_from(body)
+            old = check_name(body[fixed:fixed + olen])
+            new = check_name(body[fixed + olen:])
+            return RenameRec(op, old, np_, new, flags)
+        if rtype == R_UNLINK:
+            (parent,) = _UNLINK.unpack_from(body)
+            return UnlinkRec(parent, check_name(body[_UNLINK.size:]))
+        if rtype == R_LINK:
+            ino, parent = _LINK.unpack_from(body)
+            return LinkRec(ino, parent, check_name(body[_LINK.size:]))
+        if rtype == R_COMMIT:
+            return CommitRec(*_COMMIT.unpack(body))
+    except struct.error as exc:
+        raise FormatError(f"record type {rtype} of {len(body)} bytes: {exc}") from None
+    raise FormatError(f"unknown record type {rtype}")
+
+
+def index_header() -> bytes:
+    v = struct.pack("<8sI", INDEX_MAGIC, FORMAT_VERSION)
+    return INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, crc32c(v))
+
+
+@dataclass
+class IndexScan:
+    """What replay found in one index file."""
+
+    groups: list[list[Record]] = field(default_factory=list)  # complete commit groups
+    valid_bytes: int = INDEX_HEADER.size  # where the next record may be appended
+    warnings: list[str] = field(default_factory=list)
+    last_seq: int = 0
+
+
+def read_index(path: str) -> IndexScan:
+    """Read an index file; complete commit groups only, a torn or corrupt tail is reported
+    in `warnings` and excluded. Raises FormatError for a foreign file or a newer version."""
+    with open(path, "rb") as f:
+        data = f.read()
+    scan = IndexScan()
+    if len(data) < INDEX_HEADER.size:
+        if data:
+            scan.warnings.append(f"{path}: index header torn ({len(data)} bytes), treated as empty")
+        scan.valid_bytes = 0
+        return scan
+    magic, version, crc = INDEX_HEADER.unpack_from(data)
+    if magic != INDEX_MAGIC or crc != crc32c(struct.pack("<8sI", magic, version)):
+        raise FormatError(f"{path}: not a ckptfs index (bad magic or header checksum)")
+    if version > FORMAT_VERSION:
+        raise FormatError(f"{path}: index format version {version} is newer than this ckptfs "
+                          f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+    pos = INDEX_HEADER.size
+    group: list[Record] = []
+    end = len(data)
+    while pos < end:
+        if pos + REC_HEADER.size > end:
+            scan.warnings.append(f"{path}: torn record header at byte {pos}, ignored")
+            break
+        blen, crc, rtype = REC_HEADER.unpack_from(data, pos)
+        if blen > MAX_RECORD_BODY or pos + REC_HEADER.size + blen > end:
+            scan.warnings.append(f"{path}: torn or oversized record at byte {pos}, ignored")
+            break
+        body = data[pos + REC_HEADER.size:pos + REC_HEADER.size + blen]
+        if crc32c(body, crc32c(bytes((rtype,)))) != crc:
+            scan.warnings.append(f"{path}: record checksum mismatch at byte {pos}; "
+                                 f"the rest of the index ({end - pos} bytes) is ignored")
+            break
+        try:
+            rec = decode(rtype, body)
+        except FormatError as exc:
+            scan.warnings.append(f"{path}: bad record at byte {pos} ({exc}); rest ignored")
+            break
+        pos += REC_HEADER.size + blen
+        if type(rec) is CommitRec:
+            scan.groups.append(group)
+            group = []
+            scan.valid_bytes = pos
+            scan.last_seq = rec.seq
+        else:
+            group.append(rec)
+    if group:
+        scan.warnings.append(f"{path}: {len(group)} records after the last commit ignored "
+                             "(interrupted commit)")
+    return scan
+
+
+# ---------------------------------------------------------------- directories
+def data_log_name(log: int) -> str:
+    return f"data-{log:06d}.log"
+
+
+def data_log_header(writer: str, log: int) -> bytes:
+    meta = json.dumps({"writer": writer, "log": log, "version": FORMAT_VERSION}).encode()
+    head = DATA_MAGIC + struct.pack("<II", FORMAT_VERSION, len(meta)) + meta
+    return head.ljust(DATA_HEADER_BYTES, b"\0")
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def check_backing(backing: str, create: bool) -> None:
+    """Validate (and with `create`, initialise) a backing directory. Raises FormatError or
+    OSError with a message fit for a one-line error."""
+    if not os.path.exists(backing):
+        raise FormatError(f"backing directory {backing} does not exist")
+    if not os.path.isdir(backing):
+        raise FormatError(f"backing path {backing} is not a directory")
+    marker = os.path.join(backing, BACKING_MARKER)
+    if os.path.exists(marker):
+        try:
+            with open(marker) as f:
+                meta = json.load(f)
+            version = int(meta["version"])
+            fmt = meta["format"]
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            raise FormatError(f"{marker} is unreadable: {exc}") from None
+        if fmt != "ckptfs":
+            raise FormatError(f"{marker} does not describe a ckptfs backing directory")
+        if version > FORMAT_VERSION:
+            raise FormatError(f"{backing} has format version {version}, newer than this ckptfs "
+                              f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+        return
+    if not create:
+        if os.path.isdir(os.path.join(backing, WRITERS_DIR)):
+            return
+        raise FormatError(f"{backing} is not a ckptfs backing directory (no {BACKING_MARKER})")
+    if not os.access(backing, os.W_OK | os.X_OK):
+        raise FormatError(f"backing directory {backing} is not writable")
+    os.makedirs(os.path.join(backing, WRITERS_DIR), mode=0o700, exist_ok=True)
+    write_atomic(marker, json.dumps({"format": "ckptfs", "version": FORMAT_VERSION,
+                                     "created": time.time(),
+                                     "host": socket.gethostname()}).encode() + b"\n", 0o644)
+
+
+def default_writer_id() -> str:
+    return safe_writer_id(socket.gethostname() or "localhost")
+
+
+def safe_writer_id(name: str) -> str:
+    ok = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    if not ok or ok in (".", "..") or len(ok) > 128:
+        raise FormatError(f"invalid writer id {name!r}")
+    return ok
+
+
+def writer_dirs(backing: str) -> list[str]:
+    root = os.path.join(backing, WRITERS_DIR)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+
+def data_logs(writer_dir: str) -> dict[int, str]:
+    out = {}
+    for name in os.listdir(writer_dir):
+        if name.startswith("data-") and name.endswith(".log"):
+            try:
+                out[int(name[5:-4])] = os.path.join(writer_dir, name)
+            except ValueError:
+                continue
+    return out
+

@@ -1,0 +1,263 @@
+"""Inodes, directories and attributes, and the one function that changes them: `apply`.
+
+Every namespace change is an index record (layout.py). At run time a FUSE handler checks the
+request, builds the record and calls `Namespace.change(rec)`, which applies it and hands it to
+the journal; on mount, replay calls `apply` with the records read from the index. So the live
+tree and the replayed tree are built by the same code.
+
+Owned by the trio thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from typing import Callable
+
+from ckptfs.layout import (ExtentRec, FormatError, InodeRec, LinkRec, Record, RenameRec,
+                           SetattrRec, SizeRec, UnlinkRec)
+from ckptfs.staging import ExtentMap, Run
+
+ROOT_INO = 1
+
+
+class Inode:
+    __slots__ = ("ino", "mode", "uid", "gid", "rdev", "nlink", "size", "atime_ns", "mtime_ns",
+                 "ctime_ns", "target", "children", "parent", "emap", "lookups", "opens",
+                 "tail_run", "tail_end")
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, rdev: int = 0,
+                 atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0, target: bytes = b""):
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.rdev = rdev
+        self.nlink = 0
+        self.size = len(target) if stat.S_ISLNK(mode) else 0
+        self.atime_ns = atime_ns
+        self.mtime_ns = mtime_ns
+        self.ctime_ns = ctime_ns
+        self.target = target
+        self.children: dict[bytes, int] | None = {} if stat.S_ISDIR(mode) else None
+        self.parent = 0
+        self.emap = ExtentMap() if stat.S_ISREG(mode) else None
+        self.lookups = 0
+        self.opens = 0
+        # The run that the next sequential write may extend (see Namespace.write_piece).
+        self.tail_run: Run | None = None
+        self.tail_end = -1
+
+    @property
+    def is_dir(self) -> bool:
+        return self.children is not None
+
+
+class Namespace:
+    """The tree. `journal_hook(rec)` receives every change made through `change()`."""
+
+    def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
+                 gid: int = 0, now_ns: int | None = None) -> None:
+        now = time.time_ns() if now_ns is None else now_ns
+        root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 0, now, now, now)
+        root.nlink = 2
+        root.parent = ROOT_INO
+        self.inodes: dict[int, Inode] = {ROOT_INO: root}
+        self.next_ino = ROOT_INO + 1
+        self.journal_hook = journal_hook
+
+    # ------------------------------------------------------------ lookups
+    def get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise OSError(errno.ENOENT, "no such inode") from None
+
+    def child(self, parent: Inode, name: bytes) -> Inode | None:
+        if parent.children is None:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        ino = parent.children.get(name)
+        return None if ino is None else self.inodes[ino]
+
+    def new_ino(self) -> int:
+        ino = self.next_ino
+        self.next_ino += 1
+        return ino
+
+    def is_ancestor(self, a: Inode, b: Inode) -> bool:
+        """True when directory `a` is `b` or one of b's ancestors."""
+        x = b
+        while True:
+            if x.ino == a.ino:
+                return True
+            if x.ino == ROOT_INO:
+                return False
+            x = self.inodes[x.parent]
+
+    def path_of(self, ino: int) -> str:
+        parts = []
+        x = self.inodes.get(ino)
+        while x is not None and x.ino != ROOT_INO:
+            parent = self.inodes.get(x.parent)
+            if parent is None or parent.children is None:
+                break
+            name = next((n for n, i in parent.children.items() if i == x.ino), None)
+            if name is None:
+                break
+            parts.append(name.decode(errors="surrogateescape"))
+            x = parent
+        return "/" + "/".join(reversed(parts))
+
+    # ------------------------------------------------------------ changes
+    def change(self, rec: Record) -> None:
+        self.apply(rec)
+        if self.journal_hook is not None:
+            self.journal_hook(rec)
+
+    def apply(self, rec: Record) -> None:
+        """Apply one record. Raises FormatError when the record does not fit the tree (only a
+        damaged or hostile index does that; run-time handlers check before they change)."""
+        t = type(rec)
+        if t is ExtentRec:
+            ino = self._file(rec.ino)
+            run = Run(None, 0, rec.length, rec.log, rec.loff, rec.crc)
+            ino.emap.insert(rec.foff, rec.length, run, 0)
+            if rec.foff + rec.length > ino.size:
+                ino.size = rec.foff + rec.length
+        elif t is InodeRec:
+            self._apply_inode(rec)
+        elif t is SetattrRec:
+            ino = self._ino(rec.ino)
+            ino.mode = stat.S_IFMT(ino.mode) | (rec.mode & 0o7777)
+            ino.uid, ino.gid = rec.uid, rec.gid
+            ino.atime_ns, ino.mtime_ns, ino.ctime_ns = rec.atime_ns, rec.mtime_ns, rec.ctime_ns
+        elif t is SizeRec:
+            ino = self._file(rec.ino)
+            ino.emap.truncate(rec.size)
+            ino.size = rec.size
+            ino.mtime_ns, ino.ctime_ns = rec.mtime_ns, rec.ctime_ns
+            ino.tail_run = None
+        elif t is UnlinkRec:
+            parent = self._dir(rec.parent)
+            if rec.name not in parent.children:
+                raise FormatError(f"unlink of missing entry {rec.name!r}")
+            victim = self.inodes[parent.children[rec.name]]
+            if victim.is_dir and victim.children:
+                raise FormatError(f"rmdir of non-empty directory {rec.name!r}")
+            self._unlink(parent, rec.name)
+        elif t is RenameRec:
+            self._apply_rename(rec)
+        elif t is LinkRec:
+            ino = self._ino(rec.ino)
+            parent = self._dir(rec.parent)
+            if ino.is_dir or rec.name in parent.children:
+                raise FormatError(f"bad link {rec.name!r}")
+            parent.children[rec.name] = ino.ino
+            ino.nlink += 1
+        else:
+            raise FormatError(f"unexpected record {rec!r}")
+
+    def _ino(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FormatError(f"record names unknown inode {ino}") from None
+
+    def _file(self, ino: int) -> Inode:
+        x = self._ino(ino)
+        if x.emap is None:
+            raise FormatError(f"inode {ino} is not a regular file")
+        return x
+
+    def _dir(self, ino: int) -> Inode:
+        x = self._ino(ino)
+        if x.children is None:
+            raise FormatError(f"inode {ino} is not a directory")
+        return x
+
+    def _apply_inode(self, rec: InodeRec) -> None:
+        parent = self._dir(rec.parent)
+        if rec.ino in self.inodes or rec.ino <= ROOT_INO:
+            raise FormatError(f"inode {rec.ino} created twice")
+        if rec.name in parent.children:
+            raise FormatError(f"entry {rec.name!r} created twice")
+        fmt = stat.S_IFMT(rec.mode)
+        if fmt not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+                       stat.S_IFCHR, stat.S_IFBLK):
+            raise FormatError(f"bad file type in mode {rec.mode:o}")
+        if len(rec.target) > 4096:
+            raise FormatError("symlink target too long")
+        x = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.rdev, rec.atime_ns, rec.mtime_ns,
+                  rec.ctime_ns, rec.target)
+        self.inodes[rec.ino] = x
+        parent.children[rec.name] = rec.ino
+        if x.is_dir:
+            x.nlink = 2
+            x.parent = parent.ino
+            parent.nlink += 1
+        else:
+            x.nlink = 1
+        if rec.ino >= self.next_ino:
+            self.next_ino = rec.ino + 1
+
+    def _unlink(self, parent: Inode, name: bytes) -> None:
+        victim = self.inodes[parent.children.pop(name)]
+        if victim.is_dir:
+            victim.nlink = 0
+            parent.nlink -= 1
+        else:
+            victim.nlink -= 1
+        self.maybe_forget(victim)
+
+    def _apply_rename(self, rec: RenameRec) -> None:
+        op = self._dir(rec.old_parent)
+        np_ = self._dir(rec.new_parent)
+        if rec.old_name not in op.children:
+            raise FormatError(f"rename of missing entry {rec.old_name!r}")
+        moving = self.inodes[op.children[rec.old_name]]
+        if moving.is_dir and self.is_ancestor(moving, np_):
+            raise FormatError("rename of a directory into itself")
+        target_ino = np_.children.get(rec.new_name)
+        if target_ino == moving.ino:
+            return
+        if rec.flags & RENAME_EXCHANGE:
+            if target_ino is None:
+                raise FormatError("exchange with a missing entry")
+            other = self.inodes[target_ino]
+            op.children[rec.old_name] = other.ino
+            np_.children[rec.new_name] = moving.ino
+            self._reparent(other, np_, op)
+            self._reparent(moving, op, np_)
+            return
+        if target_ino is not None:
+            target = self.inodes[target_ino]
+            if target.is_dir and target.children:
+                raise FormatError("rename over a non-empty directory")
+            self._unlink(np_, rec.new_name)
+        del op.children[rec.old_name]
+        np_.children[rec.new_name] = moving.ino
+        self._reparent(moving, op, np_)
+
+    @staticmethod
+    def _reparent(x: Inode, old: Inode, new: Inode) -> None:
+        if x.is_dir and old.ino != new.ino:
+            x.parent = new.ino
+            old.nlink -= 1
+            new.nlink += 1
+
+    def maybe_forget(self, x: Inode) -> None:
+        """Drop an inode that no directory, kernel reference or open handle holds any more."""
+        if x.nlink <= 0 and x.lookups <= 0 and x.opens <= 0 and x.ino != ROOT_INO:
+            self.inodes.pop(x.ino, None)
+            x.emap = None
+            x.tail_run = None
+
+    # ------------------------------------------------------------ statistics
+    def totals(self) -> tuple[int, int]:
+        """(number of inodes, bytes of file data the user sees)."""
+        return len(self.inodes), sum(x.size for x in self.inodes.values() if x.emap is not None)
+
+
+RENAME_EXCHANGE = 2
+RENAME_NOREPLACE = 1

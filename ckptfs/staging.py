@@ -1,0 +1,254 @@
+"""The aggregation: aligned in-memory segments, data runs and per-file extent maps.
+
+Everything here is owned by the trio thread, except that the flusher thread reads sealed
+segments' memory and fills in a run's checksum and log location (plain attribute writes) before
+it reports the segment durable.
+
+- A `Segment` wraps one buffer of the fixed, pre-faulted pool while it fills and drains.
+- A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
+  EXTENT record in a data log). Consecutive writes that continue a file extend its run, so a
+  file written front to back costs one index record per segment it touches.
+- An `ExtentMap` maps a file's byte ranges to pieces of runs; newer writes clip older pieces.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Callable
+
+import trio
+
+from ckptfs.io import alloc_aligned
+
+
+class Segment:
+    """One fill of a pool buffer. Lives on (tiny, without its buffer) while runs point at it."""
+
+    __slots__ = ("buf", "view", "used", "runs", "log", "loff", "sealed", "durable", "number")
+
+    def __init__(self, buf, number: int) -> None:
+        self.buf = buf
+        self.view = memoryview(buf)
+        self.used = 0
+        self.runs: list[Run] = []
+        self.log = -1
+        self.loff = -1
+        self.sealed = False
+        self.durable = False
+        self.number = number
+
+
+class Run:
+    """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
+    data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (set at flush)."""
+
+    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified")
+
+    def __init__(self, seg: Segment | None, soff: int, length: int, log: int = -1, loff: int = -1,
+                 crc: int = 0, verified: bool = False) -> None:
+        self.seg = seg
+        self.soff = soff
+        self.length = length
+        self.log = log
+        self.loff = loff
+        self.crc = crc
+        self.verified = verified
+
+    def memory(self) -> memoryview | None:
+        """The run's bytes while they are still in staging memory, else None."""
+        seg = self.seg
+        if seg is not None and seg.buf is not None:
+            return seg.view[self.soff:self.soff + self.length]
+        return None
+
+
+class ExtentMap:
+    """Sorted, non-overlapping pieces [start, length, run, offset-in-run] of one file."""
+
+    __slots__ = ("starts", "pieces")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.pieces: list[list] = []
+
+    def end(self) -> int:
+        if not self.pieces:
+            return 0
+        p = self.pieces[-1]
+        return p[0] + p[1]
+
+    def insert(self, start: int, length: int, run: Run, roff: int) -> None:
+        """Newest wins: clip whatever older pieces overlap [start, start+length)."""
+        if not self.pieces or start >= self.end():
+            self.starts.append(start)
+            self.pieces.append([start, length, run, roff])
+            return
+        self.punch(start, start + length)
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.pieces.insert(i, [start, length, run, roff])
+
+    def punch(self, lo: int, hi: int) -> None:
+        """Remove the bytes [lo, hi) from the map (the range reads as zeros afterwards)."""
+        starts, pieces = self.starts, self.pieces
+        i = bisect.bisect_right(starts, lo) - 1
+        if i < 0:
+            i = 0
+        out_s: list[int] = []
+        out_p: list[list] = []
+        j = i
+        while j < len(pieces) and pieces[j][0] < hi:
+            s, n, run, roff = pieces[j]
+            e = s + n
+            if e <= lo:
+                out_s.append(s)
+                out_p.append(pieces[j])
+            else:
+                if s < lo:
+                    out_s.append(s)
+                    out_p.append([s, lo - s, run, roff])
+                if e > hi:
+                    out_s.append(hi)
+                    out_p.append([hi, e - hi, run, roff + (hi - s)])
+            j += 1
+        starts[i:j] = out_s
+        pieces[i:j] = out_p
+
+    def truncate(self, size: int) -> None:
+        end = self.end()
+        if size < end:
+            self.punch(size, end)
+
+    def find(self, lo: int, hi: int) -> list[list]:
+        """Pieces overlapping [lo, hi), clipped to it, in file order."""
+        starts, pieces = self.starts, self.pieces
+        i = bisect.bisect_right(starts, lo) - 1
+        if i < 0:
+            i = 0
+        out = []
+        while i < len(pieces):
+            s, n, run, roff = pieces[i]
+            if s >= hi:
+                break
+            e = s + n
+            if e > lo:
+                cs, ce = max(s, lo), min(e, hi)
+                out.append([cs, ce - cs, run, roff + (cs - s)])
+            i += 1
+        return out
+
+    def runs(self) -> list[Run]:
+        seen: dict[int, Run] = {}
+        for p in self.pieces:
+            seen.setdefault(id(p[2]), p[2])
+        return list(seen.values())
+
+    def stored_bytes(self) -> int:
+        return sum(p[1] for p in self.pieces)
+
+
+class Staging:
+    """The bounded pool of aligned segment buffers and the currently open segment.
+
+    `append` copies a write into the open segment and returns the runs it landed in; when the
+    pool is empty it waits (backpressure) until the flusher returns a buffer. `seal_hook` is
+    called with each segment that fills up or is sealed explicitly.
+    """
+
+    def __init__(self, segment_bytes: int, staging_bytes: int, seal_hook: Callable[[Segment], None],
+                 populate: bool = True) -> None:
+        if segment_bytes % 4096:
+            raise ValueError("segment size must be a multiple of 4096")
+        count = max(2, staging_bytes // segment_bytes)
+        self.segment_bytes = segment_bytes
+        self.buffers = [alloc_aligned(segment_bytes, populate=populate) for _ in range(count)]
+        self.free: deque = deque(self.buffers)
+        self.free_event = trio.Event()
+        self.open: Segment | None = None
+        self.seal_hook = seal_hook
+        self.numbers = 0
+        self.last_write = trio.current_time() if _in_trio() else 0.0
+        self.waiting_writers = 0
+        self.error: OSError | None = None  # set while the flusher cannot make progress
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self.buffers) * self.segment_bytes
+
+    def staged_segments(self) -> int:
+        return len(self.buffers) - len(self.free)
+
+    async def _open_segment(self) -> Segment:
+        while not self.free:
+            if self.error is not None:
+                raise self.error
+            self.waiting_writers += 1
+            try:
+                await self.free_event.wait()
+            finally:
+                self.waiting_writers -= 1
+            self.free_event = trio.Event() if not self.free else self.free_event
+        self.numbers += 1
+        self.open = Segment(self.free.popleft(), self.numbers)
+        return self.open
+
+    def release(self, seg: Segment) -> None:
+        """The flusher is done with `seg`: its buffer goes back to the pool."""
+        buf = seg.buf
+        seg.buf = None
+        seg.view.release()
+        self.free.append(buf)
+        self.free_event.set()
+
+    def seal(self) -> Segment | None:
+        seg = self.open
+        if seg is None or seg.used == 0:
+            return None
+        self.open = None
+        seg.sealed = True
+        self.seal_hook(seg)
+        return seg
+
+    async def append(self, data, on_piece: Callable[[Segment, int, int, int], None]) -> None:
+        """Copy `data` into staging. For each piece call on_piece(segment, data offset,
+        segment offset, length) right after it is copied (before any other task runs)."""
+        mv = memoryview(data)
+        n = len(mv)
+        pos = 0
+        while pos < n:
+            seg = self.open
+            if seg is None:
+                seg = await self._open_segment()
+            room = self.segment_bytes - seg.used
+            k = room if room < n - pos else n - pos
+            soff = seg.used
+            seg.view[soff:soff + k] = mv[pos:pos + k]
+            seg.used = soff + k
+            on_piece(seg, pos, soff, k)
+            pos += k
+            if seg.used == self.segment_bytes:
+                self.seal()
+        self.last_write = trio.current_time()
+
+    def close(self) -> None:
+        for b in self.buffers:
+            try:
+                b.close()
+            except BufferError:
+                pass  # a memoryview still points at it; the mapping goes with the process
+        self.buffers = []
+        self.free.clear()
+
+
+def _in_trio() -> bool:
+    try:
+        trio.lowlevel.current_task()
+        return True
+    except RuntimeError:
+        return False
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
