@@ -1,0 +1,75 @@
+"""Shared fixtures. Mount work always has a timeout (pytest-timeout, see pyproject) and every
+mount is unmounted in teardown, `fusermount3 -uz` and SIGKILL by PID as the last resort."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from ckptfs import api
+
+
+class Mounts:
+    """Factory for real ckptfs mounts; tracks them so teardown can clean up."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp = tmp_path
+        self.live: list[api.Mount] = []
+        self.n = 0
+
+    def backing(self, name: str = "backing") -> str:
+        path = os.path.join(self.tmp, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def mount(self, backing: str | None = None, mountpoint: str | None = None,
+              **options) -> api.Mount:
+        self.n += 1
+        backing = backing or self.backing()
+        mountpoint = mountpoint or os.path.join(self.tmp, f"mnt{self.n}")
+        os.makedirs(mountpoint, exist_ok=True)
+        options.setdefault("staging_size", "64M")
+        options.setdefault("segment_size", "4M")
+        options.setdefault("read_cache", "64M")
+        options.setdefault("no_populate", True)
+        log_file = os.path.join(self.tmp, f"daemon{self.n}.log")
+        m = api.Mount(backing, mountpoint, log_file=log_file, **options)
+        m.start()
+        self.live.append(m)
+        return m
+
+    def log(self, m: api.Mount) -> str:
+        with open(m.log_file, errors="replace") as f:
+            return f.read()
+
+    def cleanup(self) -> None:
+        for m in self.live:
+            if m.proc is not None:
+                try:
+                    m.stop()
+                except Exception:
+                    pass
+            if m.proc is not None:
+                try:
+                    os.kill(m.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if api.is_mounted(m.mountpoint):
+                api.fusermount(m.mountpoint, lazy=True)
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    ms = Mounts(tmp_path)
+    try:
+        yield ms
+    finally:
+        ms.cleanup()
+
+
+@pytest.fixture
+def mnt(mounts):
+    """One mounted ckptfs over a fresh backing directory: the Mount object."""
+    return mounts.mount()
