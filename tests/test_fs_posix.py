@@ -369,3 +369,35 @@ def test_error_codes(mounts):
     assert open(os.path.join(mp, "emptyd"), "rb").read() == b"f"
     assert os.path.isdir(os.path.join(mp, "file"))
     assert open(os.path.join(mp, "newname"), "rb").read() == b"g"
+
+
+@pytest.mark.xfail(strict=True, reason="bug: SETATTR/WRITE on an unlinked inode are journaled after "
+                   "its UNLINK record; replay skips them with 'record skipped: record names "
+                   "unknown inode N' warnings")
+@pytest.mark.parametrize("how", ["unlink", "rename_over", "write_after_unlink"])
+def test_unlink_and_rename_over_leave_clean_index(mounts, how):
+    """Deleting a file (rm, or the rotation pattern: write tmp, rename over the old file) must
+    leave an index that replays without warnings."""
+    m = mounts.mount()
+    f = os.path.join(m.mountpoint, "ckpt")
+    with open(f, "wb") as fh:
+        fh.write(b"old" * 100)
+    if how == "unlink":
+        os.unlink(f)
+    elif how == "rename_over":
+        with open(f + ".tmp", "wb") as fh:
+            fh.write(b"new")
+        os.rename(f + ".tmp", f)
+    else:
+        with open(f, "r+b") as fh:
+            os.unlink(f)
+            fh.write(b"still open")
+    assert m.stop() == 0
+    m2 = mounts.mount(backing=m.backing)
+    if how == "rename_over":
+        assert open(os.path.join(m2.mountpoint, "ckpt"), "rb").read() == b"new"
+    else:
+        assert os.listdir(m2.mountpoint) == []
+    log = mounts.log(m2)
+    assert "record skipped" not in log, log
+    assert m2.status()["replay_warnings"] == 0
