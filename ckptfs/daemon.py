@@ -48,6 +48,7 @@ class MountConfig:
     read_cache_bytes: int = 256 * MiB
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
+    readahead_kb: int = 4096
     allow_other: bool = False
     debug: bool = False
     populate: bool = True
@@ -194,8 +195,9 @@ def prepare(cfg: MountConfig) -> dict:
     if not os.access(cfg.backing, os.W_OK | os.X_OK):
         raise MountError(f"backing directory {cfg.backing} is not writable")
     check_mountpoint(cfg.mountpoint)
-    if os.path.realpath(cfg.mountpoint) == os.path.realpath(cfg.backing):
-        raise MountError("backing directory and mount point must differ")
+    rb, rm = os.path.realpath(cfg.backing), os.path.realpath(cfg.mountpoint)
+    if rb == rm or rb.startswith(rm + os.sep):
+        raise MountError("the backing directory must not be the mount point or inside it")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing (load the fuse module)")
     try:
@@ -286,6 +288,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
              flusher.engine_name, info["io_mode"], cfg.queue_depth,
              len(staging.buffers), cfg.segment_bytes // MiB)
 
+    real_mountpoint = os.path.realpath(cfg.mountpoint)
     options = set(pyfuse3.default_options)
     options |= {"fsname=ckptfs", "subtype=ckptfs"}
     if cfg.allow_other:
@@ -305,6 +308,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
             nursery.start_soon(_signals, nursery)
+            nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
             await pyfuse3.main()
@@ -323,6 +327,44 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
         staging.close()
         os.close(index_fd)
     return status
+
+
+def mount_device(mountpoint: str) -> str | None:
+    """'major:minor' of the file system mounted at `mountpoint` (a path resolved BEFORE the
+    mount: resolving it now would send a FUSE request to ourselves and deadlock)."""
+    real = mountpoint
+    dev = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if parts[4].replace("\\040", " ") == real:
+                    dev = parts[2]
+        return dev
+    except (OSError, IndexError):
+        return None
+
+
+def tune_readahead(mountpoint: str, readahead_kb: int) -> None:
+    """Larger kernel readahead on the mount: sequential readers (torch.load) then arrive as
+    1 MiB READs instead of 128 KiB ones (8x fewer requests). Needs root; skipped otherwise."""
+    dev = mount_device(mountpoint)
+    if dev is None or readahead_kb <= 0:
+        return
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(f"{readahead_kb}\n")
+        log.info("readahead of %s set to %d KiB", mountpoint, readahead_kb)
+    except OSError as exc:
+        log.info("readahead of %s left at the default (%s)", mountpoint, exc.strerror)
+
+
+async def _tune_later(mountpoint: str, readahead_kb: int) -> None:
+    # The kernel sets the mount's readahead when it processes the FUSE INIT reply, which
+    # happens once pyfuse3.main() runs: tune after that, or the kernel overwrites it.
+    await trio.sleep(0.2)
+    tune_readahead(mountpoint, readahead_kb)
 
 
 async def _signals(nursery) -> None:

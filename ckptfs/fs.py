@@ -63,6 +63,8 @@ class CkptOperations(pyfuse3.Operations):
         self.handles: dict[int, _Handle] = {}
         self.next_fh = 1
         self.bytes_written = 0
+        self.write_requests = 0
+        self.read_requests = 0
         self.started = time.time()
         self.fsyncs = 0
 
@@ -330,6 +332,7 @@ class CkptOperations(pyfuse3.Operations):
         if h is None:
             raise _err(errno.EBADF)
         x = h.inode
+        self.read_requests += 1
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
             return b""
         try:
@@ -379,6 +382,7 @@ class CkptOperations(pyfuse3.Operations):
             x.size = end
         x.mtime_ns = x.ctime_ns = time.time_ns()
         self.bytes_written += len(buf)
+        self.write_requests += 1
         return len(buf)
 
     async def flush(self, fh):
@@ -446,6 +450,8 @@ class CkptOperations(pyfuse3.Operations):
             "engine": self.flusher.engine_name,
             "uptime_s": round(time.time() - self.started, 3),
             "bytes_written": self.bytes_written,
+            "write_requests": self.write_requests,
+            "read_requests": self.read_requests,
             "bytes_staged": self.staging.staged_segments() * self.staging.segment_bytes,
             "staging_bytes": self.staging.capacity_bytes,
             "segments_flushed": st.segments,

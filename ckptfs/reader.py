@@ -91,7 +91,7 @@ class Reader:
                     out[s - off:s - off + n] = src[roff:roff + n]
             if not missing:
                 return bytes(out)
-            await self._load(emap, missing)
+            await self._load(emap, missing, off)
 
     def _source(self, run: Run) -> memoryview | None:
         mv = run.memory()
@@ -102,17 +102,19 @@ class Reader:
             self.cache.move_to_end(run)
         return mv
 
-    async def _load(self, emap: ExtentMap, missing: list[Run]) -> None:
+    async def _load(self, emap: ExtentMap, missing: list[Run], off: int) -> None:
         for run in missing:
             if run in self.bad:
                 raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
         want: dict[Run, None] = dict.fromkeys(missing)
+        # Prefetch: the runs that follow in the file (sequential readers read on).
         budget = self.prefetch_bytes - sum(r.length for r in want)
         if budget > 0:
-            for run in emap.runs():
+            for _, _, run, _ in emap.find(off, off + self.prefetch_bytes):
                 if budget <= 0:
                     break
-                if run not in want and run.memory() is None and run not in self.cache:
+                if (run not in want and run.memory() is None and run not in self.cache
+                        and run not in self.loading):
                     want[run] = None
                     budget -= run.length
         wait = [self.loading[r] for r in want if r in self.loading]
