@@ -368,7 +368,8 @@ class CkptOperations(pyfuse3.Operations):
             else:
                 run = Run(seg, soff, k)
                 seg.runs.append(run)
-                journal.add(ExtentEntry(x.ino, foff, run))
+                if x.nlink > 0:  # an unlinked, still open file needs no index record
+                    journal.add(ExtentEntry(x.ino, foff, run))
                 emap.insert(foff, k, run, 0)
                 x.tail_run = run
             x.tail_end = foff + k

@@ -112,8 +112,16 @@ class Namespace:
     # ------------------------------------------------------------ changes
     def change(self, rec: Record) -> None:
         self.apply(rec)
-        if self.journal_hook is not None:
+        if self.journal_hook is not None and not self._orphaned(rec):
             self.journal_hook(rec)
+
+    def _orphaned(self, rec: Record) -> bool:
+        """Changes to an unlinked (but still open) file need no record: no name reaches it
+        after a remount."""
+        if type(rec) in (SetattrRec, SizeRec):
+            x = self.inodes.get(rec.ino)
+            return x is None or x.nlink <= 0
+        return False
 
     def apply(self, rec: Record) -> None:
         """Apply one record. Raises FormatError when the record does not fit the tree (only a

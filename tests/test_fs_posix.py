@@ -371,9 +371,6 @@ def test_error_codes(mounts):
     assert open(os.path.join(mp, "newname"), "rb").read() == b"g"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: SETATTR/WRITE on an unlinked inode are journaled after "
-                   "its UNLINK record; replay skips them with 'record skipped: record names "
-                   "unknown inode N' warnings")
 @pytest.mark.parametrize("how", ["unlink", "rename_over", "write_after_unlink"])
 def test_unlink_and_rename_over_leave_clean_index(mounts, how):
     """Deleting a file (rm, or the rotation pattern: write tmp, rename over the old file) must
