@@ -270,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true", help="repeat every --interval seconds")
     p.add_argument("--interval", type=float, default=1.0)
+    p = sub.add_parser("ls", help="list the virtual tree of a backing directory, unmounted",
+                       epilog="example: ckptfs ls -lR /lustre/proj/run42 step_1000")
+    p.add_argument("backing")
+    p.add_argument("path", nargs="?", default="/")
+    p.add_argument("-l", "--long", action="store_true", help="mode, owner, size, mtime")
+    p.add_argument("-R", "--recursive", action="store_true")
+    p.add_argument("--writer", default=None, help="writer id (when there are several)")
+    p = sub.add_parser("verify", help="check every checksum; exit 1 and name damaged files",
+                       epilog="example: ckptfs verify /lustre/proj/run42")
+    p.add_argument("backing")
+    p.add_argument("--writer", default=None, help="writer id (when there are several)")
     p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
                        epilog="example: ckptfs demo --size 512M")
     p.add_argument("--size", type=parse_size, default="1G", help="model state size")
@@ -278,11 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
-                "demo": _demo}
+                "demo": _demo, "ls": _offline, "verify": _offline}
     if a.command is None:
         parser.print_help()
         return 2
     return handlers[a.command](a)
+
+
+def _offline(a) -> int:
+    from ckptfs import offline
+    from ckptfs.layout import FormatError
+
+    try:
+        return offline.cmd_ls(a) if a.command == "ls" else offline.cmd_verify(a)
+    except (FormatError, OSError) as exc:
+        return _fail(str(exc))
 
 
 def _bench(argv: list[str]) -> int:
