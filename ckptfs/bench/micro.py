@@ -792,7 +792,7 @@ def write_plots(outdir: str, results: list[dict], title_suffix: str = "") -> lis
         ax.set_yticklabels(names, fontsize=8)
         ax.set_xlabel("durable write throughput, GB/s (median; bars: min..max)")
         ax.set_title(f"ckptfs bench micro: {dim}{title_suffix}", fontsize=10)
-        ax.set_xlim(0, max(vals + [0.1]) * 1.18)
+        ax.set_xlim(0, max(vals + [r.get("gbps_max") or 0 for r in rs] + [0.1]) * 1.12)
         fig.tight_layout()
         p = os.path.join(outdir, f"micro-{dim}.png")
         fig.savefig(p, dpi=100)
