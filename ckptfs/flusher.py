@@ -18,6 +18,7 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -36,6 +37,7 @@ from ckptfs.staging import Run, Segment, Staging, round_up
 log = logging.getLogger("ckptfs.flusher")
 
 RETRY_S = 1.0
+PREALLOC_BYTES = 256 << 20
 _COMMIT = "commit"
 _STOP = "stop"
 
@@ -148,6 +150,7 @@ class Flusher:
         self._log = -1
         self._log_fd = -1
         self._log_off = 0
+        self._log_alloc = 0
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -235,8 +238,7 @@ class Flusher:
             self._loop()
         finally:
             self.engine.close()
-            if self._log_fd >= 0:
-                os.close(self._log_fd)
+            self._close_log()
 
     def _loop(self) -> None:
         pending: list[Segment] = []
@@ -286,9 +288,7 @@ class Flusher:
                 return
 
     def _open_log(self) -> None:
-        if self._log_fd >= 0:
-            os.close(self._log_fd)
-            self._log_fd = -1
+        self._close_log()
         number = self.next_log
         path = os.path.join(self.writer_dir, layout.data_log_name(number))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -312,10 +312,40 @@ class Flusher:
             raise
         self.next_log = number + 1
         self._log, self._log_fd, self._log_off = number, fd, layout.DATA_HEADER_BYTES
+        self._log_alloc = layout.DATA_HEADER_BYTES
+
+    def _close_log(self) -> None:
+        """Give back the preallocated tail of the current data log and close it."""
+        if self._log_fd < 0:
+            return
+        try:
+            if self._log_alloc > self._log_off:
+                os.ftruncate(self._log_fd, self._log_off)
+        except OSError as exc:
+            log.warning("could not trim data log %d: %s", self._log, exc)
+        os.close(self._log_fd)
+        self._log_fd = -1
+
+    def _preallocate(self, end: int) -> None:
+        """Allocate the data log ahead of the write position: extending O_DIRECT writes are
+        serialised by ext4 (and cost a metadata update each), writes inside the file are not.
+        ENOSPC here surfaces the full disk before any data is written."""
+        if end <= self._log_alloc:
+            return
+        new = min(max(end, self._log_alloc + PREALLOC_BYTES), self.log_bytes)
+        try:
+            os.posix_fallocate(self._log_fd, self._log_alloc, new - self._log_alloc)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                self._log_alloc = self.log_bytes  # not supported here: do not ask again
+                return
+            raise
+        self._log_alloc = new
 
     def _place(self, seg: Segment, nbytes: int) -> None:
         if self._log_fd < 0 or self._log_off + nbytes > self.log_bytes:
             self._open_log()
+        self._preallocate(self._log_off + nbytes)
         seg.log, seg.loff = self._log, self._log_off
         self._log_off += nbytes
         for run in seg.runs:
