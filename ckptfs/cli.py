@@ -90,6 +90,10 @@ def _add_mount(sub) -> None:
                    help="on the first read of a file, load up to this much of it at once")
     p.add_argument("--idle-flush", type=float, default=d.idle_flush_s,
                    help="seconds without writes after which a partial segment is flushed")
+    p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
+                   default=d.writeback_cache,
+                   help="kernel writeback cache: merges small writes into 1 MiB requests; "
+                   "without it, each write() is sent to ckptfs as it comes")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
     p.add_argument("--no-populate", action="store_true",
@@ -108,7 +112,7 @@ def _mount(a) -> int:
                       log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
-                      populate=not a.no_populate)
+                      populate=not a.no_populate, writeback_cache=a.writeback_cache)
     _setup_logging(a.debug)
     if a.foreground:
         def ready(msg: str) -> None:

@@ -49,6 +49,7 @@ class MountConfig:
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
     readahead_kb: int = 4096
+    writeback_cache: bool = True
     allow_other: bool = False
     debug: bool = False
     populate: bool = True
@@ -283,6 +284,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
             "replay_warnings": len(warnings)}
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
                          info)
+    ops.enable_writeback_cache = cfg.writeback_cache
     flusher.start()
     log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",
              flusher.engine_name, info["io_mode"], cfg.queue_depth,
