@@ -1,0 +1,135 @@
+"""The ckptfs command line: mount/umount daemonized, sync, status, ls, verify, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptfs import api
+
+CKPTFS = [sys.executable, "-m", "ckptfs"]
+
+
+def run(*args, check=True, timeout=120):
+    r = subprocess.run(CKPTFS + [str(a) for a in args], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"ckptfs {args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+@pytest.fixture
+def daemon_mount(tmp_path):
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    r = run("mount", backing, mnt, "--staging-size", "32M", "--segment-size", "1M",
+            "--no-populate", "--log-file", tmp_path / "daemon.log")
+    assert r.stdout.startswith("ready:"), r.stdout
+    try:
+        yield backing, mnt
+    finally:
+        if api.is_mounted(str(mnt)):
+            st = None
+            try:
+                st = api.status(str(mnt))
+            except OSError:
+                pass
+            run("umount", mnt, check=False)
+            if api.is_mounted(str(mnt)):
+                api.fusermount(str(mnt), lazy=True)
+            if st:
+                api.wait_pid_exit(st["pid"], 10)
+
+
+def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
+    backing, mnt = daemon_mount
+    (mnt / "step_1").mkdir()
+    data = os.urandom(3 << 20)
+    (mnt / "step_1" / "w.bin").write_bytes(data)
+    run("sync", mnt)
+    st = json.loads(run("status", mnt, "--json").stdout)
+    for key in ("pid", "engine", "io_mode", "bytes_written", "bytes_durable", "bytes_staged",
+                "segments_flushed", "flush_gbps", "errors", "queue_depth"):
+        assert key in st, key
+    assert st["bytes_durable"] >= len(data)
+    assert st["bytes_written"] >= len(data)
+    assert st["errors"] == 0
+    text = run("status", mnt).stdout
+    assert "bytes_durable" in text and "engine" in text
+    out = run("umount", mnt).stdout
+    assert "unmounted" in out
+    assert not api.is_mounted(str(mnt))
+    assert api.wait_pid_exit(st["pid"], 10)
+    # the backing directory holds a few files, and ls/verify see the tree unmounted
+    ls = run("ls", "-lR", backing).stdout
+    assert "/step_1/w.bin" in ls and str(len(data)) in ls
+    v = run("verify", backing)
+    assert v.stdout.startswith("OK")
+    # remount: same content
+    run("mount", backing, mnt, "--no-populate", "--staging-size", "32M", "--segment-size", "1M",
+        "--log-file", tmp_path / "daemon2.log")
+    assert (mnt / "step_1" / "w.bin").read_bytes() == data
+
+
+def test_verify_names_damaged_file(tmp_path, mounts):
+    m = mounts.mount()
+    mp = m.mountpoint
+    good, bad = os.urandom(100_000), os.urandom(200_000)
+    with open(os.path.join(mp, "good"), "wb") as f:
+        f.write(good)
+    with open(os.path.join(mp, "bad"), "wb") as f:
+        f.write(bad)
+    m.stop()
+    wdir = os.path.join(m.backing, "writers", os.listdir(os.path.join(m.backing, "writers"))[0])
+    log = os.path.join(wdir, "data-000001.log")
+    # "good" was written first: 4096-byte header, then good's bytes, then bad's
+    off = 4096 + len(good) + 1000
+    with open(log, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x55]))
+    r = run("verify", m.backing, check=False)
+    assert r.returncode == 1
+    assert "DAMAGED /bad" in r.stdout
+    assert "/good" not in r.stdout.replace("DAMAGED /bad", "")
+
+
+def test_umount_of_dead_daemon_detaches(mounts):
+    m = mounts.mount()
+    m.proc.kill()
+    m.proc.wait()
+    r = run("umount", m.mountpoint, check=False)
+    assert r.returncode != 0
+    assert "daemon is gone" in r.stderr
+    assert not api.is_mounted(m.mountpoint)
+    m.proc = None
+
+
+def test_help_lists_commands_and_defaults():
+    top = run("--help").stdout
+    for cmd in ("mount", "umount", "sync", "status", "ls", "verify", "demo", "bench"):
+        assert cmd in top
+    h = run("mount", "--help").stdout
+    assert "--staging-size" in h and "default: 512M" in h
+    assert "--queue-depth" in h and "--io" in h and "--writer-id" in h
+
+
+def test_bad_size_and_unknown_option_are_one_line_errors(tmp_path):
+    r = run("mount", tmp_path, tmp_path / "m", "--staging-size", "lots", check=False)
+    assert r.returncode == 2 and "not a size" in r.stderr
+    r = run("mount", tmp_path, tmp_path / "m", "--frobnicate", check=False)
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs(tmp_path):
+    r = run("demo", "--size", "64M", "--dir", tmp_path, timeout=300)
+    assert "restored and verified" in r.stdout
+    assert "time until durable, ckptfs vs straight" in r.stdout
+    assert os.listdir(tmp_path) == []
