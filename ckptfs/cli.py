@@ -96,6 +96,8 @@ def _add_mount(sub) -> None:
                    "without it, each write() is sent to ckptfs as it comes")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
+    p.add_argument("--ro", action="store_true",
+                   help="read-only mount of the merged tree of all writers (restore)")
     p.add_argument("--no-populate", action="store_true",
                    help="do not pre-fault the staging memory at mount")
     p.add_argument("--log-file", default=None,
@@ -112,7 +114,8 @@ def _mount(a) -> int:
                       log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
-                      populate=not a.no_populate, writeback_cache=a.writeback_cache)
+                      populate=not a.no_populate, writeback_cache=a.writeback_cache,
+                      readonly=a.ro)
     _setup_logging(a.debug)
     if a.foreground:
         def ready(msg: str) -> None:
@@ -280,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="/")
     p.add_argument("-l", "--long", action="store_true", help="mode, owner, size, mtime")
     p.add_argument("-R", "--recursive", action="store_true")
+    p.add_argument("--conflicts", action="store_true",
+                   help="list paths written by several writers, and which version wins")
     p.add_argument("--writer", default=None, help="writer id (when there are several)")
     p = sub.add_parser("verify", help="check every checksum; exit 1 and name damaged files",
                        epilog="example: ckptfs verify /lustre/proj/run42")

@@ -24,6 +24,7 @@ from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer
 from ckptfs.io import probe_direct
 from ckptfs.layout import FormatError
+from ckptfs.merge import Union, load_foreign, replay, validate_extents
 from ckptfs.namespace import Namespace
 from ckptfs.reader import Reader
 from ckptfs.staging import Staging
@@ -49,6 +50,7 @@ class MountConfig:
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
     readahead_kb: int = 4096
+    readonly: bool = False
     writeback_cache: bool = True
     allow_other: bool = False
     debug: bool = False
@@ -139,37 +141,6 @@ class WriterDir:
             self.lock_fd = -1
 
 
-def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
-    """Apply an index to `ns`. Returns (last commit sequence, valid bytes, warnings). Records
-    that do not fit the tree are skipped with a warning (a hostile or damaged index)."""
-    scan = layout.read_index(index_path)
-    warnings = list(scan.warnings)
-    for group in scan.groups:
-        for rec in group:
-            try:
-                ns.apply(rec)
-            except FormatError as exc:
-                warnings.append(f"{index_path}: record skipped: {exc}")
-    return scan.last_seq, scan.valid_bytes, warnings
-
-
-def validate_extents(ns: Namespace, writer_dir: str) -> list[str]:
-    """Extents that point past the end of their data log (or at a missing log) are dropped so
-    the index never points at garbage; their files read as holes -> reported."""
-    sizes = {n: os.path.getsize(p) for n, p in layout.data_logs(writer_dir).items()}
-    warnings = []
-    for x in ns.inodes.values():
-        if x.emap is None:
-            continue
-        bad = [p for p in x.emap.pieces
-               if p[2].log not in sizes or p[2].loff + p[2].length > sizes[p[2].log]]
-        for p in bad:
-            warnings.append(f"inode {x.ino} ({ns.path_of(x.ino)}): extent at data log "
-                            f"{p[2].log} offset {p[2].loff} lies beyond the log; dropped")
-            x.emap.punch(p[0], p[0] + p[1])
-    return warnings
-
-
 def open_index(path: str, valid_bytes: int) -> tuple[int, int]:
     """Open the index for appending: create it with a header, or cut a torn tail off."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -193,7 +164,7 @@ def prepare(cfg: MountConfig) -> dict:
         raise MountError(f"backing directory {cfg.backing} does not exist")
     if not os.path.isdir(cfg.backing):
         raise MountError(f"backing path {cfg.backing} is not a directory")
-    if not os.access(cfg.backing, os.W_OK | os.X_OK):
+    if not cfg.readonly and not os.access(cfg.backing, os.W_OK | os.X_OK):
         raise MountError(f"backing directory {cfg.backing} is not writable")
     check_mountpoint(cfg.mountpoint)
     rb, rm = os.path.realpath(cfg.backing), os.path.realpath(cfg.mountpoint)
@@ -204,6 +175,8 @@ def prepare(cfg: MountConfig) -> dict:
     try:
         layout.check_backing(cfg.backing, create=False)
     except FormatError as exc:
+        if cfg.readonly:
+            raise MountError(str(exc)) from None
         if os.path.exists(os.path.join(cfg.backing, layout.BACKING_MARKER)) or \
                 os.path.isdir(os.path.join(cfg.backing, layout.WRITERS_DIR)):
             raise MountError(str(exc)) from None
@@ -217,7 +190,7 @@ def prepare(cfg: MountConfig) -> dict:
         except FormatError as exc:
             raise MountError(str(exc)) from None
     facts: dict = {}
-    if cfg.io_mode == "buffered":
+    if cfg.io_mode == "buffered" or cfg.readonly:
         facts["direct"] = False
         facts["align"] = 4096
         facts["io_reason"] = "buffered I/O requested"
@@ -240,55 +213,77 @@ def serve(cfg: MountConfig, ready=None) -> int:
         if ready:
             ready(f"error: {exc}")
         raise
-    layout.check_backing(cfg.backing, create=True)
-    wd = WriterDir(cfg.backing, cfg.writer_id)
-    wd.open()
-    if not facts["direct"]:
-        log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
+    wd = None
+    if not cfg.readonly:
+        layout.check_backing(cfg.backing, create=True)
+        wd = WriterDir(cfg.backing, cfg.writer_id)
+        try:
+            wd.open()
+        except MountError as exc:
+            if ready:
+                ready(f"error: {exc}")
+            raise
+        if not facts["direct"]:
+            log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
     try:
         return trio.run(_serve, cfg, wd, facts, ready)
     finally:
-        wd.close()
+        if wd is not None:
+            wd.close()
 
 
-async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
-    index_path = os.path.join(wd.path, layout.INDEX_NAME)
+async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> int:
     journal = Journal()
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
     t0 = time.perf_counter()
-    last_seq, valid, warnings = (0, 0, [])
-    if os.path.exists(index_path):
-        last_seq, valid, warnings = replay(ns, index_path)
-    warnings += validate_extents(ns, wd.path)
-    for w in warnings:
+    union = Union()
+    index_fd, index_size, next_log = -1, 0, 1
+    if wd is not None:
+        index_path = os.path.join(wd.path, layout.INDEX_NAME)
+        last_seq, valid = 0, 0
+        if os.path.exists(index_path):
+            last_seq, valid, union.warnings = replay(ns, index_path)
+        union.warnings += validate_extents(ns, wd.path)
+        journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
+        index_fd, index_size = open_index(index_path, valid)
+        next_log = max(layout.data_logs(wd.path), default=0) + 1
+        union.writer_dirs[0] = wd.path
+        union.writer_ids[0] = cfg.writer_id
+    load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
+    for w in union.warnings:
         log.warning("%s", w)
-    journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
-    index_fd, index_size = open_index(index_path, valid)
-    logs = layout.data_logs(wd.path)
+    for c in union.conflicts:
+        log.info("conflict at %s: %s wins", c.path, c.versions[0][0])
     ninodes, nbytes = ns.totals()
-    log.info("replayed %s: %d inodes, %d bytes in files, %d warnings, %.3f s",
-             index_path, ninodes, nbytes, len(warnings), time.perf_counter() - t0)
+    log.info("replayed %d writers: %d inodes, %d bytes in files, %d warnings, %d conflicts, "
+             "%.3f s", len(union.writer_dirs), ninodes, nbytes, len(union.warnings),
+             len(union.conflicts), time.perf_counter() - t0)
 
     flusher: Flusher | None = None
-    staging = Staging(cfg.segment_bytes, cfg.staging_bytes, lambda seg: flusher.seal_hook(seg),
-                      populate=cfg.populate)
-    flusher = Flusher(wd.path, cfg.writer_id, staging, journal, engine=cfg.engine,
+    seg_bytes = cfg.segment_bytes if wd else 64 * 1024
+    staging = Staging(seg_bytes, cfg.staging_bytes if wd else 2 * seg_bytes,
+                      lambda seg: flusher.seal_hook(seg), populate=cfg.populate and wd is not None)
+    flusher = Flusher(wd.path if wd else "", cfg.writer_id, staging, journal, engine=cfg.engine,
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
-                      log_bytes=cfg.log_bytes, next_log=max(logs, default=0) + 1,
+                      log_bytes=cfg.log_bytes, next_log=next_log,
                       index_fd=index_fd, index_size=index_size,
                       io_chunk_bytes=cfg.io_chunk_bytes)
-    reader = Reader(wd.path, cfg.read_cache_bytes, cfg.prefetch_bytes)
-    info = {"writer": cfg.writer_id, "mountpoint": os.path.abspath(cfg.mountpoint),
+    reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes)
+    info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
+            "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",
             "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
-            "replay_warnings": len(warnings)}
+            "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),
+            "conflicts": len(union.conflicts)}
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
                          info)
-    ops.enable_writeback_cache = cfg.writeback_cache
-    flusher.start()
-    log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",
-             flusher.engine_name, info["io_mode"], cfg.queue_depth,
-             len(staging.buffers), cfg.segment_bytes // MiB)
+    ops.readonly = wd is None
+    ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
+    if wd is not None:
+        flusher.start()
+        log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",
+                 flusher.engine_name, info["io_mode"], cfg.queue_depth,
+                 len(staging.buffers), cfg.segment_bytes // MiB)
 
     real_mountpoint = os.path.realpath(cfg.mountpoint)
     options = set(pyfuse3.default_options)
@@ -297,6 +292,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
         options.add("allow_other")
     if cfg.debug:
         options.add("debug")
+    if wd is None:
+        options.add("ro")
     status = 0
     try:
         pyfuse3.init(ops, cfg.mountpoint, options)
@@ -327,7 +324,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir, facts: dict, ready) -> int:
         pyfuse3.close(unmount=True)
         reader.close()
         staging.close()
-        os.close(index_fd)
+        if index_fd >= 0:
+            os.close(index_fd)
     return status
 
 

@@ -185,6 +185,8 @@ class Flusher:
     async def stop(self) -> None:
         """Unmount: seal, drain, commit and join the thread. Raises if data could not be made
         durable (after the thread gave up retrying at shutdown)."""
+        if self.thread is None:  # read-only mount: never started
+            return
         self.staging.seal()
         self.q.put(_STOP)
         await trio.to_thread.run_sync(self.thread.join)

@@ -60,6 +60,7 @@ class CkptOperations(pyfuse3.Operations):
         self.reader = reader
         self.backing = backing
         self.info = info
+        self.readonly = False
         self.handles: dict[int, _Handle] = {}
         self.next_fh = 1
         self.bytes_written = 0
@@ -100,6 +101,33 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOTDIR)
         return x
 
+    def _writable(self, x: Inode) -> Inode:
+        """Entries of other writers (and everything in a read-only mount) cannot change."""
+        if self.readonly or x.layer != 0:
+            raise _err(errno.EROFS)
+        return x
+
+    def _own_dir(self, d: Inode) -> Inode:
+        """A directory to create entries in. If it belongs to another writer, adopt it into
+        this writer's tree first (copy-up): an INODE record gives it an own inode number, and
+        the live inode answers to both numbers, so the kernel's cached entries stay valid."""
+        if self.readonly:
+            raise _err(errno.EROFS)
+        if d.layer == 0:
+            return d
+        parent = self._own_dir(self.ns.inodes[d.parent])
+        name = next(n for n, i in parent.children.items() if i == d.ino)
+        del parent.children[name]
+        parent.nlink -= 1
+        ino = self.ns.new_ino()
+        self.ns.change(InodeRec(ino, parent.ino, name, d.mode, d.uid, d.gid, 0, d.atime_ns,
+                                d.mtime_ns, d.ctime_ns))
+        fresh = self.ns.inodes[ino]
+        d.lookups += fresh.lookups
+        d.ino, d.layer, d.parent = ino, 0, fresh.parent
+        self.ns.inodes[ino] = d  # the old (foreign) number stays an alias of the same inode
+        return d
+
     @staticmethod
     def _check_name(name: bytes) -> None:
         if len(name) > NAME_MAX:
@@ -118,6 +146,7 @@ class CkptOperations(pyfuse3.Operations):
         self._check_name(name)
         if name in parent.children:
             raise _err(errno.EEXIST)
+        parent = self._own_dir(parent)
         now = time.time_ns()
         gid = ctx.gid
         if parent.mode & stat.S_ISGID:
@@ -160,7 +189,7 @@ class CkptOperations(pyfuse3.Operations):
         return self._attr(self._inode(inode))
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        x = self._inode(inode)
+        x = self._writable(self._inode(inode))
         now = time.time_ns()
         if fields.update_size:
             if x.emap is None:
@@ -239,13 +268,14 @@ class CkptOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attr(x)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        x = self._inode(inode)
+        x = self._writable(self._inode(inode))
         if x.is_dir:
             raise _err(errno.EPERM)
         parent = self._dir(new_parent_inode)
         self._check_name(new_name)
         if new_name in parent.children:
             raise _err(errno.EEXIST)
+        parent = self._own_dir(parent)
         self.ns.change(LinkRec(x.ino, parent.ino, new_name))
         now = time.time_ns()
         x.ctime_ns = now
@@ -260,6 +290,8 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOENT)
         if x.is_dir:
             raise _err(errno.EISDIR)
+        self._writable(x)
+        self._writable(parent)
         self.ns.change(UnlinkRec(parent.ino, name))
         now = time.time_ns()
         x.ctime_ns = now
@@ -274,6 +306,8 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOTDIR)
         if x.children:
             raise _err(errno.ENOTEMPTY)
+        self._writable(x)
+        self._writable(parent)
         self.ns.change(UnlinkRec(parent.ino, name))
         self._touch_dir(parent, time.time_ns())
 
@@ -303,6 +337,11 @@ class CkptOperations(pyfuse3.Operations):
         if (flags & RENAME_EXCHANGE and target.is_dir
                 and self.ns.is_ancestor(target, op)):
             raise _err(errno.EINVAL)
+        self._writable(moving)
+        self._writable(op)
+        if target is not None:
+            self._writable(target)
+        np_ = self._own_dir(np_)
         self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
                                  flags & RENAME_EXCHANGE))
         now = time.time_ns()
@@ -322,6 +361,8 @@ class CkptOperations(pyfuse3.Operations):
         x = self._inode(inode)
         if x.emap is None:
             raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
+            self._writable(x)
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
@@ -347,6 +388,8 @@ class CkptOperations(pyfuse3.Operations):
         x = h.inode
         if x.emap is None:
             raise _err(errno.EBADF)
+        if x.layer or self.readonly:
+            raise _err(errno.EROFS)
         if self.flusher.error is not None and not self.staging.free and self.staging.open is None:
             raise _err(self.flusher.error.errno or errno.EIO)
         journal = self.journal

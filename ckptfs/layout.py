@@ -229,6 +229,7 @@ class IndexScan:
     """What replay found in one index file."""
 
     groups: list[list[Record]] = field(default_factory=list)  # complete commit groups
+    group_times: list[int] = field(default_factory=list)  # each group's COMMIT wall time (ns)
     valid_bytes: int = INDEX_HEADER.size  # where the next record may be appended
     warnings: list[str] = field(default_factory=list)
     last_seq: int = 0
@@ -275,6 +276,7 @@ def read_index(path: str) -> IndexScan:
         pos += REC_HEADER.size + blen
         if type(rec) is CommitRec:
             scan.groups.append(group)
+            scan.group_times.append(rec.time_ns)
             group = []
             scan.valid_bytes = pos
             scan.last_seq = rec.seq

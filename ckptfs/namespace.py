@@ -25,7 +25,7 @@ ROOT_INO = 1
 class Inode:
     __slots__ = ("ino", "mode", "uid", "gid", "rdev", "nlink", "size", "atime_ns", "mtime_ns",
                  "ctime_ns", "target", "children", "parent", "emap", "lookups", "opens",
-                 "tail_run", "tail_end")
+                 "tail_run", "tail_end", "layer", "commit_ns")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, rdev: int = 0,
                  atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0, target: bytes = b""):
@@ -48,6 +48,8 @@ class Inode:
         # The run that the next sequential write may extend (see Namespace.write_piece).
         self.tail_run: Run | None = None
         self.tail_end = -1
+        self.layer = 0  # 0: this mount's own writer; >0: another writer's (read-only) entry
+        self.commit_ns = 0  # wall time of the commit that last changed it (merge order)
 
     @property
     def is_dir(self) -> bool:
@@ -66,6 +68,7 @@ class Namespace:
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
+        self.layer = 0  # the writer layer that replayed records belong to (merge.py)
 
     # ------------------------------------------------------------ lookups
     def get(self, ino: int) -> Inode:
@@ -129,7 +132,7 @@ class Namespace:
         t = type(rec)
         if t is ExtentRec:
             ino = self._file(rec.ino)
-            run = Run(None, 0, rec.length, rec.log, rec.loff, rec.crc)
+            run = Run(None, 0, rec.length, rec.log, rec.loff, rec.crc, layer=self.layer)
             ino.emap.insert(rec.foff, rec.length, run, 0)
             if rec.foff + rec.length > ino.size:
                 ino.size = rec.foff + rec.length
@@ -206,6 +209,8 @@ class Namespace:
             parent.nlink += 1
         else:
             x.nlink = 1
+        if rec.ino >= 1 << 44:
+            raise FormatError(f"inode number {rec.ino} out of range")
         if rec.ino >= self.next_ino:
             self.next_ino = rec.ino + 1
 

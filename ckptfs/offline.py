@@ -14,33 +14,24 @@ import time
 from crc32c import crc32c
 
 from ckptfs import layout
-from ckptfs.daemon import replay, validate_extents
+from ckptfs.merge import Union, load_foreign
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 
 
 class Snapshot:
-    """The committed tree of one writer of a backing directory."""
+    """The committed, merged tree of all writers of a backing directory (or of one)."""
 
     def __init__(self, backing: str, writer: str | None = None) -> None:
         layout.check_backing(backing, create=False)
-        dirs = layout.writer_dirs(backing)
-        if writer:
-            dirs = [d for d in dirs if os.path.basename(d) == writer]
-            if not dirs:
-                raise layout.FormatError(f"no writer '{writer}' in {backing}")
-        if len(dirs) > 1:
-            names = ", ".join(os.path.basename(d) for d in dirs)
-            raise layout.FormatError(f"{backing} has several writers ({names}); pick one "
-                                     "with --writer")
+        ids = [os.path.basename(d) for d in layout.writer_dirs(backing)]
+        if writer and writer not in ids:
+            raise layout.FormatError(f"no writer '{writer}' in {backing} "
+                                     f"(writers: {', '.join(ids) or 'none'})")
         self.backing = backing
         self.ns = Namespace(now_ns=0)
-        self.warnings: list[str] = []
-        self.writer_dir = dirs[0] if dirs else None
-        if self.writer_dir:
-            index = os.path.join(self.writer_dir, layout.INDEX_NAME)
-            if os.path.exists(index):
-                _, _, self.warnings = replay(self.ns, index)
-            self.warnings += validate_extents(self.ns, self.writer_dir)
+        self.union = Union()
+        load_foreign(self.ns, backing, None, self.union, only=writer)
+        self.warnings = self.union.warnings
 
     def lookup(self, path: str) -> Inode:
         x = self.ns.inodes[ROOT_INO]
@@ -71,6 +62,12 @@ def cmd_ls(a) -> int:
     snap = Snapshot(a.backing, a.writer)
     for w in snap.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if getattr(a, "conflicts", False):
+        for c in sorted(snap.union.conflicts, key=lambda c: c.path):
+            versions = ", ".join(f"{w} @ {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t / 1e9))}"
+                                 f".{t % 1_000_000_000:09d}" for w, t in c.versions)
+            print(f"{c.path}: {versions}  (winner: {c.versions[0][0]})")
+        return 0
     top = snap.lookup(a.path)
     prefix = "/" + a.path.strip("/") if a.path.strip("/") else ""
     entries = snap.walk(top, prefix) if a.recursive else (
@@ -88,10 +85,13 @@ def cmd_verify(a) -> int:
     problems: dict[str, list[str]] = {}
     for w in snap.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    if snap.writer_dir is None:
+    if not snap.union.writer_dirs:
         print(f"{a.backing}: empty (no writer yet)")
         return 0
-    fds: dict[int, int] = {}
+    fds: dict[tuple[int, int], int] = {}
+
+    def where(run) -> str:
+        return f"{snap.union.writer_ids[run.layer]}/{layout.data_log_name(run.log)}"
     nfiles = nbytes = 0
     try:
         for path, x in snap.walk(snap.ns.inodes[ROOT_INO], ""):
@@ -99,11 +99,12 @@ def cmd_verify(a) -> int:
                 continue
             nfiles += 1
             for run in x.emap.runs():
-                fd = fds.get(run.log)
+                fd = fds.get((run.layer, run.log))
                 if fd is None:
-                    p = os.path.join(snap.writer_dir, layout.data_log_name(run.log))
+                    p = os.path.join(snap.union.writer_dirs[run.layer],
+                                     layout.data_log_name(run.log))
                     try:
-                        fd = fds[run.log] = os.open(p, os.O_RDONLY)
+                        fd = fds[(run.layer, run.log)] = os.open(p, os.O_RDONLY)
                     except OSError as exc:
                         problems.setdefault(path, []).append(f"data log {run.log}: {exc}")
                         continue
@@ -111,10 +112,10 @@ def cmd_verify(a) -> int:
                 nbytes += len(data)
                 if len(data) != run.length:
                     problems.setdefault(path, []).append(
-                        f"extent at log {run.log} offset {run.loff}: short read")
+                        f"extent at {where(run)} offset {run.loff}: short read")
                 elif crc32c(data) != run.crc:
                     problems.setdefault(path, []).append(
-                        f"extent at log {run.log} offset {run.loff} length {run.length}: "
+                        f"extent at {where(run)} offset {run.loff} length {run.length}: "
                         "checksum mismatch")
     finally:
         for fd in fds.values():

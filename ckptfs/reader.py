@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections import OrderedDict
 
 import trio
@@ -33,14 +34,15 @@ class ChecksumError(OSError):
 
 
 class Reader:
-    def __init__(self, log_dirs: dict[int, str] | str, cache_bytes: int,
+    def __init__(self, writer_dirs: dict[int, str], cache_bytes: int,
                  prefetch_bytes: int) -> None:
-        self.writer_dir = log_dirs
+        self.writer_dirs = writer_dirs  # layer -> writer directory holding its data logs
         self.cache: OrderedDict[Run, memoryview] = OrderedDict()
         self.cache_bytes = cache_bytes
         self.cached = 0
         self.prefetch_bytes = prefetch_bytes
-        self.fds: dict[int, int] = {}
+        self.fds: dict[tuple[int, int], int] = {}
+        self.fd_lock = threading.Lock()
         self.loading: dict[Run, trio.Event] = {}
         self.bad: set[Run] = set()
         self.disk_reads = 0
@@ -52,16 +54,17 @@ class Reader:
         self.fds.clear()
         self.cache.clear()
 
-    def _fd(self, number: int) -> int:
-        fd = self.fds.get(number)
-        if fd is None:
-            path = os.path.join(self.writer_dir, layout.data_log_name(number))
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise OSError(errno.EIO, f"data log {path} is missing") from None
-            self.fds[number] = fd
-        return fd
+    def _fd(self, layer: int, number: int) -> int:
+        with self.fd_lock:  # worker threads
+            fd = self.fds.get((layer, number))
+            if fd is None:
+                path = os.path.join(self.writer_dirs[layer], layout.data_log_name(number))
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise OSError(errno.EIO, f"data log {path} is missing") from None
+                self.fds[(layer, number)] = fd
+            return fd
 
     def invalidate(self, run: Run) -> None:
         mv = self.cache.pop(run, None)
@@ -152,11 +155,11 @@ class Reader:
 
     def _read_runs(self, runs: list[Run]) -> tuple[list[tuple[Run, memoryview]], list[Run]]:
         """Worker thread: read runs with coalesced preads, verify checksums."""
-        runs = sorted(runs, key=lambda r: (r.log, r.loff))
+        runs = sorted(runs, key=lambda r: (r.layer, r.log, r.loff))
         groups: list[list[Run]] = []
         for r in runs:
             g = groups[-1] if groups else None
-            if (g and g[0].log == r.log and r.loff >= g[-1].loff
+            if (g and g[0].log == r.log and g[0].layer == r.layer and r.loff >= g[-1].loff
                     and r.loff - (g[-1].loff + g[-1].length) <= COALESCE_GAP_BYTES
                     and r.loff + r.length - g[0].loff <= MAX_READ_BYTES):
                 g.append(r)
@@ -168,7 +171,7 @@ class Reader:
             start = g[0].loff
             end = max(r.loff + r.length for r in g)
             buf = bytearray(end - start)
-            fd = self._fd(g[0].log)
+            fd = self._fd(g[0].layer, g[0].log)
             got = 0
             while got < len(buf):
                 n = os.preadv(fd, [memoryview(buf)[got:]], start + got)

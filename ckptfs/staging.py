@@ -43,10 +43,10 @@ class Run:
     """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
     data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (set at flush)."""
 
-    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified")
+    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer")
 
     def __init__(self, seg: Segment | None, soff: int, length: int, log: int = -1, loff: int = -1,
-                 crc: int = 0, verified: bool = False) -> None:
+                 crc: int = 0, verified: bool = False, layer: int = 0) -> None:
         self.seg = seg
         self.soff = soff
         self.length = length
@@ -54,6 +54,7 @@ class Run:
         self.loff = loff
         self.crc = crc
         self.verified = verified
+        self.layer = layer  # which writer's data logs hold it (0: this mount's own)
 
     def memory(self) -> memoryview | None:
         """The run's bytes while they are still in staging memory, else None."""
