@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-BENCHES = ("engine", "micro", "e2e")
+BENCHES = ("engine", "micro", "e2e", "scaling")
 
 EPILOG = """examples:
   ckptfs mount /lustre/proj/run42 /ckpt       mount (daemonizes once the mount is live)
