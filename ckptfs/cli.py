@@ -290,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="example: ckptfs verify /lustre/proj/run42")
     p.add_argument("backing")
     p.add_argument("--writer", default=None, help="writer id (when there are several)")
+    p = sub.add_parser("export", help="write the virtual files out as plain files",
+                       epilog="example: ckptfs export /lustre/proj/run42 /scratch/step_1000 "
+                       "step_1000")
+    p.add_argument("backing")
+    p.add_argument("dest")
+    p.add_argument("path", nargs="?", default="/")
+    p.add_argument("--writer", default=None, help="writer id (default: all, merged)")
+    p.add_argument("--progress", action="store_true", help="progress even when not a terminal")
     p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
                        epilog="example: ckptfs demo --size 512M")
     p.add_argument("--size", type=parse_size, default="1G", help="model state size")
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
-                "demo": _demo, "ls": _offline, "verify": _offline}
+                "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline}
     if a.command is None:
         parser.print_help()
         return 2
@@ -310,7 +318,8 @@ def _offline(a) -> int:
     from ckptfs.layout import FormatError
 
     try:
-        return offline.cmd_ls(a) if a.command == "ls" else offline.cmd_verify(a)
+        return {"ls": offline.cmd_ls, "verify": offline.cmd_verify,
+                "export": offline.cmd_export}[a.command](a)
     except (FormatError, OSError) as exc:
         return _fail(str(exc))
 
