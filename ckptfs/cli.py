@@ -298,6 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="/")
     p.add_argument("--writer", default=None, help="writer id (default: all, merged)")
     p.add_argument("--progress", action="store_true", help="progress even when not a terminal")
+    p = sub.add_parser("compact", help="rewrite live extents into fresh logs, drop dead ones",
+                       epilog="examples: ckptfs compact /lustre/proj/run42\n"
+                       "          ckptfs compact --merge --into run42 /lustre/proj/run42",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Atomic: a crash leaves either the old or the new state. "
+                       "The writers compacted must be unmounted.")
+    p.add_argument("backing")
+    p.add_argument("--writer", default=None, help="only this writer (default: each writer)")
+    p.add_argument("--merge", action="store_true",
+                   help="flatten all writers into one (fewer index files, faster mounts)")
+    p.add_argument("--into", default="merged", help="writer id of the result of --merge")
+    p.add_argument("--log-size", type=parse_size, default="1G", help="data log size")
+    p.add_argument("--progress", action="store_true", help="progress even when not a terminal")
+    p = sub.add_parser("gc", help="keep the newest N checkpoint directories, delete the rest",
+                       epilog="example: ckptfs gc /ckpt --keep 3 --pattern 'step_*'")
+    p.add_argument("mountpoint")
+    p.add_argument("--dir", default="/", help="directory inside the mount holding the steps")
+    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--pattern", default="step_*", help="shell pattern of the entries")
+    p.add_argument("--dry-run", action="store_true")
     p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
                        epilog="example: ckptfs demo --size 512M")
     p.add_argument("--size", type=parse_size, default="1G", help="model state size")
@@ -306,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
-                "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline}
+                "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,
+                "compact": _offline, "gc": _offline}
     if a.command is None:
         parser.print_help()
         return 2
@@ -314,12 +335,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _offline(a) -> int:
-    from ckptfs import offline
+    from ckptfs import compact, offline
     from ckptfs.layout import FormatError
 
     try:
         return {"ls": offline.cmd_ls, "verify": offline.cmd_verify,
-                "export": offline.cmd_export}[a.command](a)
+                "export": offline.cmd_export, "compact": compact.cmd_compact,
+                "gc": compact.cmd_gc}[a.command](a)
     except (FormatError, OSError) as exc:
         return _fail(str(exc))
 
