@@ -96,6 +96,9 @@ def _add_mount(sub) -> None:
                    "without it, each write() is sent to ckptfs as it comes")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
+    p.add_argument("--prometheus", default="", metavar="FILE",
+                   help="write the status figures to FILE every 5 s (Prometheus text format, "
+                   "for node_exporter's textfile collector)")
     p.add_argument("--ro", action="store_true",
                    help="read-only mount of the merged tree of all writers (restore)")
     p.add_argument("--no-populate", action="store_true",
@@ -115,7 +118,8 @@ def _mount(a) -> int:
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
-                      readonly=a.ro)
+                      readonly=a.ro, prometheus_file=os.path.abspath(a.prometheus)
+                      if a.prometheus else "")
     _setup_logging(a.debug)
     if a.foreground:
         def ready(msg: str) -> None:

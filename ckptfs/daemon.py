@@ -21,7 +21,7 @@ import trio
 
 from ckptfs import layout
 from ckptfs.flusher import Flusher, Journal
-from ckptfs.fs import CkptOperations, idle_sealer
+from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct
 from ckptfs.layout import FormatError
 from ckptfs.merge import Union, load_foreign, replay, validate_extents
@@ -51,6 +51,7 @@ class MountConfig:
     idle_flush_s: float = 1.0
     readahead_kb: int = 4096
     readonly: bool = False
+    prometheus_file: str = ""
     writeback_cache: bool = True
     allow_other: bool = False
     debug: bool = False
@@ -306,6 +307,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
+            if cfg.prometheus_file:
+                nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
             nursery.start_soon(_signals, nursery)
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
             if ready:

@@ -31,6 +31,11 @@ ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 XATTR_PREFIX = b"user.ckptfs."
+# The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
+# cp -r, du and find of the user's tree never see it.
+CTL_NAME = b".ckptfs"
+CTL_DIR_INO = (1 << 63) - 2
+CTL_STATS_INO = (1 << 63) - 1
 
 
 def _err(e: int):
@@ -62,6 +67,15 @@ class CkptOperations(pyfuse3.Operations):
         self.info = info
         self.readonly = False
         self.handles: dict[int, _Handle] = {}
+        self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
+        now = time.time_ns()
+        ctl = Inode(CTL_DIR_INO, stat.S_IFDIR | 0o555, 0, 0, 0, now, now, now)
+        ctl.nlink, ctl.parent, ctl.layer = 2, ROOT_INO, -1
+        ctl.children[b"stats.json"] = CTL_STATS_INO
+        stats = Inode(CTL_STATS_INO, stat.S_IFREG | 0o444, 0, 0, 0, now, now, now)
+        stats.nlink, stats.layer = 1, -1
+        ns.inodes[CTL_DIR_INO] = ctl
+        ns.inodes[CTL_STATS_INO] = stats
         self.next_fh = 1
         self.bytes_written = 0
         self.write_requests = 0
@@ -111,7 +125,7 @@ class CkptOperations(pyfuse3.Operations):
         """A directory to create entries in. If it belongs to another writer, adopt it into
         this writer's tree first (copy-up): an INODE record gives it an own inode number, and
         the live inode answers to both numbers, so the kernel's cached entries stay valid."""
-        if self.readonly:
+        if self.readonly or d.layer < 0:
             raise _err(errno.EROFS)
         if d.layer == 0:
             return d
@@ -144,7 +158,7 @@ class CkptOperations(pyfuse3.Operations):
              target: bytes = b"") -> Inode:
         parent = self._dir(parent_ino)
         self._check_name(name)
-        if name in parent.children:
+        if name in parent.children or (name == CTL_NAME and parent.ino == ROOT_INO):
             raise _err(errno.EEXIST)
         parent = self._own_dir(parent)
         now = time.time_ns()
@@ -172,6 +186,8 @@ class CkptOperations(pyfuse3.Operations):
             if len(name) > NAME_MAX:
                 raise _err(errno.ENAMETOOLONG)
             ino = parent.children.get(name)
+            if ino is None and name == CTL_NAME and parent.ino == ROOT_INO:
+                ino = CTL_DIR_INO
             if ino is None:
                 raise _err(errno.ENOENT)
             x = self.ns.inodes[ino]
@@ -363,6 +379,10 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             self._writable(x)
+        if x.ino == CTL_STATS_INO:
+            fh = self._open_handle(x, flags)
+            self.snapshots[fh] = json.dumps(self.status(), indent=1).encode() + b"\n"
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
@@ -374,6 +394,8 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EBADF)
         x = h.inode
         self.read_requests += 1
+        if x.layer < 0:
+            return self.snapshots.get(fh, b"")[off:off + size]
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
             return b""
         try:
@@ -437,6 +459,7 @@ class CkptOperations(pyfuse3.Operations):
 
     async def release(self, fh):
         h = self.handles.pop(fh, None)
+        self.snapshots.pop(fh, None)
         if h is not None:
             h.inode.opens -= 1
             self.ns.maybe_forget(h.inode)
@@ -538,6 +561,40 @@ class CkptOperations(pyfuse3.Operations):
 
     async def removexattr(self, inode, name, ctx):
         raise _err(errno.ENOTSUP)
+
+
+def prometheus_text(st: dict) -> str:
+    """The status figures in the Prometheus text exposition format (node_exporter's textfile
+    collector picks the file up)."""
+    lines = []
+    labels = f'mountpoint="{st["mountpoint"]}",writer="{st["writer"]}"'
+    for key, value in st.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name = f"ckptfs_{key}"
+        kind = "counter" if key in COUNTERS else "gauge"
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name}{{{labels}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+COUNTERS = {"bytes_written", "write_requests", "read_requests", "segments_flushed",
+            "bytes_durable", "log_bytes_written", "index_bytes", "index_commits", "data_syncs",
+            "fsyncs", "errors", "read_disk_bytes", "flush_seconds"}
+
+
+async def stats_exporter(ops: "CkptOperations", path: str, interval_s: float) -> None:
+    """Write the status as a Prometheus text file every `interval_s` (atomically)."""
+    while True:
+        text = prometheus_text(ops.status())
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+        await trio.sleep(interval_s)
 
 
 async def idle_sealer(ops: CkptOperations, idle_s: float) -> None:

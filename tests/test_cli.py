@@ -192,3 +192,26 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     assert after.pop("other") == __import__("hashlib").md5(b"x" * 10).hexdigest()
     assert after == before
     assert os.stat(f"{m3.mountpoint}/step_9/w").st_size == 2_000_000
+
+
+def test_stats_file_and_prometheus(mounts, tmp_path):
+    prom = tmp_path / "ckptfs.prom"
+    m = mounts.mount(prometheus=str(prom))
+    mp = m.mountpoint
+    with open(f"{mp}/x", "wb") as f:
+        f.write(b"y" * 12345)
+    m.sync()
+    with open(f"{mp}/.ckptfs/stats.json") as f:
+        st = json.load(f)
+    assert st["bytes_durable"] >= 12345 and st["pid"] == m.pid
+    assert ".ckptfs" not in os.listdir(mp)  # not listed: cp -r / du never see it
+    with pytest.raises(OSError):
+        open(f"{mp}/.ckptfs/stats.json", "w")
+    with pytest.raises(FileExistsError):
+        os.mkdir(f"{mp}/.ckptfs")
+    deadline = __import__("time").monotonic() + 20
+    while not prom.exists() and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.1)
+    text = prom.read_text()
+    assert "# TYPE ckptfs_bytes_durable counter" in text
+    assert f'ckptfs_pid{{mountpoint="{os.path.realpath(mp)}"' in text or "ckptfs_pid{" in text
