@@ -1,0 +1,41 @@
+#!/bin/bash
+# Slurm Epilog (slurm.conf: Epilog=/opt/ckptfs/mount_scripts/slurm-epilog.sh), runs as root on
+# each node at job end: `ckptfs umount $CKPTFS_MOUNTPOINT` - sync barrier, unmount, wait until
+# the daemon has made everything durable in the backing directory - and reports.
+# Exit 0: everything the job wrote is durable in $CKPTFS_BACKING_ROOT/$SLURM_JOB_ID.
+# Exit 1 + a log line (stderr and syslog): the mount was not there, the daemon had died, or not
+# everything could be made durable. Slurm then drains the node, so someone looks at it.
+# Configuration: as slurm-prolog.sh, plus CKPTFS_UMOUNT_TIMEOUT (seconds, default 600) and
+# CKPTFS_UMOUNT_LAZY=1 (lazy unmount if a leftover process still holds files open).
+set -u
+
+conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
+if [ -r "$conf" ]; then
+    # shellcheck source=/dev/null
+    . "$conf"
+fi
+root=${CKPTFS_BACKING_ROOT:-/var/tmp/ckptfs}
+mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
+tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
+job=${SLURM_JOB_ID:-}
+
+log() {
+    echo "$tag: job ${job:-?}: $*" >&2
+    logger -t "$tag" -- "job ${job:-?}: $*" 2>/dev/null || true
+}
+fail() { log "ERROR: $*"; exit 1; }
+
+ckptfs=${CKPTFS:-$(command -v ckptfs 2>/dev/null || echo /opt/ckptfs/.venv/bin/ckptfs)}
+[ -x "$ckptfs" ] || fail "ckptfs executable not found ($ckptfs); set CKPTFS"
+
+if ! grep -qs " $(realpath -m "$mnt") " /proc/self/mounts; then
+    fail "$mnt is not mounted: nothing to unmount (did the prolog run? did the mount go away?)"
+fi
+
+flags=(--timeout "${CKPTFS_UMOUNT_TIMEOUT:-600}")
+[ "${CKPTFS_UMOUNT_LAZY:-0}" = 1 ] && flags+=(--lazy)
+if out=$("$ckptfs" umount "$mnt" "${flags[@]}" 2>&1); then
+    log "$out"
+    exit 0
+fi
+fail "NOT everything was made durable in ${root}/${job:-?}: $out"
