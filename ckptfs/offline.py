@@ -34,6 +34,12 @@ class Snapshot:
         load_foreign(self.ns, backing, None, self.union, only=writer)
         self.warnings = self.union.warnings
 
+    @property
+    def writer_dir(self) -> str | None:
+        """The writer directory when the backing directory has exactly one writer."""
+        dirs = list(self.union.writer_dirs.values())
+        return dirs[0] if len(dirs) == 1 else None
+
     def lookup(self, path: str) -> Inode:
         x = self.ns.inodes[ROOT_INO]
         for part in [p for p in path.split("/") if p]:
