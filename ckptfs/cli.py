@@ -88,12 +88,18 @@ def _add_mount(sub) -> None:
                    help="memory for verified data read back from the logs")
     p.add_argument("--prefetch", type=parse_size, default="64M",
                    help="on the first read of a file, load up to this much of it at once")
+    p.add_argument("--readahead", type=parse_size, default="4M",
+                   help="kernel readahead of the mount (sequential readers get 1 MiB READs)")
     p.add_argument("--idle-flush", type=float, default=d.idle_flush_s,
                    help="seconds without writes after which a partial segment is flushed")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
                    default=d.writeback_cache,
                    help="kernel writeback cache: merges small writes into 1 MiB requests; "
                    "without it, each write() is sent to ckptfs as it comes")
+    p.add_argument("--direct-writes", action=argparse.BooleanOptionalAction,
+                   default=d.direct_writes,
+                   help="write-only opens bypass the kernel page cache (FOPEN_DIRECT_IO): "
+                   "one copy less per byte")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
     p.add_argument("--prometheus", default="", metavar="FILE",
@@ -118,7 +124,8 @@ def _mount(a) -> int:
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
-                      readonly=a.ro, prometheus_file=os.path.abspath(a.prometheus)
+                      readonly=a.ro, direct_writes=a.direct_writes,
+                      readahead_kb=a.readahead // 1024, prometheus_file=os.path.abspath(a.prometheus)
                       if a.prometheus else "")
     _setup_logging(a.debug)
     if a.foreground:
@@ -261,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="ckptfs", description="ckptfs: a FUSE file system for checkpoints. Packs many "
         "checkpoint files into large aligned io_uring writes to a few logs.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ckptfs import __version__
+
+    parser.add_argument("--version", action="version", version=f"ckptfs {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_mount(sub)
     p = sub.add_parser("umount", help="flush, wait until durable, unmount",

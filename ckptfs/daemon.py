@@ -52,6 +52,7 @@ class MountConfig:
     readahead_kb: int = 4096
     readonly: bool = False
     prometheus_file: str = ""
+    direct_writes: bool = False
     writeback_cache: bool = True
     allow_other: bool = False
     debug: bool = False
@@ -280,6 +281,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                          info)
     ops.readonly = wd is None
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
+    ops.direct_writes = cfg.direct_writes
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -66,6 +66,7 @@ class CkptOperations(pyfuse3.Operations):
         self.backing = backing
         self.info = info
         self.readonly = False
+        self.direct_writes = False
         self.handles: dict[int, _Handle] = {}
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
         now = time.time_ns()
@@ -281,7 +282,7 @@ class CkptOperations(pyfuse3.Operations):
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx)
         fh = self._open_handle(x, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attr(x)
+        return self._file_info(fh, flags), self._attr(x)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         x = self._writable(self._inode(inode))
@@ -386,7 +387,14 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
-        return pyfuse3.FileInfo(fh=self._open_handle(x, flags), keep_cache=True)
+        return self._file_info(self._open_handle(x, flags), flags)
+
+    def _file_info(self, fh: int, flags: int) -> pyfuse3.FileInfo:
+        # Write-only handles bypass the kernel page cache when direct_writes is on: the
+        # application's buffers go straight into WRITE requests (one copy less, no page-cache
+        # growth); readers keep the page cache and its readahead.
+        direct = self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not direct, direct_io=direct)
 
     async def read(self, fh, off, size):
         h = self.handles.get(fh)
