@@ -1,0 +1,441 @@
+"""``ckptfs bench scaling``: one backing directory, 1, 2 and 4 writers.
+
+Each writer is a ckptfs daemon with its own writer id (`w0`, `w1` ...) mounted on one shared
+backing directory, fed by one writer process that saves its share of a GPT-2-shaped training
+state (weights + Adam state, `ckptfs.bench.models.tensor_specs`) with one `torch.save` per
+tensor into `MOUNT/step_1/rank_<i>/<models.file_name>`. The state (`--total`, default 1G) is the
+same for every writer count; its tensors are dealt out to the writers like a sharded optimizer
+state (largest first to the least loaded writer), so the numbers compare how the same
+checkpoint drains with more writers.
+
+The clock starts when every writer process has its state in memory (and the page cache was
+dropped, `sync; echo 1 > /proc/sys/vm/drop_caches`, when root) and stops when every writer's
+mount returned from `sync` (everything durable in the backing directory). GB/s = total payload
+bytes / that time. Runs alternate (1 2 4 1 2 4 ...), after a warm-up run that is not counted,
+each in a fresh backing directory.
+
+Metadata: after each run (all unmounted) the entries created under the backing directory are
+counted (files + directories): that is what the metadata server sees per checkpoint with ckptfs.
+Next to it, what plain `torch.save` straight into a directory creates for the same checkpoint:
+one file per tensor plus every directory of the tree.
+
+Heavy runs share the disk with other benchmarks: run them under
+`flock /tmp/ckptfs-bench.lock ckptfs bench scaling ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from ckptfs import api
+from ckptfs.bench import models
+
+QUICK_TOTAL = 16 << 20  # with --quick: weights only (no Adam state), the smallest GPT-2 state
+DEFAULT_WRITERS = (1, 2, 4)
+
+
+def parse_size(text: str) -> int:
+    from ckptfs.cli import parse_size as p
+
+    return p(text)
+
+
+def drop_caches() -> bool:
+    """`sync; echo 1 > /proc/sys/vm/drop_caches` (page cache). False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ writer processes
+def _save_worker(conn, root: str, specs, seed: int, wait_go: bool, pause_s: float,
+                 progress: bool) -> None:
+    """A writer process: build the state (outside any timing), report ready, wait for go, save
+    one file per tensor under `root`, report ("done", files saved, seconds, error or None).
+    Errors (a dead mount: ENOTCONN, EIO ...) are reported, never raised."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        sd = models.state_dict(specs, seed)
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("done", 0, 0.0, f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", nbytes))
+    if wait_go:
+        conn.recv()
+    saved, err = 0, None
+    t0 = time.perf_counter()
+    try:
+        for name, t in sd.items():
+            path = os.path.join(root, models.file_name(name))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(t, path)
+            saved += 1
+            if progress:
+                conn.send(("saved", saved))
+            if pause_s:
+                time.sleep(pause_s)
+    except BaseException as exc:  # noqa: BLE001
+        err = f"{type(exc).__name__}: {exc}"
+    conn.send(("done", saved, time.perf_counter() - t0, err))
+    conn.close()
+
+
+_CTX = None
+
+
+def context():
+    """Writer processes come from a fork server that imported torch once (a fresh `python`
+    per writer would spend ~2 s of CPU importing torch, on 2 cores)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "ckptfs.bench.models", "ckptfs.bench.scaling"])
+    return _CTX
+
+
+class Writer:
+    """One writer process saving `specs` (contents from `seed`) under `root`."""
+
+    def __init__(self, root: str, specs, seed: int, wait_go: bool = False, pause_s: float = 0.0,
+                 progress: bool = False) -> None:
+        ctx = context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_save_worker,
+                                args=(child, root, specs, seed, wait_go, pause_s, progress))
+        self.proc.start()
+        child.close()
+        self.nbytes = 0
+        self.saved = 0
+        self.seconds = 0.0
+        self.error: str | None = None
+        self.done = False
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"writer process {self.proc.pid} silent for {timeout} s")
+        msg = self.conn.recv()
+        if msg[0] == "saved":
+            self.saved = msg[1]
+        elif msg[0] == "done":
+            _, self.saved, self.seconds, self.error = msg
+            self.done = True
+        elif msg[0] == "ready":
+            self.nbytes = msg[1]
+        return msg
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        msg = self._recv(timeout)
+        if msg[0] != "ready":
+            raise RuntimeError(f"writer failed before saving: {self.error}")
+
+    def go(self) -> None:
+        self.conn.send("go")
+
+    def wait_saved(self, count: int, timeout: float = 60.0) -> None:
+        """Until at least `count` tensors are saved (needs progress=True)."""
+        deadline = time.monotonic() + timeout
+        while self.saved < count and not self.done:
+            self._recv(max(0.01, deadline - time.monotonic()))
+
+    def wait(self, timeout: float = 600.0) -> "Writer":
+        deadline = time.monotonic() + timeout
+        while not self.done:
+            self._recv(max(0.01, deadline - time.monotonic()))
+        self.proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        self.conn.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+
+# ------------------------------------------------------------------ one run
+def count_entries(path: str) -> tuple[int, int]:
+    """(files, directories) below `path` (not counting `path` itself)."""
+    files = dirs = 0
+    for _, dnames, fnames in os.walk(path):
+        files += len(fnames)
+        dirs += len(dnames)
+    return files, dirs
+
+
+def plain_entries(shards: list[list[tuple]]) -> tuple[int, int]:
+    """(files, directories) that plain torch.save (one file per tensor) creates for the same
+    checkpoint tree `step_1/rank_<i>/<file_name>`."""
+    files, dirs = 0, {"step_1"}
+    for i, specs in enumerate(shards):
+        for name, _, _ in specs:
+            rel = f"step_1/rank_{i}/{models.file_name(name)}"
+            files += 1
+            d = os.path.dirname(rel)
+            while d and d not in dirs:
+                dirs.add(d)
+                d = os.path.dirname(d)
+    return files, len(dirs)
+
+
+def shard_specs(arch: str, total: int, writers: int, optimizer: bool = True) -> list[list[tuple]]:
+    """One state of about `total` bytes (`models.tensor_specs`), its tensors dealt out to the
+    writers like a sharded optimizer state: largest first, each to the least loaded writer, so
+    every writer count saves exactly the same tensors and bytes."""
+    specs = models.tensor_specs(arch, total, optimizer=optimizer)
+    sizes = models.sizes(specs)
+    shards: list[list[tuple]] = [[] for _ in range(writers)]
+    load = [0] * writers
+    for i in sorted(range(len(specs)), key=lambda i: -sizes[i]):
+        w = load.index(min(load))
+        shards[w].append(specs[i])
+        load[w] += sizes[i]
+    order = {s[0]: k for k, s in enumerate(specs)}
+    return [sorted(s, key=lambda x: order[x[0]]) for s in shards]
+
+
+def run_once(a, writers: int, label: str) -> dict:
+    """One checkpoint with `writers` writers; returns the measurements."""
+    work = tempfile.mkdtemp(prefix="ckptfs-scaling-", dir=a.dir)
+    backing = os.path.join(work, "backing")
+    os.makedirs(backing)
+    mounts: list[api.Mount] = []
+    procs: list[Writer] = []
+    res: dict = {"writers": writers, "label": label, "ok": False}
+    try:
+        shards = shard_specs(a.arch, a.total, writers, optimizer=not a.quick)
+        for i in range(writers):
+            mp_ = os.path.join(work, f"mnt{i}")
+            os.makedirs(mp_)
+            m = api.Mount(backing, mp_, writer_id=f"w{i}", staging_size=a.staging,
+                          segment_size=a.segment, timeout=120.0,
+                          log_file=os.path.join(work, f"daemon{i}.log"))
+            m.start()
+            mounts.append(m)
+        for i, specs in enumerate(shards):
+            procs.append(Writer(os.path.join(mounts[i].mountpoint, "step_1", f"rank_{i}"),
+                                specs, seed=1000 * writers + i, wait_go=True))
+        for p in procs:
+            p.wait_ready()
+        payload = sum(p.nbytes for p in procs)
+        res["caches_dropped"] = drop_caches() if a.drop_caches else False
+        t0 = time.perf_counter()
+        for p in procs:
+            p.go()
+        for p in procs:
+            p.wait(timeout=a.step_timeout)
+        t_saved = time.perf_counter() - t0
+        errors = [p.error for p in procs if p.error]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        sync_err: list[BaseException] = []
+
+        def _sync(m: api.Mount) -> None:
+            try:
+                m.sync()
+            except BaseException as exc:  # noqa: BLE001
+                sync_err.append(exc)
+        threads = [threading.Thread(target=_sync, args=(m,)) for m in mounts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        t_durable = time.perf_counter() - t0
+        if sync_err:
+            raise sync_err[0]
+        durable = sum(m.status()["bytes_durable"] for m in mounts)
+        for m in mounts:
+            m.stop()
+        mounts.clear()
+        files, dirs = count_entries(backing)
+        pfiles, pdirs = plain_entries(shards)
+        res.update({
+            "ok": durable >= payload,
+            "payload_bytes": payload,
+            "bytes_durable": durable,
+            "tensors": sum(len(s) for s in shards),
+            "saved_s": t_saved,
+            "durable_s": t_durable,
+            "gbps": payload / t_durable / 1e9,
+            "per_writer_saved_s": [p.seconds for p in procs],
+            "backing_files": files,
+            "backing_dirs": dirs,
+            "backing_entries": files + dirs,
+            "plain_files": pfiles,
+            "plain_dirs": pdirs,
+            "plain_entries": pfiles + pdirs,
+        })
+        if not res["ok"]:
+            res["error"] = f"only {durable} of {payload} bytes durable"
+    except Exception as exc:  # noqa: BLE001 - reported in the results, the bench goes on
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for p in procs:
+            p.kill()
+        for m in mounts:
+            try:
+                m.stop()
+            except Exception:  # noqa: BLE001
+                m.kill()
+        if a.keep_failed and not res["ok"]:
+            res["kept"] = work
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+# ------------------------------------------------------------------ reporting
+def machine() -> dict:
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_bytes": mem,
+            "kernel": platform.release(), "python": platform.python_version()}
+
+
+def summarize(runs: list[dict], writers: list[int]) -> dict:
+    out = {}
+    for n in writers:
+        rs = [r for r in runs if r["writers"] == n and r["label"] == "measured"]
+        ok = [r for r in rs if r["ok"]]
+        s: dict = {"runs": len(rs), "runs_ok": len(ok),
+                   "errors": [r.get("error") for r in rs if not r["ok"]]}
+        if ok:
+            g = [r["gbps"] for r in ok]
+            s.update({
+                "payload_bytes": ok[0]["payload_bytes"],
+                "tensors": ok[0]["tensors"],
+                "gbps_median": statistics.median(g), "gbps_min": min(g), "gbps_max": max(g),
+                "durable_s_median": statistics.median(r["durable_s"] for r in ok),
+                "saved_s_median": statistics.median(r["saved_s"] for r in ok),
+                "backing_entries": ok[0]["backing_entries"],
+                "backing_files": ok[0]["backing_files"],
+                "plain_entries": ok[0]["plain_entries"],
+                "plain_files": ok[0]["plain_files"],
+            })
+        out[str(n)] = s
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = ["| writers | MB | tensors | durable s (median) | GB/s median | min | max | "
+             "save s (median) | backing entries (ckptfs) | plain torch.save entries |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, s in summary.items():
+        if not s["runs_ok"]:
+            lines.append(f"| {n} | failed: {s['errors'][:1]} |")
+            continue
+        lines.append(f"| {n} | {s['payload_bytes'] / 1e6:.0f} | {s['tensors']} | "
+                     f"{s['durable_s_median']:.2f} | {s['gbps_median']:.2f} | "
+                     f"{s['gbps_min']:.2f} | {s['gbps_max']:.2f} | {s['saved_s_median']:.2f} | "
+                     f"{s['backing_entries']} | {s['plain_entries']} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ckptfs bench scaling", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--writers", default=",".join(map(str, DEFAULT_WRITERS)),
+                    help="writer counts, comma separated")
+    ap.add_argument("--total", type=parse_size, default=None,
+                    help="checkpoint size, split across the writers (default 1G)")
+    ap.add_argument("--arch", choices=sorted(models.ARCHS), default="gpt2")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny run for tests: 16M of weights, 1 round, no cache dropping")
+    ap.add_argument("--dir", default="/var/tmp", help="where the backing directories and "
+                    "mount points are made (a fresh one per run, removed after)")
+    ap.add_argument("--staging", default="512M", help="ckptfs staging memory per writer")
+    ap.add_argument("--segment", default="8M", help="ckptfs segment size")
+    ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                    help="do not drop the page cache before each run")
+    ap.add_argument("--step-timeout", type=float, default=600.0)
+    ap.add_argument("--keep-failed", action="store_true",
+                    help="keep the work directory of a failed run")
+    ap.add_argument("--json", default=None, help="write all results as JSON here")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        writers = [int(x) for x in a.writers.split(",") if x.strip()]
+    except ValueError:
+        print("ckptfs bench scaling: --writers takes numbers, e.g. 1,2,4", file=sys.stderr)
+        return 2
+    if not writers or min(writers) < 1:
+        print("ckptfs bench scaling: --writers must be >= 1", file=sys.stderr)
+        return 2
+    if a.quick:
+        a.total = a.total or QUICK_TOTAL
+        a.rounds = a.rounds or 1
+        a.staging = "64M" if a.staging == "512M" else a.staging
+        a.segment = "4M" if a.segment == "8M" else a.segment
+        a.drop_caches = False
+    a.total = a.total or (1 << 30)
+    a.rounds = a.rounds or 3
+    if not os.path.isdir(a.dir):
+        print(f"ckptfs bench scaling: --dir {a.dir} is not a directory", file=sys.stderr)
+        return 2
+    runs: list[dict] = []
+    t_start = time.time()
+    if not a.no_warmup:
+        r = run_once(a, writers[0], "warmup")
+        runs.append(r)
+        print(f"warm-up ({writers[0]} writer): "
+              + (f"{r['gbps']:.2f} GB/s" if r["ok"] else f"FAILED {r.get('error')}"), flush=True)
+    for rnd in range(a.rounds):
+        for n in writers:
+            r = run_once(a, n, "measured")
+            r["round"] = rnd
+            runs.append(r)
+            print(f"round {rnd + 1}/{a.rounds}, {n} writer(s): "
+                  + (f"{r['payload_bytes'] / 1e6:.0f} MB durable in {r['durable_s']:.2f} s = "
+                     f"{r['gbps']:.2f} GB/s; backing entries {r['backing_entries']} vs plain "
+                     f"{r['plain_entries']}" if r["ok"] else f"FAILED {r.get('error')}"),
+                  flush=True)
+    summary = summarize(runs, writers)
+    result = {"bench": "scaling", "command": "ckptfs bench scaling " + " ".join(argv),
+              "machine": machine(), "started": t_start, "seconds": time.time() - t_start,
+              "config": {"writers": writers, "total_bytes": a.total, "arch": a.arch,
+                         "rounds": a.rounds, "warmup": not a.no_warmup, "dir": a.dir,
+                         "staging": a.staging, "segment": a.segment,
+                         "drop_caches": a.drop_caches, "root": os.geteuid() == 0},
+              "runs": runs, "summary": summary}
+    print()
+    print(table(summary))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"scaling: wrote {a.json}")
+    return 0 if all(s["runs_ok"] == s["runs"] for s in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,392 @@
+"""Many writers, one backing directory: real mounts, real writer processes (torch.save per tensor).
+
+Layout of the checkpoints: `step_<s>/rank_<r>/<models.file_name(tensor)>`, 8 ranks = 4 daemons
+(writer ids w0..w3) x 2 writer processes. Every restore is compared bit for bit with the tensors
+that were saved (regenerated from the same seed)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckptfs import api
+from ckptfs.bench import models
+from ckptfs.bench.scaling import Writer
+
+torch = pytest.importorskip("torch")
+
+# a few MB per rank, with a 0-dim tensor, bf16 and nested directories like a real state dict
+RANK_SPECS = [
+    ("model.embed.weight", (512, 256), "bfloat16"),
+    ("model.layers.0.attn.c_attn.weight", (256, 768), "float32"),
+    ("model.layers.0.mlp.c_fc.bias", (1024,), "float32"),
+    ("optim.exp_avg.layers.0.attn.c_attn.weight", (256, 768), "float32"),
+    ("optim.exp_avg_sq.layers.0.attn.c_attn.weight", (256, 768), "float32"),
+    ("model.norm.weight", (256,), "bfloat16"),
+    ("optim.step", (), "int64"),
+]
+RANKS = 8
+DAEMONS = 4
+
+
+def seed(step: int, rank: int) -> int:
+    return 1000 * step + rank
+
+
+def rank_dir(root: str, step: int, rank: int) -> str:
+    return os.path.join(root, f"step_{step}", f"rank_{rank}")
+
+
+def start_rank(m: api.Mount, step: int, rank: int, **kw) -> Writer:
+    return Writer(rank_dir(m.mountpoint, step, rank), RANK_SPECS, seed(step, rank), **kw)
+
+
+def finish(writers: list[Writer], timeout: float = 60.0) -> None:
+    for w in writers:
+        w.wait(timeout)
+    errors = [w.error for w in writers if w.error]
+    assert not errors, errors
+    assert all(w.saved == len(RANK_SPECS) for w in writers)
+
+
+def bits(t) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+_EXPECTED: dict[tuple[int, int], dict] = {}
+
+
+def expected(step: int, rank: int) -> dict:
+    key = (step, rank)
+    if key not in _EXPECTED:
+        _EXPECTED[key] = models.state_dict(RANK_SPECS, seed(step, rank))
+    return _EXPECTED[key]
+
+
+def check_rank(root: str, step: int, rank: int) -> None:
+    """Every tensor of (step, rank) under `root` loads bit-exact."""
+    for name, t in expected(step, rank).items():
+        path = os.path.join(rank_dir(root, step, rank), models.file_name(name))
+        got = torch.load(path, weights_only=True)
+        assert got.dtype == t.dtype and got.shape == t.shape, path
+        assert bits(got) == bits(t), f"{path}: content differs"
+
+
+def read_tree(root: str) -> int:
+    """Read every file below `root` (no EIO, no short read); returns the bytes read."""
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                data = fh.read()
+            assert len(data) == os.path.getsize(p), p
+            total += len(data)
+    return total
+
+
+def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def verify_ok(backing: str) -> None:
+    r = cli("verify", backing)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("OK:"), r.stdout
+
+
+def listed(backing: str) -> set[str]:
+    r = cli("ls", "-R", backing)
+    assert r.returncode == 0, r.stderr
+    return set(r.stdout.split("\n"))
+
+
+def rank_paths(step: int, rank: int) -> set[str]:
+    return {f"/step_{step}/rank_{rank}/{models.file_name(n)}" for n, _, _ in RANK_SPECS}
+
+
+def writer_files_digest(backing: str, writer: str) -> dict[str, str]:
+    """sha256 of everything a writer owns except its lock file (rewritten by each mount)."""
+    wdir = os.path.join(backing, "writers", writer)
+    out = {}
+    for name in sorted(os.listdir(wdir)):
+        if name == "writer.lock":
+            continue
+        with open(os.path.join(wdir, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def four_writers(mounts, backing: str) -> list[api.Mount]:
+    return [mounts.mount(backing, writer_id=f"w{i}") for i in range(DAEMONS)]
+
+
+def daemon_of(rank: int) -> int:
+    return rank // (RANKS // DAEMONS)
+
+
+def save_step(ms: list[api.Mount], step: int) -> None:
+    finish([start_rank(ms[daemon_of(r)], step, r) for r in range(RANKS)])
+    for m in ms:
+        m.sync()
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.timeout(90)
+def test_four_daemons_eight_ranks_restore_on_ro_mount(mounts):
+    backing = mounts.backing()
+    ms = four_writers(mounts, backing)
+    save_step(ms, 1)
+
+    ro = mounts.mount(backing, ro=True)
+    st = ro.status()
+    assert st["readonly"] is True and st["writers"] == DAEMONS and st["conflicts"] == 0
+    for r in range(RANKS):
+        check_rank(ro.mountpoint, 1, r)
+    assert sorted(os.listdir(os.path.join(ro.mountpoint, "step_1"))) == \
+        [f"rank_{r}" for r in range(RANKS)]
+    # each writer wrote only into its own directory
+    assert sorted(os.listdir(os.path.join(backing, "writers"))) == [f"w{i}" for i in range(4)]
+
+    verify_ok(backing)
+    names = listed(backing)
+    for r in range(RANKS):
+        assert f"/step_1/rank_{r}" in names
+        assert rank_paths(1, r) <= names, r
+
+
+@pytest.mark.timeout(120)
+def test_killed_writer_others_intact_and_restart(mounts):
+    backing = mounts.backing()
+    ms = four_writers(mounts, backing)
+    save_step(ms, 1)  # step 1 durable everywhere (sync on every mount)
+
+    victim = 1
+    vranks = [r for r in range(RANKS) if daemon_of(r) == victim]
+    writers = {}
+    for r in range(RANKS):
+        slow = daemon_of(r) == victim
+        writers[r] = start_rank(ms[daemon_of(r)], 2, r, pause_s=0.3 if slow else 0.0,
+                                progress=slow)
+    for r in vranks:
+        writers[r].wait_saved(1)
+    # SIGKILL the daemon while its ranks are saving step 2. The dead mount stays in place
+    # (ENOTCONN) until it is detached, as on a node whose daemon died: detaching it at once
+    # would let the ranks' next paths resolve to the empty directory underneath.
+    os.kill(ms[victim].pid, 9)
+    for w in writers.values():
+        w.wait(60)
+    ms[victim].kill()  # reap, lazy unmount of the stale mount
+    assert not api.is_mounted(ms[victim].mountpoint)
+    assert os.listdir(ms[victim].mountpoint) == []
+    for r in range(RANKS):
+        if r in vranks:
+            assert writers[r].error, "the killed daemon's writers must see an error"
+            assert writers[r].saved < len(RANK_SPECS)
+        else:
+            assert writers[r].error is None, writers[r].error
+    for i, m in enumerate(ms):
+        if i != victim:
+            m.sync()
+
+    ro = mounts.mount(backing, ro=True)
+    for r in range(RANKS):
+        check_rank(ro.mountpoint, 1, r)  # the victim's synced step is intact too
+        if r not in vranks:
+            check_rank(ro.mountpoint, 2, r)
+    for r in vranks:  # whatever of the interrupted step was committed reads without errors
+        d = rank_dir(ro.mountpoint, 2, r)
+        if os.path.exists(d):
+            read_tree(d)
+    verify_ok(backing)
+
+    others = {f"w{i}": writer_files_digest(backing, f"w{i}") for i in range(DAEMONS)
+              if i != victim}
+    # restart the victim with the same identity, on the same mount point
+    again = mounts.mount(backing, mountpoint=ms[victim].mountpoint, writer_id=f"w{victim}")
+    for r in vranks:
+        check_rank(again.mountpoint, 1, r)
+    check_rank(again.mountpoint, 2, 0)  # the others' step 2, committed before the restart
+    finish([start_rank(again, 3, r) for r in vranks])
+    again.sync()
+    assert {w: writer_files_digest(backing, w) for w in others} == others
+
+    ro2 = mounts.mount(backing, ro=True)
+    for r in range(RANKS):
+        check_rank(ro2.mountpoint, 1, r)
+        if r not in vranks:
+            check_rank(ro2.mountpoint, 2, r)
+        else:
+            check_rank(ro2.mountpoint, 3, r)
+    verify_ok(backing)
+    names = listed(backing)
+    for r in vranks:
+        assert rank_paths(3, r) <= names
+
+
+@pytest.mark.timeout(90)
+def test_late_writer_sees_committed_files_and_copies_up(mounts):
+    backing = mounts.backing()
+    w0 = mounts.mount(backing, writer_id="w0")
+    w1 = mounts.mount(backing, writer_id="w1")
+    finish([start_rank(w0, 1, 0), start_rank(w1, 1, 1)])
+    w0.sync()
+    w1.sync()
+
+    late = mounts.mount(backing, writer_id="w2")  # joins while w0, w1 are mounted
+    check_rank(late.mountpoint, 1, 0)
+    check_rank(late.mountpoint, 1, 1)
+    foreign = os.path.join(rank_dir(late.mountpoint, 1, 0), models.file_name("model.embed.weight"))
+    for fn in (lambda: open(foreign, "r+b"), lambda: os.unlink(foreign),
+               lambda: os.truncate(foreign, 0)):
+        with pytest.raises(OSError) as ei:
+            fn()
+        assert ei.value.errno == errno.EROFS
+
+    # new rank directory inside the others' step_1, and a file inside w0's own rank_0
+    finish([start_rank(late, 1, 2)])
+    extra = torch.arange(1000, dtype=torch.int64)
+    torch.save(extra, os.path.join(rank_dir(late.mountpoint, 1, 0), "extra.pt"))
+    late.sync()
+    check_rank(late.mountpoint, 1, 2)
+    check_rank(late.mountpoint, 1, 0)
+
+    ro = mounts.mount(backing, ro=True)
+    for r in range(3):
+        check_rank(ro.mountpoint, 1, r)
+    got = torch.load(os.path.join(rank_dir(ro.mountpoint, 1, 0), "extra.pt"), weights_only=True)
+    assert bits(got) == bits(extra)
+    assert sorted(os.listdir(os.path.join(ro.mountpoint, "step_1"))) == \
+        ["rank_0", "rank_1", "rank_2"]
+
+    # the copy-up survives a restart of the late writer
+    late.stop()
+    late2 = mounts.mount(backing, writer_id="w2")
+    check_rank(late2.mountpoint, 1, 2)
+    assert "extra.pt" in os.listdir(rank_dir(late2.mountpoint, 1, 0))
+    verify_ok(backing)
+    names = listed(backing)
+    assert "/step_1/rank_0/extra.pt" in names and rank_paths(1, 2) <= names
+
+
+@pytest.mark.timeout(90)
+def test_conflict_later_commit_wins(mounts):
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0")
+    b = mounts.mount(backing, writer_id="w1")
+    va, vb, vc, vd = (torch.full((1000,), float(i)) for i in range(4))
+
+    def save(m, rel, t):
+        p = os.path.join(m.mountpoint, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        torch.save(t, p)
+        m.sync()
+        time.sleep(0.01)
+
+    save(a, "step_1/shared.pt", va)
+    save(b, "step_1/shared.pt", vb)  # w1 commits later: w1 wins
+    save(b, "step_1/other.pt", vc)
+    save(a, "step_1/other.pt", vd)  # w0 commits later: w0 wins, although "w0" < "w1"
+    save(a, "step_1/only_a.pt", va)
+
+    ro = mounts.mount(backing, ro=True)
+    assert ro.status()["conflicts"] == 2
+
+    def load(rel):
+        return torch.load(os.path.join(ro.mountpoint, rel), weights_only=True)
+    assert bits(load("step_1/shared.pt")) == bits(vb)
+    assert bits(load("step_1/other.pt")) == bits(vd)
+    assert bits(load("step_1/only_a.pt")) == bits(va)
+
+    r = cli("ls", "--conflicts", backing)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(":", 1)[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
+    assert set(lines) == {"/step_1/shared.pt", "/step_1/other.pt"}, r.stdout
+    for path, winner in (("/step_1/shared.pt", "w1"), ("/step_1/other.pt", "w0")):
+        ln = lines[path]
+        assert "w0" in ln and "w1" in ln
+        assert ln.rstrip().endswith(f"(winner: {winner})"), ln
+        assert ln.split(": ", 1)[1].startswith(f"{winner} @"), ln  # winner listed first
+    verify_ok(backing)
+
+
+@pytest.mark.timeout(60)
+def test_ro_mounts_refuse_changes_and_coexist(mounts):
+    backing = mounts.backing()
+    w = mounts.mount(backing, writer_id="w0")
+    finish([start_rank(w, 1, 0)])
+    os.mkdir(os.path.join(w.mountpoint, "emptydir"))
+    w.sync()
+
+    ro1 = mounts.mount(backing, ro=True)
+    ro2 = mounts.mount(backing, ro=True)  # two read-only mounts at once
+    for ro in (ro1, ro2):
+        check_rank(ro.mountpoint, 1, 0)
+    for ro in (ro1, ro2):
+        root = ro.mountpoint
+        existing = os.path.join(rank_dir(root, 1, 0), models.file_name("model.embed.weight"))
+        attempts = {
+            "create": lambda: os.open(os.path.join(root, "new.pt"), os.O_CREAT | os.O_WRONLY,
+                                      0o644),
+            "write": lambda: os.open(existing, os.O_WRONLY),
+            "truncate": lambda: os.truncate(existing, 0),
+            "unlink": lambda: os.unlink(existing),
+            "mkdir": lambda: os.mkdir(os.path.join(root, "d")),
+            "rmdir": lambda: os.rmdir(os.path.join(root, "emptydir")),
+            "rename": lambda: os.rename(existing, os.path.join(root, "moved.pt")),
+        }
+        for what, fn in attempts.items():
+            with pytest.raises(OSError) as ei:
+                fn()
+            assert ei.value.errno == errno.EROFS, what
+    for ro in (ro1, ro2):  # nothing changed, both still serve
+        check_rank(ro.mountpoint, 1, 0)
+        assert os.path.isdir(os.path.join(ro.mountpoint, "emptydir"))
+    ro1.stop()
+    check_rank(ro2.mountpoint, 1, 0)
+    # the read-only mounts left no writer behind
+    assert os.listdir(os.path.join(backing, "writers")) == ["w0"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_scaling_quick_json(tmp_path):
+    out = tmp_path / "scaling.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "scaling", "--quick",
+                        "--dir", str(work), "--json", str(out)],
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["bench"] == "scaling" and res["config"]["writers"] == [1, 2, 4]
+    assert res["machine"]["cpus"] >= 1
+    measured = [x for x in res["runs"] if x["label"] == "measured"]
+    assert [x["writers"] for x in measured] == [1, 2, 4]
+    payloads = {x["payload_bytes"] for x in res["runs"]}
+    assert len(payloads) == 1  # the same checkpoint for every writer count
+    for x in res["runs"]:
+        assert x["ok"], x.get("error")
+        assert x["durable_s"] > 0 and x["gbps"] > 0
+        assert x["bytes_durable"] >= x["payload_bytes"]
+        n = x["writers"]
+        # per writer: writers/<id>/ + writer.json, writer.lock, index.log, >= 1 data log;
+        # plus ckptfs.json and writers/
+        assert x["backing_entries"] >= 2 + 5 * n
+        assert x["backing_entries"] < x["plain_entries"]
+        assert x["plain_files"] == x["tensors"]
+    for n in ("1", "2", "4"):
+        s = res["summary"][n]
+        assert s["runs_ok"] == s["runs"] == 1
+        assert s["gbps_min"] <= s["gbps_median"] <= s["gbps_max"]
+    assert "| writers |" in r.stdout
+    assert os.listdir(work) == []  # every run cleaned up after itself
+    with open("/proc/self/mountinfo") as f:
+        assert not [ln for ln in f if str(tmp_path) in ln]
