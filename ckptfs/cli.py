@@ -94,8 +94,8 @@ def _add_mount(sub) -> None:
                    help="seconds without writes after which a partial segment is flushed")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
                    default=d.writeback_cache,
-                   help="kernel writeback cache: merges small writes into 1 MiB requests; "
-                   "without it, each write() is sent to ckptfs as it comes")
+                   help="kernel writeback cache: merges small writes into 1 MiB requests "
+                   "(for workloads of small writes); turns --direct-writes off")
     p.add_argument("--direct-writes", action=argparse.BooleanOptionalAction,
                    default=d.direct_writes,
                    help="write-only opens bypass the kernel page cache (FOPEN_DIRECT_IO): "

@@ -52,8 +52,8 @@ class MountConfig:
     readahead_kb: int = 4096
     readonly: bool = False
     prometheus_file: str = ""
-    direct_writes: bool = False
-    writeback_cache: bool = True
+    direct_writes: bool = True
+    writeback_cache: bool = False
     allow_other: bool = False
     debug: bool = False
     populate: bool = True
@@ -281,7 +281,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                          info)
     ops.readonly = wd is None
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
-    ops.direct_writes = cfg.direct_writes
+    # With the writeback cache the kernel owns mtime and does not move it on direct writes:
+    # the two do not mix (docs/tuning.md).
+    ops.direct_writes = cfg.direct_writes and not ops.enable_writeback_cache
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -43,12 +43,13 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags")
+    __slots__ = ("ino", "inode", "flags", "wrote")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
         self.inode = inode
         self.flags = flags
+        self.wrote = False
 
 
 class CkptOperations(pyfuse3.Operations):
@@ -67,6 +68,7 @@ class CkptOperations(pyfuse3.Operations):
         self.info = info
         self.readonly = False
         self.direct_writes = False
+        self.written_direct: set[int] = set()
         self.handles: dict[int, _Handle] = {}
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
         now = time.time_ns()
@@ -282,7 +284,7 @@ class CkptOperations(pyfuse3.Operations):
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx)
         fh = self._open_handle(x, flags)
-        return self._file_info(fh, flags), self._attr(x)
+        return self._file_info(x, fh, flags), self._attr(x)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         x = self._writable(self._inode(inode))
@@ -387,14 +389,21 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
-        return self._file_info(self._open_handle(x, flags), flags)
+        return self._file_info(x, self._open_handle(x, flags), flags)
 
-    def _file_info(self, fh: int, flags: int) -> pyfuse3.FileInfo:
+    def _file_info(self, x: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
         # Write-only handles bypass the kernel page cache when direct_writes is on: the
         # application's buffers go straight into WRITE requests (one copy less, no page-cache
-        # growth); readers keep the page cache and its readahead.
+        # growth, no dirty-page throttling, close() does not wait for writeback); readers keep
+        # the page cache and its readahead. A file written that way may have stale pages
+        # cached from an earlier read: the next read-open drops them (keep_cache off).
         direct = self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
-        return pyfuse3.FileInfo(fh=fh, keep_cache=not direct, direct_io=direct)
+        if direct:
+            self.written_direct.add(x.ino)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
+        keep = x.ino not in self.written_direct
+        self.written_direct.discard(x.ino)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def read(self, fh, off, size):
         h = self.handles.get(fh)
@@ -455,6 +464,7 @@ class CkptOperations(pyfuse3.Operations):
         if end > x.size:
             x.size = end
         x.mtime_ns = x.ctime_ns = time.time_ns()
+        h.wrote = True
         self.bytes_written += len(buf)
         self.write_requests += 1
         return len(buf)
@@ -468,6 +478,12 @@ class CkptOperations(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh, None)
         self.snapshots.pop(fh, None)
+        if h is not None and h.wrote and h.inode.layer == 0 and not self.readonly:
+            # Writes move mtime/ctime; one SETATTR per written file at close makes them
+            # durable (journaled after the file's extents).
+            x = h.inode
+            self.ns.change(SetattrRec(x.ino, x.mode, x.uid, x.gid, x.atime_ns, x.mtime_ns,
+                                      x.ctime_ns))
         if h is not None:
             h.inode.opens -= 1
             self.ns.maybe_forget(h.inode)
