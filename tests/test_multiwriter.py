@@ -18,7 +18,7 @@ import pytest
 
 from ckptfs import api
 from ckptfs.bench import models
-from ckptfs.bench.scaling import Writer
+from ckptfs.bench.scaling import Writer, parallel
 
 torch = pytest.importorskip("torch")
 
@@ -126,7 +126,19 @@ def writer_files_digest(backing: str, writer: str) -> dict[str, str]:
 
 
 def four_writers(mounts, backing: str) -> list[api.Mount]:
-    return [mounts.mount(backing, writer_id=f"w{i}") for i in range(DAEMONS)]
+    """Four daemons started at once (as on a cluster; also faster on 2 cores)."""
+    ms = []
+    for i in range(DAEMONS):
+        mounts.n += 1
+        mp = os.path.join(mounts.tmp, f"mnt{mounts.n}")
+        os.makedirs(mp)
+        m = api.Mount(backing, mp, log_file=os.path.join(mounts.tmp, f"daemon{mounts.n}.log"),
+                      writer_id=f"w{i}", staging_size="64M", segment_size="4M",
+                      read_cache="64M", no_populate=True)
+        mounts.live.append(m)  # the fixture unmounts it in teardown
+        ms.append(m)
+    parallel([m.start for m in ms])
+    return ms
 
 
 def daemon_of(rank: int) -> int:

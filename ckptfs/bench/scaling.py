@@ -169,6 +169,25 @@ class Writer:
 
 
 # ------------------------------------------------------------------ one run
+def parallel(calls, raise_first: bool = True) -> list[BaseException]:
+    """Run the calls in threads at once; the first exception is raised (or all returned)."""
+    errors: list[BaseException] = []
+
+    def run(c) -> None:
+        try:
+            c()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors and raise_first:
+        raise errors[0]
+    return errors
+
+
 def count_entries(path: str) -> tuple[int, int]:
     """(files, directories) below `path` (not counting `path` itself)."""
     files = dirs = 0
@@ -222,11 +241,10 @@ def run_once(a, writers: int, label: str) -> dict:
         for i in range(writers):
             mp_ = os.path.join(work, f"mnt{i}")
             os.makedirs(mp_)
-            m = api.Mount(backing, mp_, writer_id=f"w{i}", staging_size=a.staging,
-                          segment_size=a.segment, timeout=120.0,
-                          log_file=os.path.join(work, f"daemon{i}.log"))
-            m.start()
-            mounts.append(m)
+            mounts.append(api.Mount(backing, mp_, writer_id=f"w{i}", staging_size=a.staging,
+                                    segment_size=a.segment, timeout=120.0,
+                                    log_file=os.path.join(work, f"daemon{i}.log")))
+        parallel([m.start for m in mounts])  # the daemons come up at once, as on a cluster
         for i, specs in enumerate(shards):
             procs.append(Writer(os.path.join(mounts[i].mountpoint, "step_1", f"rank_{i}"),
                                 specs, seed=1000 * writers + i, wait_go=True))
@@ -243,24 +261,12 @@ def run_once(a, writers: int, label: str) -> dict:
         errors = [p.error for p in procs if p.error]
         if errors:
             raise RuntimeError("; ".join(errors))
-        sync_err: list[BaseException] = []
-
-        def _sync(m: api.Mount) -> None:
-            try:
-                m.sync()
-            except BaseException as exc:  # noqa: BLE001
-                sync_err.append(exc)
-        threads = [threading.Thread(target=_sync, args=(m,)) for m in mounts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        sync_err = parallel([m.sync for m in mounts], raise_first=False)
         t_durable = time.perf_counter() - t0
         if sync_err:
             raise sync_err[0]
         durable = sum(m.status()["bytes_durable"] for m in mounts)
-        for m in mounts:
-            m.stop()
+        parallel([m.stop for m in mounts])
         mounts.clear()
         files, dirs = count_entries(backing)
         pfiles, pdirs = plain_entries(shards)
@@ -288,6 +294,8 @@ def run_once(a, writers: int, label: str) -> dict:
         for p in procs:
             p.kill()
         for m in mounts:
+            if m.proc is None:
+                continue
             try:
                 m.stop()
             except Exception:  # noqa: BLE001
