@@ -91,12 +91,15 @@ class Namespace:
     def is_ancestor(self, a: Inode, b: Inode) -> bool:
         """True when directory `a` is `b` or one of b's ancestors."""
         x = b
-        while True:
+        for _ in range(len(self.inodes) + 1):  # bounded: never loop on a damaged tree
             if x.ino == a.ino:
                 return True
             if x.ino == ROOT_INO:
                 return False
-            x = self.inodes[x.parent]
+            x = self.inodes.get(x.parent)
+            if x is None:
+                return False
+        raise FormatError("directory cycle")
 
     def path_of(self, ino: int) -> str:
         parts = []
@@ -238,6 +241,8 @@ class Namespace:
             if target_ino is None:
                 raise FormatError("exchange with a missing entry")
             other = self.inodes[target_ino]
+            if other.is_dir and self.is_ancestor(other, op):
+                raise FormatError("rename of a directory into itself (exchange)")
             op.children[rec.old_name] = other.ino
             np_.children[rec.new_name] = moving.ino
             self._reparent(other, np_, op)
