@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -119,14 +120,26 @@ class Mount:
                                      start_new_session=True)
         if out is not subprocess.DEVNULL:
             out.close()
-        line = b""
+        # the daemon prints one line: "ready: ..." or "error: ..."; wait for it with a deadline
+        # (a daemon that hangs before it must not hang the caller)
+        fd = self.proc.stdout.fileno()
+        buf = b""
         deadline = time.monotonic() + self.timeout
-        # the daemon prints one line: "ready: ..." or "error: ..."
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line or self.proc.poll() is not None:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-        text = line.decode(errors="replace").strip()
+            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+            elif self.proc.poll() is not None:
+                break
+        text = buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+        if not text and self.proc.poll() is None:
+            text = f"error: ckptfs mount gave no answer within {self.timeout:.0f} s"
         if not text.startswith("ready"):
             self._reap(kill=True)
             raise CkptfsError(text or f"ckptfs mount exited with {self.proc.returncode}")
