@@ -334,15 +334,19 @@ class Flusher:
         ENOSPC here surfaces the full disk before any data is written."""
         if end <= self._log_alloc:
             return
-        new = min(max(end, self._log_alloc + PREALLOC_BYTES), self.log_bytes)
-        try:
-            os.posix_fallocate(self._log_fd, self._log_alloc, new - self._log_alloc)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                self._log_alloc = self.log_bytes  # not supported here: do not ask again
-                return
-            raise
-        self._log_alloc = new
+        ahead = min(max(end, self._log_alloc + PREALLOC_BYTES), self.log_bytes)
+        for new in (ahead, end):  # a nearly full store: allocate just what this write needs
+            try:
+                os.posix_fallocate(self._log_fd, self._log_alloc, new - self._log_alloc)
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    self._log_alloc = self.log_bytes  # not supported here: do not ask again
+                    return
+                if exc.errno == errno.ENOSPC and new != end:
+                    continue
+                raise
+            self._log_alloc = new
+            return
 
     def _place(self, seg: Segment, nbytes: int) -> None:
         if self._log_fd < 0 or self._log_off + nbytes > self.log_bytes:
@@ -360,6 +364,9 @@ class Flusher:
         by_log_fd: dict[int, int] = {}
         payload = written = 0
         chunk = self.io_chunk_bytes
+        # Place every segment first (placement may roll over to a new data log and close the
+        # old one), then resolve file descriptors: a segment placed in an earlier log gets that
+        # log opened by name, never a stale descriptor number.
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
             if seg.log < 0:  # first attempt; a retry keeps its place
@@ -368,14 +375,18 @@ class Flusher:
                 for run in seg.runs:
                     run.crc = crc32c(seg.view[run.soff:run.soff + run.length])
                 self._place(seg, nbytes)
-            fd = self._log_fd if seg.log == self._log else self._fd_for_retry(seg.log)
-            by_log_fd[seg.log] = fd
-            for off in range(0, nbytes, chunk):
-                n = min(chunk, nbytes - off)
-                reqs.append((fd, seg.view[off:off + n], seg.loff + off))
-            payload += seg.used
-            written += nbytes
         try:
+            for seg in segs:
+                nbytes = round_up(seg.used, self.align)
+                fd = by_log_fd.get(seg.log)
+                if fd is None:
+                    fd = self._log_fd if seg.log == self._log else self._fd_for_retry(seg.log)
+                    by_log_fd[seg.log] = fd
+                for off in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - off)
+                    reqs.append((fd, seg.view[off:off + n], seg.loff + off))
+                payload += seg.used
+                written += nbytes
             self.engine.write_all(reqs)
             for fd in set(by_log_fd.values()):
                 self.engine.fsync(fd, datasync=True)

@@ -470,9 +470,10 @@ class CkptOperations(pyfuse3.Operations):
         return len(buf)
 
     async def flush(self, fh):
-        # close() does not wait for durability (the product's promise); report a pending
-        # flusher error so that the application learns about it at close at the latest.
-        if self.flusher.error is not None:
+        # close() does not wait for durability (the product's promise); a handle that wrote
+        # learns about a pending flusher error (ENOSPC, EIO) at close at the latest.
+        h = self.handles.get(fh)
+        if self.flusher.error is not None and h is not None and h.wrote:
             raise _err(self.flusher.error.errno or errno.EIO)
 
     async def release(self, fh):
