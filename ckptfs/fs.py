@@ -566,6 +566,8 @@ class CkptOperations(pyfuse3.Operations):
             "file_bytes": user_bytes,
             "read_disk_bytes": self.reader.disk_bytes,
             "read_cache_bytes": self.reader.cached,
+            "read_load_seconds": round(self.reader.load_seconds, 3),
+            "read_wait_seconds": round(self.reader.wait_seconds, 3),
         }
 
     async def getxattr(self, inode, name, ctx):

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import trio
@@ -47,6 +48,8 @@ class Reader:
         self.bad: set[Run] = set()
         self.disk_reads = 0
         self.disk_bytes = 0
+        self.load_seconds = 0.0  # wall time of disk loads (worker threads)
+        self.wait_seconds = 0.0  # time READ handlers waited for loads
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -94,7 +97,9 @@ class Reader:
                     out[s - off:s - off + n] = src[roff:roff + n]
             if not missing:
                 return bytes(out)
+            t0 = time.perf_counter()
             await self._load(emap, missing, off)
+            self.wait_seconds += time.perf_counter() - t0
 
     def _source(self, run: Run) -> memoryview | None:
         mv = run.memory()
@@ -155,6 +160,13 @@ class Reader:
 
     def _read_runs(self, runs: list[Run]) -> tuple[list[tuple[Run, memoryview]], list[Run]]:
         """Worker thread: read runs with coalesced preads, verify checksums."""
+        t0 = time.perf_counter()
+        try:
+            return self._read_runs_timed(runs)
+        finally:
+            self.load_seconds += time.perf_counter() - t0
+
+    def _read_runs_timed(self, runs: list[Run]) -> tuple[list[tuple[Run, memoryview]], list[Run]]:
         runs = sorted(runs, key=lambda r: (r.layer, r.log, r.loff))
         groups: list[list[Run]] = []
         for r in runs:
