@@ -312,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="/")
     p.add_argument("--writer", default=None, help="writer id (default: all, merged)")
     p.add_argument("--progress", action="store_true", help="progress even when not a terminal")
+    p = sub.add_parser("import", help="copy a plain directory tree into a backing directory",
+                       epilog="example: ckptfs import /scratch/step_1000 /lustre/proj/run42 "
+                       "step_1000")
+    p.add_argument("src")
+    p.add_argument("backing")
+    p.add_argument("path", nargs="?", default="/")
+    p.add_argument("--writer", default=None, help="writer id to import as")
+    p.add_argument("--progress", action="store_true", help="progress even when not a terminal")
     p = sub.add_parser("compact", help="rewrite live extents into fresh logs, drop dead ones",
                        epilog="examples: ckptfs compact /lustre/proj/run42\n"
                        "          ckptfs compact --merge --into run42 /lustre/proj/run42",
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,
-                "compact": _offline, "gc": _offline}
+                "compact": _offline, "gc": _offline, "import": _offline}
     if a.command is None:
         parser.print_help()
         return 2
@@ -354,7 +362,8 @@ def _offline(a) -> int:
 
     try:
         return {"ls": offline.cmd_ls, "verify": offline.cmd_verify,
-                "export": offline.cmd_export, "compact": compact.cmd_compact,
+                "export": offline.cmd_export, "import": offline.cmd_import,
+                "compact": compact.cmd_compact,
                 "gc": compact.cmd_gc}[a.command](a)
     except (FormatError, OSError) as exc:
         return _fail(str(exc))

@@ -180,6 +180,13 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     exp = tmp_path / "export"
     run("export", m.backing, exp)
     assert _md5_tree(exp) == before
+    # and back in: import into a fresh backing directory gives the same tree
+    b2 = tmp_path / "reimported"
+    b2.mkdir()
+    run("import", exp, b2, "copy")
+    exp2 = tmp_path / "export2"
+    run("export", b2, exp2, "copy")
+    assert _md5_tree(exp2) == before
     # a second writer, then everything merged into one writer
     m2 = mounts.mount(m.backing, writer_id="second")
     with open(f"{m2.mountpoint}/other", "wb") as f:
