@@ -180,6 +180,7 @@ class Config:
         self.mount_timeout = 60.0
         self.step_timeout = a.step_timeout
         self.live_mounts: list[api.Mount] = []
+        self.keep_failed = a.keep_failed
 
 
 class Run:
@@ -215,6 +216,7 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
     c = cls()
     run = Run(cfg, w, key, f"{key}-{tag}")
     res: dict = {"contender": key, "round": tag, "ok": False}
+    failed_backing = False
     try:
         c.setup(run)
         res["caches_dropped_save"] = drop_caches()
@@ -246,20 +248,33 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
             res["verified"] = ok
             if not ok:
                 res["error"] = "restore differs from the saved state dict: " + why
+                if c.on_ckptfs:
+                    res["daemon_log"] = run.log_file
+                    res["daemon_log_tail"] = _log_tail(run.log_file)
+                    failed_backing = True
             del loaded
         res["bytes"] = run.bytes_moved
         res.update(run.override)
         res["ok"] = "error" not in res
-    except Exception as exc:  # noqa: BLE001 - one contender failing must not end the run
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - one contender failing must not end the run
+        # (BaseException: DCP's CheckpointException derives from it)
         res["error"] = f"{type(exc).__name__}: {exc}"
-        res["traceback"] = traceback.format_exc(limit=6)
+        res["traceback"] = traceback.format_exc(limit=8)
         if c.on_ckptfs:
             res["daemon_log"] = run.log_file
             res["daemon_log_tail"] = _log_tail(run.log_file)
+            failed_backing = True
     finally:
         try:
             c.cleanup(run)
         finally:
+            if failed_backing and cfg.keep_failed:
+                # post-mortem: keep what ckptfs wrote (remount it to re-read the data)
+                dest = os.path.join(cfg.log_dir, f"{key}-{tag}-backing")
+                shutil.move(run.backing, dest)
+                res["backing_kept"] = dest
             shutil.rmtree(run.root, ignore_errors=True)
     res.update(run.extra)
     return res
@@ -339,6 +354,7 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
                      f("files_created", "%d"), f("fsyncs", "%d"),
                      _mb(m.get("rss_extra_save_bytes")), _mb(daemon),
                      "%d/%d%s" % (s["runs_ok"], s["runs"],
+                                  " FAILED" if not s["runs_ok"] else
                                   "" if s["verified"] or s["limit"] else " NOT VERIFIED")))
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     lines = ["  ".join(str(x).ljust(wd) if i == 0 else str(x).rjust(wd)
@@ -445,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write all results as JSON here")
     ap.add_argument("--csv", default=None, help="medians as CSV (default: next to --json)")
     ap.add_argument("--plot", default=None, help="PNG bar plot (default: next to --json)")
+    ap.add_argument("--keep-failed", action="store_true",
+                    help="when a ckptfs run fails, keep its backing directory next to the logs")
     ap.add_argument("--keep-logs", default=None,
                     help="directory for the ckptfs daemon logs (default: removed unless a "
                     "ckptfs run failed, then kept under --dir)")

@@ -245,6 +245,11 @@ class Ckptfs(Contender):
         with Watchdog(run.mount, run.cfg.step_timeout, "restore"):
             out = self._restore(run)
         run.extra["daemon_restore_peak_rss_bytes"] = daemon_hwm_bytes(run.mount.pid)
+        try:
+            st = run.mount.status()
+            run.extra["restore_read_disk_bytes"] = st.get("read_disk_bytes")
+        except OSError:
+            pass
         return out
 
     def cleanup(self, run) -> None:
