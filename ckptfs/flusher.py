@@ -37,6 +37,8 @@ from ckptfs.staging import Run, Segment, Staging, round_up
 log = logging.getLogger("ckptfs.flusher")
 
 RETRY_S = 1.0
+SYNC_INTERVAL_S = 1.0  # the longest a written segment waits for its fdatasync + commit
+SYNC_BYTES = 1 << 30
 PREALLOC_BYTES = 256 << 20
 _COMMIT = "commit"
 _STOP = "stop"
@@ -136,6 +138,10 @@ class Flusher:
         self.index_fd = index_fd
         self.index_size = index_size
         self.io_chunk_bytes = io_chunk_bytes
+        # With O_DIRECT a completed write is on the device (not in the page cache): its buffer
+        # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
+        # (ENOSPC at writeback), so their buffers are kept until then.
+        self.release_early = direct
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
         self.committed = trio.Event()
@@ -151,6 +157,7 @@ class Flusher:
         self._log_fd = -1
         self._log_off = 0
         self._log_alloc = 0
+        self._log_dirty = False
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -197,10 +204,18 @@ class Flusher:
         ev, self.committed = self.committed, trio.Event()
         ev.set()
 
+    def _on_written(self, segs: list[Segment]) -> None:
+        """O_DIRECT writes completed: the bytes are readable from the data log, so the
+        buffers go back to the pool before the (later, shared) fdatasync."""
+        for seg in segs:
+            if seg.buf is not None:
+                self.staging.release(seg)
+
     def _on_durable(self, segs: list[Segment]) -> None:
         for seg in segs:
             seg.durable = True
-            self.staging.release(seg)
+            if seg.buf is not None:
+                self.staging.release(seg)
             self.inflight_segments -= 1
         if self.error is not None:
             self.error = None
@@ -243,12 +258,16 @@ class Flusher:
             self._close_log()
 
     def _loop(self) -> None:
-        pending: list[Segment] = []
+        pending: list[Segment] = []  # sealed, not yet written (or failed: retried)
+        written: list[Segment] = []  # written, not yet fdatasync'ed
+        written_bytes = 0
+        first_written = 0.0
+        commit_now = False
         stopping = False
         stop_attempts = 0
         while True:
             items = []
-            if stopping:
+            if stopping and self.error is not None:
                 # Unmount with a failing backing store: a few more tries, then give up (stop()
                 # reports what could not be made durable).
                 stop_attempts += 1
@@ -256,7 +275,12 @@ class Flusher:
                     return
                 time.sleep(RETRY_S)
             else:
-                timeout = RETRY_S if (pending and self.error is not None) else None
+                if self.error is not None and (pending or written or commit_now):
+                    timeout = RETRY_S  # failing store: retry at a steady pace
+                elif written:
+                    timeout = max(0.0, first_written + SYNC_INTERVAL_S - time.monotonic())
+                else:
+                    timeout = None
                 try:
                     items.append(self.q.get(timeout=timeout))
                 except queue.Empty:
@@ -269,6 +293,8 @@ class Flusher:
             for it in items:
                 if it is _STOP:
                     stopping = True
+                elif it is _COMMIT:
+                    commit_now = True
                 elif type(it) is Segment:
                     pending.append(it)
             if pending:
@@ -278,14 +304,31 @@ class Flusher:
                     log.error("flush of %d segments failed: %s (will retry)", len(pending), exc)
                     self._call(self._on_error, exc)
                     continue
-                done, pending = pending, []
-                self._call(self._on_durable, done)
+                if not written:
+                    first_written = time.monotonic()
+                written += pending
+                written_bytes += sum(seg.used for seg in pending)
+                if self.release_early:
+                    self._call(self._on_written, pending)
+                pending = []
+            # Group commit: one fdatasync of the data logs and one index commit cover all
+            # segments written since the last one. Now when asked (a barrier, unmount, a
+            # namespace change waiting), else every SYNC_INTERVAL_S or SYNC_BYTES.
+            due = (commit_now or stopping or written_bytes >= SYNC_BYTES
+                   or (written and time.monotonic() - first_written >= SYNC_INTERVAL_S))
+            if not due:
+                continue
             try:
+                if written:
+                    self._sync_logs()
+                    self._call(self._on_durable, written)
+                    written, written_bytes = [], 0
                 self._commit()
             except OSError as exc:
-                log.error("index commit failed: %s (will retry)", exc)
+                log.error("commit failed: %s (will retry)", exc)
                 self._call(self._on_error, exc)
                 continue
+            commit_now = False
             if stopping:
                 return
 
@@ -317,9 +360,10 @@ class Flusher:
         self._log_alloc = layout.DATA_HEADER_BYTES
 
     def _close_log(self) -> None:
-        """Give back the preallocated tail of the current data log and close it."""
+        """Give back the preallocated tail of the current data log, sync and close it."""
         if self._log_fd < 0:
             return
+        self._sync_logs()
         try:
             if self._log_alloc > self._log_off:
                 os.ftruncate(self._log_fd, self._log_off)
@@ -388,9 +432,12 @@ class Flusher:
                 payload += seg.used
                 written += nbytes
             self.engine.write_all(reqs)
-            for fd in set(by_log_fd.values()):
-                self.engine.fsync(fd, datasync=True)
-                self.stats.data_syncs += 1
+            for lg, fd in by_log_fd.items():
+                if fd != self._log_fd:  # an earlier log (rollover, retry): sync it now
+                    self.engine.fsync(fd, datasync=True)
+                    self.stats.data_syncs += 1
+                else:
+                    self._log_dirty = True
         finally:
             for _, mv, _ in reqs:
                 mv.release()
@@ -401,6 +448,12 @@ class Flusher:
         self.stats.bytes_written += written
         self.stats.payload_bytes += payload
         self.stats.flush_seconds += time.perf_counter() - t0
+
+    def _sync_logs(self) -> None:
+        if self._log_dirty and self._log_fd >= 0:
+            self.engine.fsync(self._log_fd, datasync=True)
+            self.stats.data_syncs += 1
+        self._log_dirty = False
 
     def _fd_for_retry(self, number: int) -> int:
         path = os.path.join(self.writer_dir, layout.data_log_name(number))

@@ -181,15 +181,24 @@ class Staging:
         return len(self.buffers) - len(self.free)
 
     async def _open_segment(self) -> Segment:
-        while not self.free:
+        """The open segment, opening one from the pool (waiting for a free buffer: the
+        backpressure). Several writers may wait at once: when buffers come back, the first
+        one opens a segment and the others share it."""
+        while True:
+            if self.open is not None:
+                return self.open
+            if self.free:
+                break
             if self.error is not None:
                 raise self.error
+            ev = self.free_event
+            if ev.is_set():  # stale: a release happened and its buffers are taken again
+                ev = self.free_event = trio.Event()
             self.waiting_writers += 1
             try:
-                await self.free_event.wait()
+                await ev.wait()
             finally:
                 self.waiting_writers -= 1
-            self.free_event = trio.Event() if not self.free else self.free_event
         self.numbers += 1
         self.open = Segment(self.free.popleft(), self.numbers)
         return self.open

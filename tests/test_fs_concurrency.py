@@ -152,9 +152,8 @@ def sync_or_fail(m) -> None:
     run_threads(m, m.sync, [()], what="sync")
 
 
-# Tests below that are not about backpressure get a staging area larger than all they write:
-# writers then never wait for a segment (see SEGMENT_RACE).
-BIG = dict(staging_size="512M", segment_size="4M")
+# A staging area smaller than what the tests write: writers also wait for segments here.
+BIG = dict(staging_size="64M", segment_size="4M")
 
 
 def test_threads_and_processes_write_different_files(mounts):
@@ -303,13 +302,6 @@ def test_deleted_while_open(mounts):
     assert open(os.path.join(m2.mountpoint, "doomed"), "rb").read() == b"new"
 
 
-SEGMENT_RACE = ("bug: staging.Staging._open_segment: writers woken together each open a new "
-                "segment over self.open (the replaced one is never sealed: data never flushed, "
-                "barriers hang, buffer leaked) and each waiter that finds the pool empty replaces "
-                "free_event (earlier waiters never woken) -> writers and sync hang")
-
-
-@pytest.mark.xfail(strict=True, reason=SEGMENT_RACE)
 def test_backpressure_small_staging(mounts):
     """8 MiB of staging, 1 MiB segments, 200 MiB written by 4 threads: writers wait for the
     flusher, nothing is lost."""
@@ -344,7 +336,6 @@ def test_backpressure_small_staging(mounts):
             payload(tag, file_bytes)).digest(), tag
 
 
-@pytest.mark.xfail(strict=True, reason=SEGMENT_RACE)
 def test_waiting_writers_share_freed_segments(mounts):
     """Many writers blocked on a tiny staging area at once. When the flusher frees several
     segments in one go, every woken writer must use the open segment instead of opening
