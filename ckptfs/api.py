@@ -142,7 +142,7 @@ class Mount:
             text = f"error: ckptfs mount gave no answer within {self.timeout:.0f} s"
         if not text.startswith("ready"):
             self._reap(kill=True)
-            raise CkptfsError(text or f"ckptfs mount exited with {self.proc.returncode}")
+            raise CkptfsError(text or f"ckptfs mount exited with {self.returncode}")
         return self
 
     @property

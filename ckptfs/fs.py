@@ -43,13 +43,14 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
         self.inode = inode
         self.flags = flags
         self.wrote = False
+        self.next_off = 0  # where a sequential reader's next READ starts
 
 
 class CkptOperations(pyfuse3.Operations):
@@ -415,8 +416,10 @@ class CkptOperations(pyfuse3.Operations):
             return self.snapshots.get(fh, b"")[off:off + size]
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
             return b""
+        sequential = off == 0 or off == h.next_off
+        h.next_off = off + size
         try:
-            return await self.reader.read(x.emap, off, size, x.size)
+            return await self.reader.read(x.emap, off, size, x.size, sequential)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
 

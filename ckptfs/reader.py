@@ -75,7 +75,11 @@ class Reader:
             self.cached -= len(mv)
 
     # ------------------------------------------------------------ reads
-    async def read(self, emap: ExtentMap, off: int, size: int, file_size: int) -> bytes:
+    async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
+                   sequential: bool = True) -> bytes:
+        """Bytes [off, off+size) of a file. `sequential`: the reader continues where it
+        stopped, so the rest of the file is worth prefetching; random readers (DCP loading
+        items by offset) get only the runs they touch."""
         hi = min(off + size, file_size)
         if off >= hi:
             return b""
@@ -98,7 +102,7 @@ class Reader:
             if not missing:
                 return bytes(out)
             t0 = time.perf_counter()
-            await self._load(emap, missing, off)
+            await self._load(emap, missing, off, sequential)
             self.wait_seconds += time.perf_counter() - t0
 
     def _source(self, run: Run) -> memoryview | None:
@@ -110,14 +114,15 @@ class Reader:
             self.cache.move_to_end(run)
         return mv
 
-    async def _load(self, emap: ExtentMap, missing: list[Run], off: int) -> None:
+    async def _load(self, emap: ExtentMap, missing: list[Run], off: int,
+                    sequential: bool = True) -> None:
         for run in missing:
             if run in self.bad:
                 raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
         want: dict[Run, None] = dict.fromkeys(missing)
         # Prefetch: the runs that follow in the file (sequential readers read on).
         budget = self.prefetch_bytes - sum(r.length for r in want)
-        if budget > 0:
+        if budget > 0 and sequential:
             for _, _, run, _ in emap.find(off, off + self.prefetch_bytes):
                 if budget <= 0:
                     break
