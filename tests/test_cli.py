@@ -170,8 +170,9 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     assert run("compact", m.backing, check=False).returncode == 1  # mounted: refused
     m.stop()
     wdir = os.path.join(m.backing, "writers")
-    size = lambda: sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(wdir)
-                       for f in fs if f.startswith("data-"))
+    def size():
+        return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(wdir)
+                           for f in fs if f.startswith("data-"))
     size_before = size()
     r = run("compact", m.backing)
     assert "MB live" in r.stdout

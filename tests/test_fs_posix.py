@@ -8,7 +8,6 @@ import errno
 import hashlib
 import os
 import random
-import shutil
 import stat
 import subprocess
 

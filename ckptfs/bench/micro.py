@@ -428,8 +428,10 @@ def build_points(total: int, quick: bool, dims: tuple[str, ...]) -> tuple[list[P
         warm = None
         if reqs is not None:
             w = _head(reqs, warm_bytes)
-            warm = (lambda c, p, fn=fn, w=w: fn(c, p, w))
-            run = (lambda c, p, fn=fn, r=reqs: fn(c, p, r))
+            def warm(c, p, fn=fn, w=w):
+                return (fn(c, p, w))
+            def run(c, p, fn=fn, r=reqs):
+                return (fn(c, p, r))
         else:
             run = fn
         pts.append(Point(dim, name, params, run, warm))

@@ -394,7 +394,7 @@ class DataStatesPattern(Contender):
         th.start()
         run.mark_blocked()  # the save call returns once the host copy exists
         th.join()
-        del host
+        host.clear()  # drop the host cache copy
         if err:
             raise err[0]
         api.syncfs(run.backing)
