@@ -27,7 +27,7 @@ from ckptfs.layout import FormatError
 from ckptfs.merge import Union, load_foreign, replay, validate_extents
 from ckptfs.namespace import Namespace
 from ckptfs.reader import Reader
-from ckptfs.staging import Staging
+from ckptfs.staging import Staging, round_up
 
 log = logging.getLogger("ckptfs")
 
@@ -270,7 +270,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       log_bytes=cfg.log_bytes, next_log=next_log,
                       index_fd=index_fd, index_size=index_size,
                       io_chunk_bytes=cfg.io_chunk_bytes)
-    reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes)
+    reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
+                    direct=facts["direct"])
+    reader.note_runs(run for x in ns.inodes.values() if x.emap is not None
+                     for run in x.emap.runs())
+    flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
+                                                         round_up(seg.used, facts["align"]))
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",
@@ -311,6 +316,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
+            reader.nursery = nursery
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
             nursery.start_soon(_signals, nursery)

@@ -142,6 +142,7 @@ class Flusher:
         # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
         # (ENOSPC at writeback), so their buffers are kept until then.
         self.release_early = direct
+        self.written_hook = None  # called (trio thread) with each segment once it is on disk
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
         self.committed = trio.Event()
@@ -209,12 +210,18 @@ class Flusher:
         buffers go back to the pool before the (later, shared) fdatasync."""
         for seg in segs:
             if seg.buf is not None:
+                self._written(seg)
                 self.staging.release(seg)
+
+    def _written(self, seg: Segment) -> None:
+        if self.written_hook is not None:
+            self.written_hook(seg)
 
     def _on_durable(self, segs: list[Segment]) -> None:
         for seg in segs:
             seg.durable = True
             if seg.buf is not None:
+                self._written(seg)
                 self.staging.release(seg)
             self.inflight_segments -= 1
         if self.error is not None:

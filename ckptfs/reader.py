@@ -1,11 +1,16 @@
-"""The read path: file range -> pieces of runs -> staging memory or data logs.
+"""The read path: file range -> pieces of runs -> staging memory, or chunks of the data logs.
 
-Bytes still in staging are copied from memory. Durable runs are loaded whole from their data
-log, checked against their CRC32C once, and kept in a bounded LRU cache, so the 128 KiB-1 MiB
-READs of a sequential reader (torch.load) are served from memory after one large read. On the
-first disk miss of a file, all of the file's durable runs that fit the prefetch budget are
-loaded at once, with adjacent runs in a log coalesced into one large read, off the trio thread.
-A run whose checksum does not match makes the read fail with EIO (other files are unaffected).
+Bytes still in staging are copied from memory. Durable bytes are read through a cache of
+fixed-size chunks of the data logs (CHUNK_BYTES, aligned, so O_DIRECT reads work), held in a
+pool of pre-faulted buffers that is allocated once and reused: this VM's memory is backed lazily,
+and reading into fresh buffers runs at first-touch speed. A run's CRC32C is checked the first time
+it is read from disk (over the chunks it spans); a mismatch makes reads of that file fail with
+EIO, other files are unaffected.
+
+Files of a checkpoint are written one after another, so they lie one after another in the logs,
+and a restore reads them in about that order. A sequential reader therefore triggers readahead
+in log order (--prefetch bytes ahead, in chunk-sized jobs in worker threads): the next files are
+on their way while the current one is being deserialised.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import trio
 from crc32c import crc32c
 
 from ckptfs import layout
+from ckptfs.io import alloc_aligned
 from ckptfs.staging import ExtentMap, Run
 
 log = logging.getLogger("ckptfs.reader")
 
-COALESCE_GAP_BYTES = 64 * 1024
-MAX_READ_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 4 << 20
+LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 
 
 class ChecksumError(OSError):
@@ -34,178 +40,266 @@ class ChecksumError(OSError):
         super().__init__(errno.EIO, msg)
 
 
+class _Chunk:
+    __slots__ = ("buf", "view", "length")
+
+    def __init__(self, buf, length: int) -> None:
+        self.buf = buf
+        self.view = memoryview(buf)
+        self.length = length
+
+
 class Reader:
-    def __init__(self, writer_dirs: dict[int, str], cache_bytes: int,
-                 prefetch_bytes: int) -> None:
+    def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
+                 direct: bool = False) -> None:
         self.writer_dirs = writer_dirs  # layer -> writer directory holding its data logs
-        self.cache: OrderedDict[Run, memoryview] = OrderedDict()
-        self.cache_bytes = cache_bytes
-        self.cached = 0
+        self.direct = direct
+        self.max_chunks = max(8, cache_bytes // CHUNK_BYTES)
         self.prefetch_bytes = prefetch_bytes
+        self.chunks: OrderedDict[tuple[int, int, int], _Chunk] = OrderedDict()
+        self.spare: list = []  # buffers of evicted chunks, reused before allocating
+        self.allocated = 0
+        self.pins: dict[tuple[int, int, int], int] = {}
+        self.loading: dict[tuple[int, int, int], trio.Event] = {}
+        self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
+        self.log_end: dict[tuple[int, int], int] = {}  # end of the known runs in each log
         self.fds: dict[tuple[int, int], int] = {}
         self.fd_lock = threading.Lock()
-        self.loading: dict[Run, trio.Event] = {}
+        self.limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.bad: set[Run] = set()
+        self.nursery = None  # set by the daemon: where readahead runs
         self.disk_reads = 0
         self.disk_bytes = 0
-        self.load_seconds = 0.0  # wall time of disk loads (worker threads)
-        self.wait_seconds = 0.0  # time READ handlers waited for loads
+        self.load_seconds = 0.0  # time spent in disk reads (worker threads)
+        self.wait_seconds = 0.0  # time READ handlers waited for disk reads
+
+    @property
+    def cached(self) -> int:
+        return len(self.chunks) * CHUNK_BYTES
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-        self.cache.clear()
+        with self.fd_lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+        self.chunks.clear()
+        self.spare.clear()
+
+    # ------------------------------------------------------------ bookkeeping
+    def note_runs(self, runs) -> None:
+        """Durable runs now known to be in the logs (replayed, or just written)."""
+        for r in runs:
+            key = (r.layer, r.log)
+            end = r.loff + r.length
+            if r.log >= 0 and end > self.log_end.get(key, 0):
+                self.log_end[key] = end
+
+    def invalidate(self, layer: int, logno: int, loff: int, length: int) -> None:
+        """A log range was written: drop cached chunks over it, and make loads in flight
+        over it discard their result."""
+        key = (layer, logno)
+        self.gen[key] = self.gen.get(key, 0) + 1
+        for idx in range(loff // CHUNK_BYTES, (loff + length - 1) // CHUNK_BYTES + 1):
+            ch = self.chunks.pop((layer, logno, idx), None)
+            if ch is not None:
+                self.spare.append(ch.buf)
+        if loff + length > self.log_end.get(key, 0):
+            self.log_end[key] = loff + length
 
     def _fd(self, layer: int, number: int) -> int:
         with self.fd_lock:  # worker threads
             fd = self.fds.get((layer, number))
             if fd is None:
                 path = os.path.join(self.writer_dirs[layer], layout.data_log_name(number))
+                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
                 try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
                 except FileNotFoundError:
                     raise OSError(errno.EIO, f"data log {path} is missing") from None
+                except OSError:
+                    fd = os.open(path, flags)  # O_DIRECT refused: buffered
                 self.fds[(layer, number)] = fd
             return fd
 
-    def invalidate(self, run: Run) -> None:
-        mv = self.cache.pop(run, None)
-        if mv is not None:
-            self.cached -= len(mv)
-
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
-                   sequential: bool = True) -> bytes:
+                   sequential: bool = True):
         """Bytes [off, off+size) of a file. `sequential`: the reader continues where it
-        stopped, so the rest of the file is worth prefetching; random readers (DCP loading
-        items by offset) get only the runs they touch."""
+        stopped, so reading ahead is worth it; random readers (DCP loading items by offset)
+        get only the chunks they touch."""
         hi = min(off + size, file_size)
         if off >= hi:
             return b""
         while True:
             pieces = emap.find(off, hi)
-            # Fast path: one piece covering the whole request.
-            if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == hi - off:
-                _, n, run, roff = pieces[0]
-                src = self._source(run)
-                if src is not None:
-                    return bytes(src[roff:roff + n])
-            out = bytearray(hi - off)
-            missing = []
-            for s, n, run, roff in pieces:
-                src = self._source(run)
-                if src is None:
-                    missing.append(run)
-                else:
-                    out[s - off:s - off + n] = src[roff:roff + n]
-            if not missing:
-                return bytes(out)
-            t0 = time.perf_counter()
-            await self._load(emap, missing, off, sequential)
-            self.wait_seconds += time.perf_counter() - t0
-
-    def _source(self, run: Run) -> memoryview | None:
-        mv = run.memory()
-        if mv is not None:
-            return mv
-        mv = self.cache.get(run)
-        if mv is not None:
-            self.cache.move_to_end(run)
-        return mv
-
-    async def _load(self, emap: ExtentMap, missing: list[Run], off: int,
-                    sequential: bool = True) -> None:
-        for run in missing:
-            if run in self.bad:
-                raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
-        want: dict[Run, None] = dict.fromkeys(missing)
-        # Prefetch: the runs that follow in the file (sequential readers read on).
-        budget = self.prefetch_bytes - sum(r.length for r in want)
-        if budget > 0 and sequential:
-            for _, _, run, _ in emap.find(off, off + self.prefetch_bytes):
-                if budget <= 0:
-                    break
-                if (run not in want and run.memory() is None and run not in self.cache
-                        and run not in self.loading):
-                    want[run] = None
-                    budget -= run.length
-        wait = [self.loading[r] for r in want if r in self.loading]
-        todo = [r for r in want if r not in self.loading and r.log >= 0]
-        if todo:
-            ev = trio.Event()
-            for r in todo:
-                self.loading[r] = ev
-            try:
-                loaded, bad = await trio.to_thread.run_sync(self._read_runs, todo)
-            finally:
-                for r in todo:
-                    self.loading.pop(r, None)
-                ev.set()
-            for run, mv in loaded:
-                self._insert(run, mv)
-            if bad:
-                self.bad.update(bad)
-        for ev in wait:
-            await ev.wait()
-        for run in missing:
-            if run in self.bad:
-                raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
-            if run.log < 0 and run.memory() is None:
-                raise OSError(errno.EIO, "run lost: neither in staging nor in a data log")
-
-    def _insert(self, run: Run, mv: memoryview) -> None:
-        if run in self.cache:
-            return
-        self.cache[run] = mv
-        self.cached += len(mv)
-        while self.cached > self.cache_bytes and len(self.cache) > 1:
-            _, old = self.cache.popitem(last=False)
-            self.cached -= len(old)
-
-    def _read_runs(self, runs: list[Run]) -> tuple[list[tuple[Run, memoryview]], list[Run]]:
-        """Worker thread: read runs with coalesced preads, verify checksums."""
-        t0 = time.perf_counter()
-        try:
-            return self._read_runs_timed(runs)
-        finally:
-            self.load_seconds += time.perf_counter() - t0
-
-    def _read_runs_timed(self, runs: list[Run]) -> tuple[list[tuple[Run, memoryview]], list[Run]]:
-        runs = sorted(runs, key=lambda r: (r.layer, r.log, r.loff))
-        groups: list[list[Run]] = []
-        for r in runs:
-            g = groups[-1] if groups else None
-            if (g and g[0].log == r.log and g[0].layer == r.layer and r.loff >= g[-1].loff
-                    and r.loff - (g[-1].loff + g[-1].length) <= COALESCE_GAP_BYTES
-                    and r.loff + r.length - g[0].loff <= MAX_READ_BYTES):
-                g.append(r)
-            else:
-                groups.append([r])
-        loaded: list[tuple[Run, memoryview]] = []
-        bad: list[Run] = []
-        for g in groups:
-            start = g[0].loff
-            end = max(r.loff + r.length for r in g)
-            buf = bytearray(end - start)
-            fd = self._fd(g[0].layer, g[0].log)
-            got = 0
-            while got < len(buf):
-                n = os.preadv(fd, [memoryview(buf)[got:]], start + got)
-                if n == 0:
-                    break
-                got += n
-            self.disk_reads += 1
-            self.disk_bytes += got
-            mv = memoryview(buf)
-            for r in g:
-                a = r.loff - start
-                piece = mv[a:a + r.length]
-                if a + r.length > got or (not r.verified and crc32c(piece) != r.crc):
-                    log.error("checksum mismatch: data log %d offset %d length %d",
-                              r.log, r.loff, r.length)
-                    bad.append(r)
+            keys: dict[tuple[int, int, int], None] = {}
+            verify = []
+            for _, n, run, roff in pieces:
+                if run.memory() is not None:
                     continue
-                r.verified = True
-                loaded.append((r, piece))
-        return loaded, bad
+                if run in self.bad:
+                    raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
+                if run.log < 0:
+                    raise OSError(errno.EIO, "run lost: neither in staging nor in a data log")
+                if run.verified:
+                    lo, ln = run.loff + roff, n
+                else:
+                    lo, ln = run.loff, run.length
+                    verify.append(run)
+                for idx in range(lo // CHUNK_BYTES, (lo + ln - 1) // CHUNK_BYTES + 1):
+                    keys[(run.layer, run.log, idx)] = None
+            if keys:
+                if sequential:
+                    self._readahead(keys)
+                self._pin(keys)
+                try:
+                    missing = [k for k in keys if k not in self.chunks]
+                    if missing:
+                        t0 = time.perf_counter()
+                        async with trio.open_nursery() as nursery:
+                            for k in missing:
+                                nursery.start_soon(self._load, k)
+                        self.wait_seconds += time.perf_counter() - t0
+                    if any(k not in self.chunks for k in keys):
+                        continue  # invalidated while loading: look again
+                    for run in verify:
+                        self._verify(run)
+                    return self._copy(pieces, off, hi)
+                finally:
+                    self._unpin(keys)
+            return self._copy(pieces, off, hi)
+
+    def _copy(self, pieces: list, off: int, hi: int):
+        """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
+        (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
+        runs, so no copy here), else a new bytearray."""
+        def source(run: Run, roff: int, n: int):
+            mv = run.memory()
+            if mv is not None:
+                return [mv[roff:roff + n]]
+            parts, lo = [], run.loff + roff
+            while n > 0:
+                ch = self.chunks[(run.layer, run.log, lo // CHUNK_BYTES)]
+                self.chunks.move_to_end((run.layer, run.log, lo // CHUNK_BYTES))
+                a = lo % CHUNK_BYTES
+                k = min(n, CHUNK_BYTES - a)
+                parts.append(ch.view[a:a + k])
+                lo += k
+                n -= k
+            return parts
+
+        if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == hi - off:
+            parts = source(pieces[0][2], pieces[0][3], pieces[0][1])
+            if len(parts) == 1:
+                return parts[0]
+        out = bytearray(hi - off)
+        for s, n, run, roff in pieces:
+            pos = s - off
+            for p in source(run, roff, n):
+                out[pos:pos + len(p)] = p
+                pos += len(p)
+        return out
+
+    def _verify(self, run: Run) -> None:
+        crc, lo, n = 0, run.loff, run.length
+        while n > 0:
+            ch = self.chunks[(run.layer, run.log, lo // CHUNK_BYTES)]
+            a = lo % CHUNK_BYTES
+            k = min(n, CHUNK_BYTES - a)
+            if a + k > ch.length:  # the log ends before the run does
+                crc = None
+                break
+            crc = crc32c(ch.view[a:a + k], crc)
+            lo += k
+            n -= k
+        if crc != run.crc:
+            log.error("checksum mismatch: data log %d offset %d length %d (layer %d)",
+                      run.log, run.loff, run.length, run.layer)
+            self.bad.add(run)
+            raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
+        run.verified = True
+
+    def _pin(self, keys) -> None:
+        for k in keys:
+            self.pins[k] = self.pins.get(k, 0) + 1
+
+    def _unpin(self, keys) -> None:
+        for k in keys:
+            n = self.pins[k] - 1
+            if n:
+                self.pins[k] = n
+            else:
+                del self.pins[k]
+
+    def _buffer(self):
+        if self.spare:
+            return self.spare.pop()
+        if self.allocated < self.max_chunks:
+            self.allocated += 1
+            return alloc_aligned(CHUNK_BYTES, populate=True)
+        for key in self.chunks:  # least recently used first
+            if key not in self.pins:
+                return self.chunks.pop(key).buf
+        self.allocated += 1  # everything pinned (tiny cache): grow rather than fail
+        return alloc_aligned(CHUNK_BYTES, populate=True)
+
+    async def _load(self, key: tuple[int, int, int]) -> None:
+        ev = self.loading.get(key)
+        if ev is not None:
+            await ev.wait()
+            return
+        if key in self.chunks:
+            return
+        ev = self.loading[key] = trio.Event()
+        try:
+            layer, logno, idx = key
+            gen = self.gen.get((layer, logno), 0)
+            buf = self._buffer()
+            n = await trio.to_thread.run_sync(self._pread, layer, logno, idx, buf,
+                                              limiter=self.limiter)
+            if self.gen.get((layer, logno), 0) == gen:
+                self.chunks[key] = _Chunk(buf, n)
+                while len(self.chunks) > self.max_chunks:
+                    victim = next((k for k in self.chunks if k not in self.pins), None)
+                    if victim is None:
+                        break
+                    self.spare.append(self.chunks.pop(victim).buf)
+            else:
+                self.spare.append(buf)
+        finally:
+            del self.loading[key]
+            ev.set()
+
+    def _pread(self, layer: int, logno: int, idx: int, buf) -> int:
+        """Worker thread: one chunk from the log (short at its end)."""
+        t0 = time.perf_counter()
+        fd = self._fd(layer, logno)
+        n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
+        self.disk_reads += 1
+        self.disk_bytes += n
+        self.load_seconds += time.perf_counter() - t0
+        return n
+
+    def _readahead(self, keys) -> None:
+        if self.nursery is None or self.prefetch_bytes <= 0:
+            return
+        last: dict[tuple[int, int], int] = {}
+        for layer, logno, idx in keys:
+            if idx > last.get((layer, logno), -1):
+                last[(layer, logno)] = idx
+        ahead = max(1, self.prefetch_bytes // CHUNK_BYTES)
+        for (layer, logno), idx in last.items():
+            end = self.log_end.get((layer, logno), 0)
+            for i in range(idx + 1, idx + 1 + ahead):
+                if i * CHUNK_BYTES >= end:
+                    break
+                k = (layer, logno, i)
+                if k not in self.chunks and k not in self.loading:
+                    self.nursery.start_soon(self._load_quietly, k)
+
+    async def _load_quietly(self, key) -> None:
+        # Readahead is a guess: its failures are not errors (a needed read reports them).
+        try:
+            await self._load(key)
+        except OSError as exc:
+            log.debug("readahead of %s failed: %s", key, exc)

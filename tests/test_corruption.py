@@ -280,9 +280,6 @@ def test_misfit_records_skipped(mounts, hostile_backing):
     assert "warning:" in res.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bug: namespace._apply_rename does not refuse "
-                   "RENAME_EXCHANGE of a directory with its own descendant (the live handler "
-                   "does): the old directory becomes its own parent, detached in a cycle")
 def test_exchange_creating_a_cycle(mounts, hostile_backing):
     """RENAME_EXCHANGE of directory d with its own child d/e would make d its own
     descendant: must be refused like a plain rename into itself (tree unchanged)."""
@@ -295,9 +292,6 @@ def test_exchange_creating_a_cycle(mounts, hostile_backing):
     m.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: after the accepted exchange of d with d/e, "
-                   "inode 3 is its own parent; the next rename of a directory into it makes "
-                   "Namespace.is_ancestor loop forever: replay (the mount) never finishes")
 def test_exchange_cycle_then_rename_does_not_hang(mounts, hostile_backing):
     backing, prefix = hostile_backing
     rec = (encode(RenameRec(3, b"e", 1, b"d", 2)) + encode(CommitRec(10, T0))
@@ -311,11 +305,6 @@ def test_exchange_cycle_then_rename_does_not_hang(mounts, hostile_backing):
     assert "into itself" in res.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="bug: replay accepts inode number 2**64-1; the next "
-                   "create allocates 2**64: pyfuse3 EntryAttributes.st_ino OverflowError (EIO) "
-                   "and the journaled InodeRec makes layout.encode raise struct.error in the "
-                   "flusher thread, which dies: nothing is made durable any more, unmount "
-                   "fails ('flusher stopped with changes not committed')")
 def test_huge_inode_numbers(mounts, hostile_backing):
     """An inode number at the top of the u64 range must not make the mount unusable."""
     backing, prefix = hostile_backing

@@ -95,10 +95,6 @@ def fill_store(small_fs, mounts, opts):
     return m
 
 
-@pytest.mark.xfail(strict=True, reason="bug: fs.flush() raises the pending flusher error "
-                   "(ENOSPC) for every handle, so close() of a file opened O_RDONLY fails "
-                   "while the backing store is full: a restore (torch.load) fails although "
-                   "its data was read fine")
 def test_readonly_close_while_full(small_fs, mounts):
     m = fill_store(small_fs, mounts, dict(staging_size="8M", segment_size="1M",
                                           log_size="8M"))
@@ -107,10 +103,6 @@ def test_readonly_close_while_full(small_fs, mounts):
     assert err == 0, f"close() of a read-only file: {os.strerror(err)}"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: flusher._preallocate asks posix_fallocate for "
-                   "256 MiB (PREALLOC_BYTES) past the write position; on a backing store with "
-                   "less free space than that it fails with ENOSPC although the segment fits, "
-                   "so nothing can ever be flushed")
 def test_small_backing_store_default_log_size(small_fs, mounts):
     backing = os.path.join(small_fs, "b")
     os.mkdir(backing)
@@ -119,16 +111,12 @@ def test_small_backing_store_default_log_size(small_fs, mounts):
     m.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="bug (flaky here): data-log rollover inside a flush "
-                   "batch writes already placed segments through a closed fd whose number the "
-                   "new log reuses (flusher._write_segments/_open_log): verify finds zeros at "
-                   "the old log position; see tests/test_load.py::test_log_rollover_in_batch")
 def test_enospc_then_recovery(small_fs, mounts):
     backing = os.path.join(small_fs, "b")
     os.mkdir(backing)
     filler = os.path.join(small_fs, "filler")
     fill(filler, 24 * MiB)
-    # --log-size bounds the data log preallocation (see the xfail test above).
+    # --log-size bounds the data log preallocation (a regression test above: preallocation on a nearly full store).
     opts = dict(staging_size="8M", segment_size="1M", log_size="8M", idle_flush=0.2)
     m = mounts.mount(backing, **opts)
     mnt = m.mountpoint

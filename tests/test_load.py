@@ -1,0 +1,202 @@
+"""Load: many concurrent writers (threads and processes, hundreds of open files) and readers
+for a bounded time, everything verified at the end and after a remount; the daemon's memory
+stays bounded while writing several times the staging size; data-log rollover under load.
+
+CKPTFS_SOAK_S sets the duration of the concurrent load (default 8 s; `make soak`: 600)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from helpers_reliability import KiB, MiB, cli, content, proc_status, read_all
+
+SOAK_S = float(os.environ.get("CKPTFS_SOAK_S", "8"))
+pytestmark = pytest.mark.timeout(max(180, int(SOAK_S * 3 + 120)))
+
+
+# ---------------------------------------------------------------- concurrent load
+def _worker(mnt: str, wid: int, seconds: float, out_path: str) -> None:
+    """One process: 3 writer threads, each keeping 40 files open at once and writing them
+    round-robin in random chunks, plus a reader thread checking finished files."""
+    done: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    errors: list[str] = []
+
+    def writer(t: int) -> None:
+        rng = random.Random(wid * 100 + t)
+        n = 0
+        try:
+            while time.monotonic() < stop:
+                batch = []
+                for _ in range(40):
+                    name = f"p{wid}/t{t}/f{n}"
+                    n += 1
+                    size = rng.choice([0, 100, 4 * KiB, 50 * KiB, 300 * KiB])
+                    fd = os.open(os.path.join(mnt, name), os.O_WRONLY | os.O_CREAT, 0o644)
+                    batch.append([name, size, fd, 0, content(name, size)])
+                while batch:
+                    for b in list(batch):
+                        name, size, fd, pos, data = b
+                        k = min(size - pos, rng.choice([1000, 64 * KiB, 200 * KiB]))
+                        if k:
+                            os.write(fd, data[pos:pos + k])
+                            b[3] = pos + k
+                        if b[3] >= size:
+                            if rng.random() < 0.05:
+                                os.fsync(fd)
+                            os.close(fd)
+                            batch.remove(b)
+                            with lock:
+                                done.append((name, size))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"writer {t}: {exc!r}")
+
+    def reader() -> None:
+        rng = random.Random(wid)
+        try:
+            while time.monotonic() < stop:
+                with lock:
+                    pick = rng.choice(done) if done else None
+                if pick is None:
+                    time.sleep(0.01)
+                    continue
+                name, size = pick
+                got = read_all(os.path.join(mnt, name))
+                if got != content(name, size):
+                    errors.append(f"reader: {name} reads {len(got)} bytes, wrong")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"reader: {exc!r}")
+
+    for t in range(3):
+        os.makedirs(os.path.join(mnt, f"p{wid}/t{t}"))
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    threads.append(threading.Thread(target=reader))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    with open(out_path, "w") as f:
+        for e in errors:
+            f.write(f"E {e}\n")
+        for name, size in done:
+            f.write(f"F {name} {size}\n")
+
+
+def test_concurrent_writers_and_readers(mounts, tmp_path):
+    backing = mounts.backing()
+    opts = dict(staging_size="32M", segment_size="2M", writer_id="w")
+    m = mounts.mount(backing, **opts)
+    ctx = multiprocessing.get_context("fork")
+    procs = []
+    for wid in range(3):
+        p = ctx.Process(target=_worker, args=(m.mountpoint, wid, SOAK_S,
+                                              str(tmp_path / f"out{wid}")))
+        p.start()
+        procs.append(p)
+    # Meanwhile: status and sync from the outside.
+    max_open = 0
+    while any(p.is_alive() for p in procs):
+        st = m.status()
+        max_open = max(max_open, len(os.listdir(f"/proc/{m.pid}/fd")))
+        assert st["bytes_staged"] <= st["staging_bytes"]
+        time.sleep(0.5)
+        if random.random() < 0.3:
+            m.sync()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    files = {}
+    for wid in range(3):
+        with open(tmp_path / f"out{wid}") as f:
+            for line in f:
+                assert not line.startswith("E "), line
+                _, name, size = line.split()
+                files[name] = int(size)
+    assert len(files) > 300
+    for name, size in files.items():
+        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
+    total = sum(files.values())
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    for name, size in files.items():
+        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
+    m.stop()
+    print(f"\n{SOAK_S:.0f} s: {len(files)} files, {total / MiB:.0f} MiB by 3 processes x 3 "
+          f"writer threads (120 files open per process) + 3 readers; verified live and "
+          f"after a remount")
+
+
+# ---------------------------------------------------------------- memory bound
+def test_memory_bound(mounts):
+    """Staging 32M, read cache 32M; 400 MiB written by 4 threads into 100 files, then read
+    back. VmHWM of the daemon must stay under its baseline after mount + staging + read
+    cache + 48 MiB: request buffers (pyfuse3 hands each <=1 MiB WRITE as a fresh bytes, a few
+    in flight), the reader's coalesced preads (prefetch, up to 64 MiB read into a bytearray
+    before the cache keeps its part... bounded by --prefetch, set to 16M here), thread stacks
+    and Python objects for 100 inodes."""
+    staging, cache, prefetch = 32 * MiB, 32 * MiB, 16 * MiB
+    m = mounts.mount(staging_size="32M", segment_size="4M", read_cache="32M",
+                     prefetch="16M", no_populate=True)
+    time.sleep(0.5)
+    base = proc_status(m.pid)
+    nfiles, size = 100, 4 * MiB
+    names = [f"f{i:03d}" for i in range(nfiles)]
+    blob = {n: content(n, size) for n in names[:1]}  # content is cheap; generate per file
+
+    def write(chunk):
+        for n in chunk:
+            with open(os.path.join(m.mountpoint, n), "wb") as f:
+                data = content(n, size)
+                for off in range(0, size, MiB):
+                    f.write(data[off:off + MiB])
+
+    threads = [threading.Thread(target=write, args=(names[i::4],)) for i in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    waiting = 0
+    while any(t.is_alive() for t in threads):
+        waiting = max(waiting, m.status()["writers_waiting"])
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    m.sync()
+    wrote_s = time.monotonic() - t0
+    after_write = proc_status(m.pid)
+    for n in names:
+        assert read_all(os.path.join(m.mountpoint, n)) == content(n, size), n
+    after_read = proc_status(m.pid)
+    overhead = 48 * MiB
+    bound = base["VmRSS"] + staging + cache + prefetch + overhead
+    print(f"\ndaemon baseline RSS {base['VmRSS'] / MiB:.0f} MiB; wrote {nfiles * size / MiB:.0f}"
+          f" MiB in {wrote_s:.1f} s (max writers waiting {waiting}); VmHWM after writing "
+          f"{after_write['VmHWM'] / MiB:.0f} MiB, after reading {after_read['VmHWM'] / MiB:.0f}"
+          f" MiB; bound {bound / MiB:.0f} MiB = baseline + staging 32 + cache 32 + prefetch 16"
+          f" + overhead 48")
+    assert after_write["VmHWM"] <= bound
+    assert after_read["VmHWM"] <= bound
+    del blob
+    m.stop()
+
+
+# ---------------------------------------------------------------- log rollover
+def test_log_rollover_in_batch(mounts):
+    """Small data logs (3 MiB, 1 MiB segments) so that flush batches of several segments
+    cross a log boundary all the time; no errors involved."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, staging_size="16M", segment_size="1M", log_size="3M")
+    for i in range(30):
+        with open(os.path.join(m.mountpoint, f"f{i}"), "wb") as f:
+            f.write(content(f"f{i}", 3 * MiB + 1000))
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout[-2000:]
