@@ -1,0 +1,128 @@
+"""Ownership and permissions: files get the caller's uid/gid and mode, default_permissions is
+enforced, other users cannot see the mount unless --allow-other, backing files are 0600 and
+directories 0700."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+
+import pytest
+
+from helpers_reliability import NOBODY, cli, py_as_user
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def public():
+    """A directory other users can traverse (pytest's tmp_path parents are 0700)."""
+    d = tempfile.mkdtemp(prefix="ckptfs-perm-", dir="/tmp")
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_other_users_locked_out_without_allow_other(public, mounts):
+    os.mkdir(os.path.join(public, "mnt"))
+    r = py_as_user(f"R = os.stat({public!r} + '/mnt').st_ino > 0")
+    assert r is True  # the plain directory is visible to nobody
+    m = mounts.mount(mountpoint=os.path.join(public, "mnt"))
+    r = py_as_user(f"""
+try:
+    os.stat({m.mountpoint!r}); R = 0
+except OSError as e:
+    R = e.errno
+""")
+    assert r in (13, 1), f"nobody could stat the mount: {r}"
+
+
+def test_ownership_modes_and_default_permissions(public, mounts):
+    backing = mounts.backing()
+    mp = os.path.join(public, "mnt")
+    os.mkdir(mp)
+    m = mounts.mount(backing, mp, allow_other=True)
+    mnt = m.mountpoint
+    os.mkdir(os.path.join(mnt, "pub"), 0o777)
+    os.chmod(os.path.join(mnt, "pub"), 0o777)
+    with open(os.path.join(mnt, "root.txt"), "wb") as f:
+        f.write(b"root")
+    os.chmod(os.path.join(mnt, "root.txt"), 0o644)
+    r = py_as_user(f"""
+R = {{}}
+mnt = {mnt!r}
+R["stat"] = os.stat(mnt).st_ino > 0
+fd = os.open(mnt + "/pub/n.txt", os.O_WRONLY | os.O_CREAT, 0o660)
+os.write(fd, b"nobody"); os.close(fd)
+os.mkdir(mnt + "/pub/d", 0o775)
+st = os.stat(mnt + "/pub/n.txt"); R["file"] = [st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)]
+st = os.stat(mnt + "/pub/d"); R["dir"] = [st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)]
+def err(fn):
+    try:
+        fn(); return 0
+    except OSError as e:
+        return e.errno
+R["write_root"] = err(lambda: os.open(mnt + "/root.txt", os.O_WRONLY))
+R["create_in_root"] = err(lambda: os.open(mnt + "/mine", os.O_WRONLY | os.O_CREAT, 0o644))
+R["chmod_root"] = err(lambda: os.chmod(mnt + "/root.txt", 0o666))
+R["chown_own"] = err(lambda: os.chown(mnt + "/pub/n.txt", 0, 0))
+R["unlink_root"] = err(lambda: os.unlink(mnt + "/root.txt"))
+R["read_root"] = open(mnt + "/root.txt").read()
+""", umask=0o022)
+    assert r["stat"]
+    assert r["file"] == [NOBODY, NOBODY, 0o640], r
+    assert r["dir"] == [NOBODY, NOBODY, 0o755], r
+    assert r["write_root"] == 13 and r["create_in_root"] == 13, r
+    assert r["chmod_root"] == 1 and r["chown_own"] == 1, r
+    assert r["unlink_root"] == 13 and r["read_root"] == "root", r
+    m.stop()
+    # Persisted across a remount.
+    m = mounts.mount(backing, mp)
+    st = os.stat(os.path.join(m.mountpoint, "pub", "n.txt"))
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o640)
+    with open(os.path.join(m.mountpoint, "pub", "n.txt"), "rb") as f:
+        assert f.read() == b"nobody"
+    m.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: in daemon mode cli.py creates the log directory "
+                   "BACKING/writers/<id> with os.makedirs(..., mode=0o700) before the backing "
+                   "is initialised: the intermediate 'writers' directory gets 0777 & ~umask "
+                   "(0777 under umask 0, 0755 usually) instead of 0700")
+def test_backing_file_modes(tmp_path):
+    """Daemon mode (creates daemon.log too), under umask 0: files 0600, directories 0700
+    (ckptfs.json 0644 by design)."""
+    b, mnt = tmp_path / "b", tmp_path / "mnt"
+    b.mkdir()
+    mnt.mkdir()
+    old = os.umask(0)
+    try:
+        res = cli("mount", b, mnt, "--staging-size", "16M", "--no-populate")
+    finally:
+        os.umask(old)
+    assert res.returncode == 0, res.stderr
+    try:
+        with open(mnt / "f", "wb") as f:
+            f.write(b"z" * 100000)
+    finally:
+        res = cli("umount", mnt)
+        assert res.returncode == 0, res.stderr
+    bad = []
+    for d, dirs, files in os.walk(b):
+        for n in dirs:
+            mode = stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode)
+            if mode != 0o700:
+                bad.append((os.path.join(d, n), oct(mode)))
+        for n in files:
+            p = os.path.join(d, n)
+            mode = stat.S_IMODE(os.stat(p).st_mode)
+            want = 0o644 if n == "ckptfs.json" else 0o600
+            if mode != want:
+                bad.append((p, oct(mode)))
+    assert not bad, bad
+    names = {n for _, _, fs in os.walk(b) for n in fs}
+    assert {"index.log", "daemon.log", "writer.json"} <= names, names
