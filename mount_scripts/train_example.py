@@ -138,7 +138,7 @@ def run(rank: int, world: int, a) -> None:
             f"matches its manifest digest ({time.perf_counter() - t0:.2f} s)")
         loss = train_step(model, opt, gen, a.batch, a.width)
         say(f"step {step + 1}: loss {loss:.4f} (training continues from the checkpoint)")
-        dist.destroy_process_group()
+        _shutdown(model)
         return
     for step in range(start + 1, a.steps + 1):
         loss = train_step(model, opt, gen, a.batch, a.width)
@@ -161,6 +161,14 @@ def run(rank: int, world: int, a) -> None:
             say(f"step {step}: loss {loss:.4f}; saved {len(digests)} tensors per rank "
                 f"x {world} ranks to {a.ckpt_dir}/step_{step} "
                 f"({time.perf_counter() - t0:.2f} s)")
+    _shutdown(model)
+
+
+def _shutdown(model) -> None:
+    # All ranks leave together and the DDP reducer goes before the process group: gloo
+    # otherwise aborts now and then at exit ("terminate called without an active exception").
+    dist.barrier()
+    del model
     dist.destroy_process_group()
 
 
