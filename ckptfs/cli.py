@@ -41,6 +41,14 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad command lines get one line (and the exit status 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"ckptfs: {self.prog.removeprefix('ckptfs').strip() or 'error'}: "
+                     f"{message} (see {self.prog} --help)\n")
+
+
 def _setup_logging(debug: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s ckptfs[%(process)d] %(levelname)s %(name)s: "
@@ -114,7 +122,7 @@ def _add_mount(sub) -> None:
 
 
 def _mount(a) -> int:
-    from ckptfs.daemon import MountConfig, MountError, prepare, serve
+    from ckptfs.daemon import MountConfig, MountError, open_writer, prepare, serve
     from ckptfs.layout import FormatError
 
     cfg = MountConfig(a.backing, a.mountpoint, writer_id=a.writer_id,
@@ -135,9 +143,11 @@ def _mount(a) -> int:
             return serve(cfg, ready)
         except (MountError, ValueError, FormatError, OSError) as exc:
             return _fail(str(exc))
-    # Daemonize: check in the parent (clear errors on the terminal), fork, report readiness.
+    # Daemonize: check and take the writer's lock in the parent (clear errors on the terminal,
+    # nothing written on bad input), fork (the child inherits the lock), report readiness.
     try:
-        prepare(cfg)
+        facts = prepare(cfg)
+        wd = open_writer(cfg)
     except (MountError, ValueError, FormatError, OSError) as exc:
         return _fail(str(exc))
     rfd, wfd = os.pipe()
@@ -164,12 +174,14 @@ def _mount(a) -> int:
                 pass
         code = 1
         try:
-            code = serve(cfg, ready)
+            code = serve(cfg, ready, prepared=(facts, wd))
         except BaseException as exc:  # noqa: BLE001 - the daemon must report, then exit
             ready(f"error: {exc}")
             logging.getLogger("ckptfs").exception("daemon failed")
         os._exit(code)
     os.close(wfd)
+    if wd is not None:
+        os.close(wd.lock_fd)  # the child holds the lock now (same open file description)
     with os.fdopen(rfd, "rb") as r:
         line = r.readline().decode(errors="replace").strip()
     if line.startswith("ready"):
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckptfs", description="ckptfs: a FUSE file system for checkpoints. Packs many "
         "checkpoint files into large aligned io_uring writes to a few logs.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -184,11 +184,9 @@ def prepare(cfg: MountConfig) -> dict:
             raise MountError(str(exc)) from None
         # A new backing directory: fine, initialised after all checks.
     cfg.writer_id = layout.safe_writer_id(cfg.writer_id or layout.default_writer_id())
-    wdir = os.path.join(cfg.backing, layout.WRITERS_DIR, cfg.writer_id)
-    index = os.path.join(wdir, layout.INDEX_NAME)
-    if os.path.exists(index):
+    for wdir in layout.writer_dirs(cfg.backing):  # version checks before anything is written
         try:
-            layout.read_index(index)  # version check before anything is written
+            layout.check_index_header(os.path.join(wdir, layout.INDEX_NAME))
         except FormatError as exc:
             raise MountError(str(exc)) from None
     facts: dict = {}
@@ -206,27 +204,33 @@ def prepare(cfg: MountConfig) -> dict:
     return facts
 
 
-def serve(cfg: MountConfig, ready=None) -> int:
+def open_writer(cfg: MountConfig) -> "WriterDir | None":
+    """After prepare(): initialise the backing directory if new and take this writer's lock
+    (None for a read-only mount)."""
+    if cfg.readonly:
+        return None
+    layout.check_backing(cfg.backing, create=True)
+    wd = WriterDir(cfg.backing, cfg.writer_id)
+    wd.open()
+    return wd
+
+
+def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
     """Mount and serve until unmounted. `ready(msg)` is called once the mount is live (or with
-    an error string starting with 'error:'). Returns the exit status."""
-    try:
-        facts = prepare(cfg)
-    except (MountError, ValueError, FormatError, OSError) as exc:
-        if ready:
-            ready(f"error: {exc}")
-        raise
-    wd = None
-    if not cfg.readonly:
-        layout.check_backing(cfg.backing, create=True)
-        wd = WriterDir(cfg.backing, cfg.writer_id)
+    an error string starting with 'error:'). `prepared`: (facts, writer dir) when the caller
+    already ran prepare() and open_writer(). Returns the exit status."""
+    if prepared is None:
         try:
-            wd.open()
-        except MountError as exc:
+            facts = prepare(cfg)
+            wd = open_writer(cfg)
+        except (MountError, ValueError, FormatError, OSError) as exc:
             if ready:
                 ready(f"error: {exc}")
             raise
-        if not facts["direct"]:
-            log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
+    else:
+        facts, wd = prepared
+    if wd is not None and not facts["direct"]:
+        log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
     try:
         return trio.run(_serve, cfg, wd, facts, ready)
     finally:

@@ -235,6 +235,23 @@ class IndexScan:
     last_seq: int = 0
 
 
+def check_index_header(path: str) -> None:
+    """FormatError when `path` exists and is not a ckptfs index this version can read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(INDEX_HEADER.size)
+    except FileNotFoundError:
+        return
+    if len(head) < INDEX_HEADER.size:
+        return  # torn header of a new index: replay treats it as empty
+    magic, version, crc = INDEX_HEADER.unpack(head)
+    if magic != INDEX_MAGIC or crc != crc32c(struct.pack("<8sI", magic, version)):
+        raise FormatError(f"{path}: not a ckptfs index (bad magic or header checksum)")
+    if version > FORMAT_VERSION:
+        raise FormatError(f"{path}: index format version {version} is newer than this ckptfs "
+                          f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+
+
 def read_index(path: str) -> IndexScan:
     """Read an index file; complete commit groups only, a torn or corrupt tail is reported
     in `warnings` and excluded. Raises FormatError for a foreign file or a newer version."""

@@ -28,6 +28,9 @@ class Snapshot:
         if writer and writer not in ids:
             raise layout.FormatError(f"no writer '{writer}' in {backing} "
                                      f"(writers: {', '.join(ids) or 'none'})")
+        for d in layout.writer_dirs(backing):
+            if writer is None or os.path.basename(d) == writer:
+                layout.check_index_header(os.path.join(d, layout.INDEX_NAME))
         self.backing = backing
         self.ns = Namespace(now_ns=0)
         self.union = Union()

@@ -89,10 +89,6 @@ R["read_root"] = open(mnt + "/root.txt").read()
     m.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: in daemon mode cli.py creates the log directory "
-                   "BACKING/writers/<id> with os.makedirs(..., mode=0o700) before the backing "
-                   "is initialised: the intermediate 'writers' directory gets 0777 & ~umask "
-                   "(0777 under umask 0, 0755 usually) instead of 0700")
 def test_backing_file_modes(tmp_path):
     """Daemon mode (creates daemon.log too), under umask 0: files 0600, directories 0700
     (ckptfs.json 0644 by design)."""
