@@ -228,12 +228,9 @@ class Harness:
         backing = self.m.backing
         assert self.m.stop() == 0
         self.m = self.mounts.mount(backing=backing, **OPTS)
-        # Replay must not skip records or drop extents. Skipped records naming an unlinked
-        # inode are a known bug with its own xfail test (test_fs_posix.py::
-        # test_unlink_and_rename_over_leave_clean_index); they lose nothing, so ignore them here.
+        # Replay must not skip records or drop extents.
         bad = [line for line in self.mounts.log(self.m).splitlines()
-               if ("record skipped" in line and "unknown inode" not in line)
-               or "dropped" in line or "Traceback" in line]
+               if "record skipped" in line or "dropped" in line or "Traceback" in line]
         assert not bad, bad
 
     def check_tree(self) -> None:
