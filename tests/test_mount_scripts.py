@@ -142,7 +142,9 @@ def test_helper_translates_and_rejects_options(helpers):
     assert (f"{CKPTFS} mount /b /m --staging-size 2G --segment-size 8M --queue-depth 32 "
             "--io direct --writer-id x --allow-other --engine posix --no-writeback-cache "
             "--idle-flush 0.5") in r.stderr
-    for bad, words in [("bogus=1", "unknown option 'bogus=1'"), ("ro", "read-only"),
+    r = sh(mount_helper, "/b", "/m", "-f", "-o", "ro,readahead=8M")
+    assert r.returncode == 0 and "--ro --readahead 8M" in r.stderr, r.stderr
+    for bad, words in [("bogus=1", "unknown option 'bogus=1'"),
                        ("sync", "not supported"), ("staging_size", "needs a value"),
                        ("allow_other=1", "takes no value")]:
         r = sh(mount_helper, "/b", "/m", "-f", "-o", bad)
