@@ -92,7 +92,7 @@ def _add_mount(sub) -> None:
                    help="roll over to a new data log past this size")
     p.add_argument("--io-chunk", type=parse_size, default=f"{d.io_chunk_bytes >> 20}M",
                    help="largest single write request")
-    p.add_argument("--read-cache", type=parse_size, default="256M",
+    p.add_argument("--read-cache", type=parse_size, default="1G",
                    help="memory for verified data read back from the logs")
     p.add_argument("--prefetch", type=parse_size, default="64M",
                    help="on the first read of a file, load up to this much of it at once")

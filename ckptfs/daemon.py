@@ -46,7 +46,7 @@ class MountConfig:
     engine: str = "auto"  # auto | io_uring | posix
     log_bytes: int = 1 << 30
     io_chunk_bytes: int = 8 * MiB
-    read_cache_bytes: int = 256 * MiB
+    read_cache_bytes: int = 1024 * MiB
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
     readahead_kb: int = 4096

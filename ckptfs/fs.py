@@ -31,6 +31,7 @@ ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 XATTR_PREFIX = b"user.ckptfs."
+SEQUENTIAL_SLACK_BYTES = 4 << 20
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
 CTL_NAME = b".ckptfs"
@@ -416,8 +417,11 @@ class CkptOperations(pyfuse3.Operations):
             return self.snapshots.get(fh, b"")[off:off + size]
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
             return b""
-        sequential = off == 0 or off == h.next_off
-        h.next_off = off + size
+        # Kernel readahead sends several READs at once: "sequential" means at or a little
+        # past where this handle read last; a jump back or far ahead (DCP reading items by
+        # offset) is a random read, which gets no readahead.
+        sequential = off == 0 or h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES
+        h.next_off = max(h.next_off, off + size) if sequential else off + size
         try:
             return await self.reader.read(x.emap, off, size, x.size, sequential)
         except OSError as exc:
