@@ -90,9 +90,15 @@ def _add_mount(sub) -> None:
                    help="io engine (auto: io_uring when the kernel allows it)")
     p.add_argument("--log-size", type=parse_size, default="1G",
                    help="roll over to a new data log past this size")
+    p.add_argument("--data-logs", type=int, default=d.data_logs,
+                   help="data logs written at once, segments round robin (parallel file "
+                   "systems: one per storage target to spread over)")
+    p.add_argument("--stripe-size", type=parse_size, default="0",
+                   help="start every segment on a multiple of this (the parallel file "
+                   "system's stripe size; make --segment-size a multiple of it); 0: 4 KiB")
     p.add_argument("--io-chunk", type=parse_size, default=f"{d.io_chunk_bytes >> 20}M",
                    help="largest single write request")
-    p.add_argument("--read-cache", type=parse_size, default="1G",
+    p.add_argument("--read-cache", type=parse_size, default="256M",
                    help="memory for verified data read back from the logs")
     p.add_argument("--prefetch", type=parse_size, default="64M",
                    help="on the first read of a file, load up to this much of it at once")
@@ -133,7 +139,8 @@ def _mount(a) -> int:
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
                       readonly=a.ro, direct_writes=a.direct_writes,
-                      readahead_kb=a.readahead // 1024, prometheus_file=os.path.abspath(a.prometheus)
+                      readahead_kb=a.readahead // 1024, data_logs=a.data_logs,
+                      stripe_bytes=a.stripe_size, prometheus_file=os.path.abspath(a.prometheus)
                       if a.prometheus else "")
     _setup_logging(a.debug)
     if a.foreground:

@@ -46,13 +46,15 @@ class MountConfig:
     engine: str = "auto"  # auto | io_uring | posix
     log_bytes: int = 1 << 30
     io_chunk_bytes: int = 8 * MiB
-    read_cache_bytes: int = 1024 * MiB
+    read_cache_bytes: int = 256 * MiB
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
     readahead_kb: int = 4096
     readonly: bool = False
     prometheus_file: str = ""
     direct_writes: bool = True
+    data_logs: int = 1
+    stripe_bytes: int = 0
     writeback_cache: bool = False
     allow_other: bool = False
     debug: bool = False
@@ -75,6 +77,11 @@ class MountConfig:
             raise ValueError("--io-chunk must be a multiple of 4 KiB")
         if self.idle_flush_s <= 0:
             raise ValueError("--idle-flush must be positive")
+        if not 1 <= self.data_logs <= 256:
+            raise ValueError("--data-logs must be between 1 and 256")
+        if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
+            raise ValueError("--stripe-size must be a multiple of 4 KiB (and well below "
+                             "--log-size)")
 
 
 class MountError(Exception):
@@ -273,9 +280,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
                       log_bytes=cfg.log_bytes, next_log=next_log,
                       index_fd=index_fd, index_size=index_size,
-                      io_chunk_bytes=cfg.io_chunk_bytes)
+                      io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
+                      stripe_bytes=cfg.stripe_bytes)
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
-                    direct=facts["direct"])
+                    direct=facts["direct"], populate=cfg.populate)
     reader.note_runs(run for x in ns.inodes.values() if x.emap is not None
                      for run in x.emap.runs())
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,

@@ -44,6 +44,19 @@ _COMMIT = "commit"
 _STOP = "stop"
 
 
+class _OpenLog:
+    """A data log being appended to (flusher thread)."""
+
+    __slots__ = ("number", "fd", "off", "alloc", "dirty")
+
+    def __init__(self, number: int, fd: int, off: int) -> None:
+        self.number = number
+        self.fd = fd
+        self.off = off  # next free byte
+        self.alloc = off  # preallocated up to here
+        self.dirty = False  # written since the last fdatasync
+
+
 class ExtentEntry:
     __slots__ = ("ino", "foff", "run")
 
@@ -124,7 +137,8 @@ class Flusher:
 
     def __init__(self, writer_dir: str, writer_id: str, staging: Staging, journal: Journal,
                  *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
-                 next_log: int, index_fd: int, index_size: int, io_chunk_bytes: int) -> None:
+                 next_log: int, index_fd: int, index_size: int, io_chunk_bytes: int,
+                 data_logs: int = 1, stripe_bytes: int = 0) -> None:
         self.writer_dir = writer_dir
         self.writer_id = writer_id
         self.staging = staging
@@ -154,11 +168,9 @@ class Flusher:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         # flusher-thread state
-        self._log = -1
-        self._log_fd = -1
-        self._log_off = 0
-        self._log_alloc = 0
-        self._log_dirty = False
+        self._slots: list[_OpenLog | None] = [None] * max(1, data_logs)
+        self._next_slot = 0
+        self.stripe = max(align, stripe_bytes)
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -261,8 +273,8 @@ class Flusher:
         try:
             self._loop()
         finally:
+            self._close_logs()
             self.engine.close()
-            self._close_log()
 
     def _loop(self) -> None:
         pending: list[Segment] = []  # sealed, not yet written (or failed: retried)
@@ -339,8 +351,12 @@ class Flusher:
             if stopping:
                 return
 
-    def _open_log(self) -> None:
-        self._close_log()
+    # ------------------------------------------------------------ data logs
+    # `self._slots` holds the data logs being appended to: one by default, --data-logs N to
+    # spread a writer's segments over N files (on a parallel file system, N storage targets).
+    # Segments go round robin; each log rolls over to a new number past --log-size.
+
+    def _open_log(self) -> _OpenLog:
         number = self.next_log
         path = os.path.join(self.writer_dir, layout.data_log_name(number))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -363,51 +379,70 @@ class Flusher:
             os.unlink(path)
             raise
         self.next_log = number + 1
-        self._log, self._log_fd, self._log_off = number, fd, layout.DATA_HEADER_BYTES
-        self._log_alloc = layout.DATA_HEADER_BYTES
+        start = round_up(layout.DATA_HEADER_BYTES, self.stripe)
+        return _OpenLog(number, fd, start)
 
-    def _close_log(self) -> None:
-        """Give back the preallocated tail of the current data log, sync and close it."""
-        if self._log_fd < 0:
-            return
-        self._sync_logs()
+    def _close_log(self, lg: _OpenLog) -> None:
+        """Sync a data log, give back its preallocated tail, close it."""
+        if lg.dirty:
+            self.engine.fsync(lg.fd, datasync=True)
+            self.stats.data_syncs += 1
+            lg.dirty = False
         try:
-            if self._log_alloc > self._log_off:
-                os.ftruncate(self._log_fd, self._log_off)
+            if lg.alloc > lg.off:
+                os.ftruncate(lg.fd, lg.off)
         except OSError as exc:
-            log.warning("could not trim data log %d: %s", self._log, exc)
-        os.close(self._log_fd)
-        self._log_fd = -1
+            log.warning("could not trim data log %d: %s", lg.number, exc)
+        os.close(lg.fd)
 
-    def _preallocate(self, end: int) -> None:
+    def _close_logs(self) -> None:
+        for i, lg in enumerate(self._slots):
+            if lg is not None:
+                self._close_log(lg)
+                self._slots[i] = None
+
+    def _preallocate(self, lg: _OpenLog, end: int) -> None:
         """Allocate the data log ahead of the write position: extending O_DIRECT writes are
         serialised by ext4 (and cost a metadata update each), writes inside the file are not.
         ENOSPC here surfaces the full disk before any data is written."""
-        if end <= self._log_alloc:
+        if end <= lg.alloc:
             return
-        ahead = min(max(end, self._log_alloc + PREALLOC_BYTES), self.log_bytes)
+        ahead = min(max(end, lg.alloc + PREALLOC_BYTES), self.log_bytes)
         for new in (ahead, end):  # a nearly full store: allocate just what this write needs
             try:
-                os.posix_fallocate(self._log_fd, self._log_alloc, new - self._log_alloc)
+                os.posix_fallocate(lg.fd, lg.alloc, new - lg.alloc)
             except OSError as exc:
                 if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    self._log_alloc = self.log_bytes  # not supported here: do not ask again
+                    lg.alloc = self.log_bytes  # not supported here: do not ask again
                     return
                 if exc.errno == errno.ENOSPC and new != end:
                     continue
                 raise
-            self._log_alloc = new
+            lg.alloc = new
             return
 
     def _place(self, seg: Segment, nbytes: int) -> None:
-        if self._log_fd < 0 or self._log_off + nbytes > self.log_bytes:
-            self._open_log()
-        self._preallocate(self._log_off + nbytes)
-        seg.log, seg.loff = self._log, self._log_off
-        self._log_off += nbytes
+        i = self._next_slot % len(self._slots)
+        lg = self._slots[i]
+        if lg is None or round_up(lg.off, self.stripe) + nbytes > self.log_bytes:
+            if lg is not None:
+                self._close_log(lg)
+                self._slots[i] = None
+            lg = self._slots[i] = self._open_log()
+        off = round_up(lg.off, self.stripe)  # segments start on stripe boundaries
+        self._preallocate(lg, off + nbytes)
+        seg.log, seg.loff = lg.number, off
+        lg.off = off + nbytes
+        self._next_slot += 1
         for run in seg.runs:
             run.log = seg.log
             run.loff = seg.loff + run.soff
+
+    def _open_fd(self, number: int) -> int | None:
+        for lg in self._slots:
+            if lg is not None and lg.number == number:
+                return lg.fd
+        return None
 
     def _write_segments(self, segs: list[Segment]) -> None:
         t0 = time.perf_counter()
@@ -416,8 +451,8 @@ class Flusher:
         payload = written = 0
         chunk = self.io_chunk_bytes
         # Place every segment first (placement may roll over to a new data log and close the
-        # old one), then resolve file descriptors: a segment placed in an earlier log gets that
-        # log opened by name, never a stale descriptor number.
+        # old one), then resolve file descriptors: a segment placed in a log that is no longer
+        # open gets it opened by name, never a stale descriptor number.
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
             if seg.log < 0:  # first attempt; a retry keeps its place
@@ -426,12 +461,16 @@ class Flusher:
                 for run in seg.runs:
                     run.crc = crc32c(seg.view[run.soff:run.soff + run.length])
                 self._place(seg, nbytes)
+        extra: list[int] = []  # fds opened by name here: synced and closed below
         try:
             for seg in segs:
                 nbytes = round_up(seg.used, self.align)
                 fd = by_log_fd.get(seg.log)
                 if fd is None:
-                    fd = self._log_fd if seg.log == self._log else self._fd_for_retry(seg.log)
+                    fd = self._open_fd(seg.log)
+                    if fd is None:
+                        fd = self._fd_for_retry(seg.log)
+                        extra.append(fd)
                     by_log_fd[seg.log] = fd
                 for off in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - off)
@@ -439,28 +478,28 @@ class Flusher:
                 payload += seg.used
                 written += nbytes
             self.engine.write_all(reqs)
-            for lg, fd in by_log_fd.items():
-                if fd != self._log_fd:  # an earlier log (rollover, retry): sync it now
-                    self.engine.fsync(fd, datasync=True)
-                    self.stats.data_syncs += 1
-                else:
-                    self._log_dirty = True
+            for fd in extra:  # a log closed since (rollover, retry): sync it now
+                self.engine.fsync(fd, datasync=True)
+                self.stats.data_syncs += 1
+            for lg in self._slots:
+                if lg is not None and lg.number in by_log_fd:
+                    lg.dirty = True
         finally:
             for _, mv, _ in reqs:
                 mv.release()
-            for lg, fd in by_log_fd.items():
-                if fd != self._log_fd:
-                    os.close(fd)
+            for fd in extra:
+                os.close(fd)
         self.stats.segments += len(segs)
         self.stats.bytes_written += written
         self.stats.payload_bytes += payload
         self.stats.flush_seconds += time.perf_counter() - t0
 
     def _sync_logs(self) -> None:
-        if self._log_dirty and self._log_fd >= 0:
-            self.engine.fsync(self._log_fd, datasync=True)
-            self.stats.data_syncs += 1
-        self._log_dirty = False
+        for lg in self._slots:
+            if lg is not None and lg.dirty:
+                self.engine.fsync(lg.fd, datasync=True)
+                self.stats.data_syncs += 1
+                lg.dirty = False
 
     def _fd_for_retry(self, number: int) -> int:
         path = os.path.join(self.writer_dir, layout.data_log_name(number))

@@ -51,7 +51,7 @@ class _Chunk:
 
 class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
-                 direct: bool = False) -> None:
+                 direct: bool = False, populate: bool = False) -> None:
         self.writer_dirs = writer_dirs  # layer -> writer directory holding its data logs
         self.direct = direct
         self.max_chunks = max(8, cache_bytes // CHUNK_BYTES)
@@ -59,6 +59,10 @@ class Reader:
         self.chunks: OrderedDict[tuple[int, int, int], _Chunk] = OrderedDict()
         self.spare: list = []  # buffers of evicted chunks, reused before allocating
         self.allocated = 0
+        if populate:  # like staging: fault the memory in once, at mount, not during a restore
+            self.spare = [alloc_aligned(CHUNK_BYTES, populate=True)
+                          for _ in range(self.max_chunks)]
+            self.allocated = self.max_chunks
         self.pins: dict[tuple[int, int, int], int] = {}
         self.loading: dict[tuple[int, int, int], trio.Event] = {}
         self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
