@@ -1,0 +1,190 @@
+"""EIO from the backing store, without device-mapper: ckptfs's backing directory lies in a
+failing_fs mount (tests/failing_fs.py, a pass-through FUSE file system) that is switched to
+fail writes and fsync with EIO. A writer's fsync reports EIO, the daemon stays up and says
+so in its status, durable data stays readable; once the store heals, the staged data lands,
+new checkpoints succeed, and a remount sees everything (and `ckptfs verify` passes)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckptfs import api
+from ckptfs.io.buffers import probe_direct
+from helpers_reliability import MiB, cli, content, read_all
+
+pytestmark = pytest.mark.timeout(90)
+
+FAILING_FS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failing_fs.py")
+
+
+class FailingMount:
+    """A running failing_fs: `source` mirrored at `mountpoint`; fail()/heal() switch EIO."""
+
+    def __init__(self, source: str, mountpoint: str, log: str) -> None:
+        self.source, self.mountpoint, self.log = source, mountpoint, log
+        self.control = os.path.join(source, ".fail")
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, FAILING_FS, source, mountpoint],
+                                         stdout=subprocess.PIPE, stderr=err,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not api.is_mounted(mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("failing_fs did not mount: " + self.log_text())
+            time.sleep(0.05)
+
+    def fail(self, ops: str = "write fsync") -> None:
+        with open(self.control, "w") as f:
+            f.write(ops)
+
+    def heal(self) -> None:
+        try:
+            os.unlink(self.control)
+        except FileNotFoundError:
+            pass
+
+    def log_text(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        self.heal()
+        if api.is_mounted(self.mountpoint):
+            api.fusermount(self.mountpoint)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        if api.is_mounted(self.mountpoint):
+            api.fusermount(self.mountpoint, lazy=True)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def failing(tmp_path):
+    """A failing_fs mount over tmp_path/src. Requested before `mounts`, so the ckptfs mounts on
+    top of it are gone when it is torn down."""
+    src, mnt = tmp_path / "src", tmp_path / "ffs"
+    src.mkdir()
+    mnt.mkdir()
+    fm = FailingMount(str(src), str(mnt), str(tmp_path / "failing_fs.log"))
+    try:
+        yield fm
+    finally:
+        fm.stop()
+
+
+def write_fsync(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, len(data), MiB):
+            os.write(fd, data[off:off + MiB])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_failing_fs_itself(failing):
+    """The helper file system: a mirror that fails writes/fsync with EIO while switched on."""
+    mnt = failing.mountpoint
+    p = os.path.join(mnt, "d", "f")
+    os.mkdir(os.path.dirname(p))
+    write_fsync(p, b"x" * 100000)
+    with open(os.path.join(failing.source, "d", "f"), "rb") as f:
+        assert f.read() == b"x" * 100000
+    os.rename(p, p + "2")
+    assert os.listdir(os.path.join(mnt, "d")) == ["f2"]
+    assert ".fail" not in os.listdir(mnt)
+    failing.fail()
+    fd = os.open(p + "2", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as ei:
+            os.pwrite(fd, b"y", 0)
+        assert ei.value.errno == errno.EIO
+        with pytest.raises(OSError) as ei:
+            os.fsync(fd)
+        assert ei.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    with open(p + "2", "rb") as f:  # reads still work
+        assert f.read() == b"x" * 100000
+    failing.heal()
+    write_fsync(p + "2", b"z" * 10)
+    with open(p + "2", "rb") as f:
+        assert f.read() == b"z" * 10
+    print("\nprobe_direct on failing_fs:", probe_direct(mnt))
+
+
+def test_eio_then_recovery(failing, mounts):
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.2)
+    sizes = {"a": 3 * MiB, "b": 2 * MiB + 12345, "c": 3 * MiB}
+    t0 = time.monotonic()
+    m = mounts.mount(backing, **opts)
+    mnt = m.mountpoint
+    try:
+        # 1. a durable checkpoint
+        write_fsync(os.path.join(mnt, "a"), content("a", sizes["a"]))
+        # 2. the store fails: a writer's fsync gets EIO, the daemon stays up and says why
+        failing.fail()
+        fd = os.open(os.path.join(mnt, "b"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        data = content("b", sizes["b"])
+        for off in range(0, len(data), MiB):
+            os.write(fd, data[off:off + MiB])
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            assert exc.errno == errno.EIO, exc
+        else:
+            raise AssertionError("fsync succeeded on a failing store; status %s\nfailing_fs: %s"
+                                 "\ndaemon: %s" % (m.status(), failing.log_text(),
+                                                    mounts.log(m)))
+        with pytest.raises(OSError) as ei:  # close learns about the pending error too
+            os.close(fd)
+        assert ei.value.errno == errno.EIO, ei.value
+        assert m.proc.poll() is None, "daemon died on EIO"
+        st = m.status()
+        assert st["errors"] > 0, st
+        err = st["current_error"]
+        assert "Input/output error" in err or "EIO" in err or "errno 5" in err.lower() \
+            or "[Errno 5]" in err, st
+        with pytest.raises(OSError) as ei:  # the sync barrier reports it as well
+            m.sync()
+        assert ei.value.errno == errno.EIO
+        assert read_all(os.path.join(mnt, "a")) == content("a", sizes["a"])
+        # 3. the store heals: the flusher's retry lands B; new checkpoints succeed
+        failing.heal()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                m.sync()
+                break
+            except OSError as exc:
+                assert exc.errno == errno.EIO, exc
+                assert time.monotonic() < deadline, "staged data never landed after healing"
+                time.sleep(0.3)
+        assert read_all(os.path.join(mnt, "b")) == content("b", sizes["b"])
+        write_fsync(os.path.join(mnt, "c"), content("c", sizes["c"]))
+        assert m.status()["current_error"] == ""
+    finally:
+        failing.heal()  # lets the unmount drain even when an assertion failed above
+    # 4. remount: everything is there, and the backing store verifies
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    for name, size in sizes.items():
+        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
+    m.stop()
+    print(f"\nEIO scenario: {time.monotonic() - t0:.1f} s")
