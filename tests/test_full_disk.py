@@ -176,12 +176,7 @@ def test_enospc_then_recovery(small_fs, mounts):
     m.stop()
 
 
-def test_eio_backing_store(mounts):
-    if not os.path.exists("/dev/mapper/control") or subprocess.run(
-            ["dmsetup", "version"], capture_output=True).returncode != 0:
-        pytest.skip("device-mapper (dm-error / dm-flakey) is not available in this kernel: "
-                    "/dev/mapper/control missing, `dmsetup version` fails")
-    pytest.skip("dm available but the EIO scenario is not implemented here yet")
+# EIO from the backing store: tests/test_eio.py (a failing FUSE file system as the store).
 
 
 def test_unmount_while_full_reports_failure(small_fs, mounts):
