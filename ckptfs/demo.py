@@ -14,17 +14,12 @@ import tempfile
 import time
 
 from ckptfs import api
+from ckptfs import bench
 from ckptfs.bench import models
 
 
 def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+    return bench.drop_caches(1)
 
 
 def _save(sd: dict, root: str) -> float:

@@ -242,9 +242,12 @@ def check_index_header(path: str) -> None:
             head = f.read(INDEX_HEADER.size)
     except FileNotFoundError:
         return
-    if len(head) < INDEX_HEADER.size:
-        return  # torn header of a new index: replay treats it as empty
-    magic, version, crc = INDEX_HEADER.unpack(head)
+    if len(head) >= INDEX_HEADER.size:  # a shorter, torn header: replay treats it as empty
+        _check_header(path, head)
+
+
+def _check_header(path: str, data: bytes) -> None:
+    magic, version, crc = INDEX_HEADER.unpack_from(data)
     if magic != INDEX_MAGIC or crc != crc32c(struct.pack("<8sI", magic, version)):
         raise FormatError(f"{path}: not a ckptfs index (bad magic or header checksum)")
     if version > FORMAT_VERSION:
@@ -263,12 +266,7 @@ def read_index(path: str) -> IndexScan:
             scan.warnings.append(f"{path}: index header torn ({len(data)} bytes), treated as empty")
         scan.valid_bytes = 0
         return scan
-    magic, version, crc = INDEX_HEADER.unpack_from(data)
-    if magic != INDEX_MAGIC or crc != crc32c(struct.pack("<8sI", magic, version)):
-        raise FormatError(f"{path}: not a ckptfs index (bad magic or header checksum)")
-    if version > FORMAT_VERSION:
-        raise FormatError(f"{path}: index format version {version} is newer than this ckptfs "
-                          f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+    _check_header(path, data)
     pos = INDEX_HEADER.size
     group: list[Record] = []
     end = len(data)

@@ -36,6 +36,7 @@ import tempfile
 import time
 import traceback
 
+from ckptfs import bench
 from ckptfs import api
 from ckptfs.bench import models
 from ckptfs.bench.peers import CONTENDERS
@@ -56,13 +57,7 @@ def parse_size(text: str) -> int:
 # ------------------------------------------------------------------------ /proc helpers
 def drop_caches() -> bool:
     """sync + drop page cache, dentries and inodes. False when not permitted (not root)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return bench.drop_caches(3)
 
 
 def _proc_status(key: str) -> int:

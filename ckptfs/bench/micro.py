@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ckptfs import bench
 from ckptfs.bench import models
 from ckptfs.io import EngineError, alloc_aligned, open_engine, open_file, probe_direct
 
@@ -64,13 +65,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+    return bench.drop_caches(1)
 
 
 def _machine(dirpath: str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 
+from ckptfs import bench
 from ckptfs import api
 from ckptfs.bench import models
 
@@ -52,13 +53,7 @@ def parse_size(text: str) -> int:
 
 def drop_caches() -> bool:
     """`sync; echo 1 > /proc/sys/vm/drop_caches` (page cache). False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+    return bench.drop_caches(1)
 
 
 # ------------------------------------------------------------------ writer processes
