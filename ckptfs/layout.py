@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import time
@@ -255,6 +256,23 @@ def _check_header(path: str, data: bytes) -> None:
                           f"(supports {FORMAT_VERSION}); upgrade ckptfs")
 
 
+_COMMIT_FRAME = re.compile(re.escape(struct.pack("<I", _COMMIT.size)) + rb".{4}" +
+                           re.escape(bytes((R_COMMIT,))), re.S)
+
+
+def _resync(data: bytes, pos: int) -> int | None:
+    """End of the first valid COMMIT record that starts after `pos`, or None."""
+    for m in _COMMIT_FRAME.finditer(data, pos + 1):
+        c = m.start()
+        body = data[c + REC_HEADER.size:c + REC_HEADER.size + _COMMIT.size]
+        if len(body) < _COMMIT.size:
+            return None
+        _, crc, _ = REC_HEADER.unpack_from(data, c)
+        if crc32c(body, crc32c(bytes((R_COMMIT,)))) == crc:
+            return c + REC_HEADER.size + _COMMIT.size
+    return None
+
+
 def read_index(path: str) -> IndexScan:
     """Read an index file; complete commit groups only, a torn or corrupt tail is reported
     in `warnings` and excluded. Raises FormatError for a foreign file or a newer version."""
@@ -271,23 +289,41 @@ def read_index(path: str) -> IndexScan:
     group: list[Record] = []
     end = len(data)
     while pos < end:
+        problem = None
+        blen = crc = rtype = 0
         if pos + REC_HEADER.size > end:
-            scan.warnings.append(f"{path}: torn record header at byte {pos}, ignored")
-            break
-        blen, crc, rtype = REC_HEADER.unpack_from(data, pos)
-        if blen > MAX_RECORD_BODY or pos + REC_HEADER.size + blen > end:
-            scan.warnings.append(f"{path}: torn or oversized record at byte {pos}, ignored")
-            break
-        body = data[pos + REC_HEADER.size:pos + REC_HEADER.size + blen]
-        if crc32c(body, crc32c(bytes((rtype,)))) != crc:
-            scan.warnings.append(f"{path}: record checksum mismatch at byte {pos}; "
-                                 f"the rest of the index ({end - pos} bytes) is ignored")
-            break
-        try:
-            rec = decode(rtype, body)
-        except FormatError as exc:
-            scan.warnings.append(f"{path}: bad record at byte {pos} ({exc}); rest ignored")
-            break
+            problem = "torn record header"
+        else:
+            blen, crc, rtype = REC_HEADER.unpack_from(data, pos)
+            if blen > MAX_RECORD_BODY or pos + REC_HEADER.size + blen > end:
+                problem = "torn or oversized record"
+        if problem is None:
+            body = data[pos + REC_HEADER.size:pos + REC_HEADER.size + blen]
+            if crc32c(body, crc32c(bytes((rtype,)))) != crc:
+                problem = "record checksum mismatch"
+            else:
+                try:
+                    rec = decode(rtype, body)
+                except FormatError as exc:
+                    problem = f"bad record ({exc})"
+        if problem is not None:
+            # A torn tail (a crash during a commit) is the usual case: nothing after it was
+            # acknowledged. But damage in the middle must not cost the commits after it: look
+            # for the next valid COMMIT record, drop the damaged group, resume after it.
+            # (Only for checksum damage: a well-formed record that does not parse was written
+            # that way, by a hostile or broken writer, and nothing after it is trusted.)
+            resume = _resync(data, pos) if problem == "record checksum mismatch" else None
+            if resume is None:
+                scan.warnings.append(f"{path}: {problem} at byte {pos}; the rest of the index "
+                                     f"({end - pos} bytes) is ignored")
+                break
+            scan.warnings.append(f"{path}: {problem} at byte {pos}; {len(group)} records "
+                                 f"before it and the bytes up to {resume} (the damaged commit "
+                                 "group) skipped, replay resumes there")
+            group = []
+            pos = resume
+            scan.valid_bytes = pos
+            continue
         pos += REC_HEADER.size + blen
         if type(rec) is CommitRec:
             scan.groups.append(group)
