@@ -278,7 +278,6 @@ class Flusher:
                 self.engine.register_buffers(self.staging.buffers)
             except Exception as exc:  # registration is an optimisation only
                 log.info("buffer registration skipped: %s", exc)
-            self._pad = alloc_aligned(max(self.align, 4096))
         except BaseException as exc:
             self._start_error = exc
             self._started.set()

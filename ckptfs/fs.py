@@ -436,8 +436,6 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EBADF)
         if x.layer or self.readonly:
             raise _err(errno.EROFS)
-        if self.flusher.error is not None and not self.staging.free and self.staging.open is None:
-            raise _err(self.flusher.error.errno or errno.EIO)
         journal = self.journal
         emap = x.emap
 

@@ -169,7 +169,7 @@ class Staging:
         self.open: Segment | None = None
         self.seal_hook = seal_hook
         self.numbers = 0
-        self.last_write = trio.current_time() if _in_trio() else 0.0
+        self.last_write = trio.current_time()  # built inside the trio run (daemon._serve)
         self.waiting_writers = 0
         self.error: OSError | None = None  # set while the flusher cannot make progress
 
@@ -249,14 +249,6 @@ class Staging:
                 pass  # a memoryview still points at it; the mapping goes with the process
         self.buffers = []
         self.free.clear()
-
-
-def _in_trio() -> bool:
-    try:
-        trio.lowlevel.current_task()
-        return True
-    except RuntimeError:
-        return False
 
 
 def round_up(n: int, align: int) -> int:
