@@ -8,6 +8,7 @@ child's first line (ready or error) to the user.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import trio
 from ckptfs import layout
 from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
-from ckptfs.io import probe_direct
+from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.layout import FormatError
 from ckptfs.merge import Union, load_foreign, replay, validate_extents
 from ckptfs.namespace import Namespace
@@ -197,10 +198,21 @@ def prepare(cfg: MountConfig) -> dict:
         except FormatError as exc:
             raise MountError(str(exc)) from None
     facts: dict = {}
-    if cfg.io_mode == "buffered" or cfg.readonly:
+    if cfg.io_mode == "buffered":
         facts["direct"] = False
         facts["align"] = 4096
         facts["io_reason"] = "buffered I/O requested"
+    elif cfg.readonly:
+        # A read-only mount writes nothing, not even a probe: O_DIRECT reads are tried on an
+        # existing data log (the reader still falls back to buffered per log if refused).
+        logs = sorted(glob.glob(os.path.join(cfg.backing, layout.WRITERS_DIR, "*", "data-*.log")))
+        info = probe_direct_read(logs[0]) if logs else None
+        if cfg.io_mode == "direct" and (info is None or not info.supported):
+            raise MountError(f"O_DIRECT reads are not available on {cfg.backing}: "
+                             f"{info.reason if info else 'no data log to probe'}")
+        facts["direct"] = bool(info and info.supported)
+        facts["align"] = 4096
+        facts["io_reason"] = info.reason if info else "no data log yet: buffered reads"
     else:
         info = probe_direct(cfg.backing)
         if cfg.io_mode == "direct" and not info.supported:

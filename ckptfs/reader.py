@@ -68,6 +68,7 @@ class Reader:
         self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
         self.log_end: dict[tuple[int, int], int] = {}  # end of the known runs in each log
         self.fds: dict[tuple[int, int], int] = {}
+        self.stale_fds: list[int] = []  # replaced O_DIRECT fds, closed with the reader
         self.fd_lock = threading.Lock()
         self.limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.bad: set[Run] = set()
@@ -83,9 +84,10 @@ class Reader:
 
     def close(self) -> None:
         with self.fd_lock:
-            for fd in self.fds.values():
+            for fd in [*self.fds.values(), *self.stale_fds]:
                 os.close(fd)
             self.fds.clear()
+            self.stale_fds.clear()
         self.chunks.clear()
         self.spare.clear()
 
@@ -123,6 +125,17 @@ class Reader:
                 except OSError:
                     fd = os.open(path, flags)  # O_DIRECT refused: buffered
                 self.fds[(layer, number)] = fd
+            return fd
+
+    def _buffered_fd(self, layer: int, number: int, bad: int) -> int:
+        with self.fd_lock:
+            fd = self.fds.get((layer, number))
+            if fd == bad:
+                path = os.path.join(self.writer_dirs[layer], layout.data_log_name(number))
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self.fds[(layer, number)] = fd
+                self.stale_fds.append(bad)  # another worker may still be reading through it
+                log.info("data log %s: O_DIRECT reads refused, reading it buffered", path)
             return fd
 
     # ------------------------------------------------------------ reads
@@ -278,7 +291,13 @@ class Reader:
         """Worker thread: one chunk from the log (short at its end)."""
         t0 = time.perf_counter()
         fd = self._fd(layer, logno)
-        n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
+        try:
+            n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+            fd = self._buffered_fd(layer, logno, fd)  # O_DIRECT opened but refused to read
+            n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
         self.disk_reads += 1
         self.disk_bytes += n
         self.load_seconds += time.perf_counter() - t0

@@ -402,3 +402,23 @@ def test_bench_scaling_quick_json(tmp_path):
     assert os.listdir(work) == []  # every run cleaned up after itself
     with open("/proc/self/mountinfo") as f:
         assert not [ln for ln in f if str(tmp_path) in ln]
+
+
+@pytest.mark.timeout(60)
+def test_ro_mount_reads_with_o_direct_where_the_store_allows(mounts):
+    """A read-only (restore) mount probes O_DIRECT with a read of an existing data log (it may
+    write nothing) and then reads the logs past the backing store's page cache, like a
+    read-write mount."""
+    backing = mounts.backing()
+    w = mounts.mount(backing, writer_id="w0")
+    rw_mode = w.status()["io_mode"]
+    finish([start_rank(w, 1, 0)])
+    w.stop()
+    before = sorted(os.listdir(os.path.join(backing, "writers", "w0")))
+    ro = mounts.mount(backing, ro=True)
+    st = ro.status()
+    assert st["io_mode"] == rw_mode  # "direct" on ext4/xfs, "buffered" on tmpfs
+    check_rank(ro.mountpoint, 1, 0)
+    assert ro.status()["read_disk_bytes"] > 0
+    ro.stop()
+    assert sorted(os.listdir(os.path.join(backing, "writers", "w0"))) == before

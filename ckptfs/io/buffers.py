@@ -11,7 +11,8 @@ import os
 import tempfile
 from typing import NamedTuple
 
-__all__ = ["DirectInfo", "alloc_aligned", "probe_direct", "open_file", "PAGE_SIZE"]
+__all__ = ["DirectInfo", "alloc_aligned", "probe_direct", "probe_direct_read", "open_file",
+           "PAGE_SIZE"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -163,5 +164,37 @@ def probe_direct(dirpath: str | os.PathLike) -> DirectInfo:
                 os.unlink(name)
             except FileNotFoundError:
                 pass
+        if buf is not None:
+            buf.close()
+
+
+def probe_direct_read(path: str | os.PathLike) -> DirectInfo:
+    """Can the existing file ``path`` be read with O_DIRECT?  Writes nothing (read-only mounts
+    and read-only backing stores): opens the file with O_DIRECT and reads its first aligned
+    block.  Memory-backed file systems report ``supported=False`` as in :func:`probe_direct`."""
+    path = os.fspath(path)
+    ftype = _fs_type(os.path.dirname(path) or ".")
+    if ftype in _MEMORY_FS:
+        return DirectInfo(False, 0, 0, "%s is on %s (memory-backed): O_DIRECT would bypass no "
+                          "page cache; use buffered I/O" % (path, _MEMORY_FS[ftype]))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError as e:
+        return DirectInfo(False, 0, 0, "O_DIRECT open of %s refused: %s" % (path, e))
+    buf = None
+    try:
+        align = statx_dioalign(fd)
+        if align is not None and align[1] == 0:
+            return DirectInfo(False, 0, 0, "statx reports no O_DIRECT support for %s" % path)
+        block = max(4096, PAGE_SIZE, *(align or (0,)))
+        buf = alloc_aligned(block)
+        try:
+            os.preadv(fd, [buf], 0)
+        except OSError as e:
+            return DirectInfo(False, 0, 0, "O_DIRECT read of %s failed: %s" % (path, e))
+        a = align or (block, block)
+        return DirectInfo(True, a[0], a[1], "O_DIRECT read of %d aligned bytes ok" % block)
+    finally:
+        os.close(fd)
         if buf is not None:
             buf.close()
