@@ -60,7 +60,7 @@ class Reader:
         self.spare: list = []  # buffers of evicted chunks, reused before allocating
         self.allocated = 0
         if populate:  # like staging: fault the memory in once, at mount, not during a restore
-            self.spare = [alloc_aligned(CHUNK_BYTES, populate=True)
+            self.spare = [alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
                           for _ in range(self.max_chunks)]
             self.allocated = self.max_chunks
         self.pins: dict[tuple[int, int, int], int] = {}
@@ -253,12 +253,12 @@ class Reader:
             return self.spare.pop()
         if self.allocated < self.max_chunks:
             self.allocated += 1
-            return alloc_aligned(CHUNK_BYTES, populate=True)
+            return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
         for key in self.chunks:  # least recently used first
             if key not in self.pins:
                 return self.chunks.pop(key).buf
         self.allocated += 1  # everything pinned (tiny cache): grow rather than fail
-        return alloc_aligned(CHUNK_BYTES, populate=True)
+        return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
 
     async def _load(self, key: tuple[int, int, int]) -> None:
         ev = self.loading.get(key)

@@ -163,7 +163,8 @@ class Staging:
             raise ValueError("segment size must be a multiple of 4096")
         count = max(2, staging_bytes // segment_bytes)
         self.segment_bytes = segment_bytes
-        self.buffers = [alloc_aligned(segment_bytes, populate=populate) for _ in range(count)]
+        self.buffers = [alloc_aligned(segment_bytes, populate=populate, huge=True)
+                        for _ in range(count)]
         self.free: deque = deque(self.buffers)
         self.free_event = trio.Event()
         self.open: Segment | None = None
