@@ -114,6 +114,11 @@ def _add_mount(sub) -> None:
                    default=d.direct_writes,
                    help="write-only opens bypass the kernel page cache (FOPEN_DIRECT_IO): "
                    "one copy less per byte")
+    p.add_argument("--direct-reads", action=argparse.BooleanOptionalAction,
+                   default=d.direct_reads,
+                   help="read-only opens bypass the kernel page cache: faster restores with "
+                   "torch.load/DCP, but MAP_SHARED mmap of those files (safetensors, numpy "
+                   "memmap) fails with ENODEV; torch.load(mmap=True) still works")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
     p.add_argument("--prometheus", default="", metavar="FILE",
@@ -138,7 +143,7 @@ def _mount(a) -> int:
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
-                      readonly=a.ro, direct_writes=a.direct_writes,
+                      readonly=a.ro, direct_writes=a.direct_writes, direct_reads=a.direct_reads,
                       readahead_kb=a.readahead // 1024, data_logs=a.data_logs,
                       stripe_bytes=a.stripe_size, prometheus_file=os.path.abspath(a.prometheus)
                       if a.prometheus else "")

@@ -54,6 +54,7 @@ class MountConfig:
     readonly: bool = False
     prometheus_file: str = ""
     direct_writes: bool = True
+    direct_reads: bool = False
     data_logs: int = 1
     stripe_bytes: int = 0
     writeback_cache: bool = False
@@ -313,6 +314,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # With the writeback cache the kernel owns mtime and does not move it on direct writes:
     # the two do not mix (docs/tuning.md).
     ops.direct_writes = cfg.direct_writes and not ops.enable_writeback_cache
+    ops.direct_reads = cfg.direct_reads
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -22,7 +22,7 @@ from ckptfs.flusher import ExtentEntry, Flusher, Journal
 from ckptfs.layout import (NAME_MAX, InodeRec, LinkRec, RenameRec, SetattrRec, SizeRec,
                            UnlinkRec)
 from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
-from ckptfs.reader import Reader
+from ckptfs.reader import CHUNK_BYTES, Reader
 from ckptfs.staging import Run, Staging
 
 log = logging.getLogger("ckptfs.fs")
@@ -44,7 +44,7 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "next_off")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "seen")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
@@ -52,6 +52,7 @@ class _Handle:
         self.flags = flags
         self.wrote = False
         self.next_off = 0  # where a sequential reader's next READ starts
+        self.seen: list[list[int]] = []  # file ranges served to this handle (reader recycling)
 
 
 class CkptOperations(pyfuse3.Operations):
@@ -70,6 +71,7 @@ class CkptOperations(pyfuse3.Operations):
         self.info = info
         self.readonly = False
         self.direct_writes = False
+        self.direct_reads = False
         self.written_direct: set[int] = set()
         self.handles: dict[int, _Handle] = {}
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
@@ -405,6 +407,10 @@ class CkptOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         keep = x.ino not in self.written_direct
         self.written_direct.discard(x.ino)
+        if self.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY:
+            # --direct-reads: read() goes straight from the daemon into the reader's buffer
+            # (no page-cache copy); MAP_SHARED mmap of such a handle fails with ENODEV.
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     async def read(self, fh, off, size):
@@ -423,7 +429,7 @@ class CkptOperations(pyfuse3.Operations):
         sequential = off == 0 or h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES
         h.next_off = max(h.next_off, off + size) if sequential else off + size
         try:
-            return await self.reader.read(x.emap, off, size, x.size, sequential)
+            return await self.reader.read(x.emap, off, size, x.size, sequential, h.seen)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
 
@@ -571,6 +577,8 @@ class CkptOperations(pyfuse3.Operations):
             "file_bytes": user_bytes,
             "read_disk_bytes": self.reader.disk_bytes,
             "read_cache_bytes": self.reader.cached,
+            "read_cache_allocated_bytes": self.reader.allocated * CHUNK_BYTES,
+            "read_chunks_recycled": self.reader.recycled,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
         }

@@ -72,6 +72,14 @@ class Reader:
         self.fd_lock = threading.Lock()
         self.limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.bad: set[Run] = set()
+        # Recycling: a chunk whose every live byte has been served (to handles that had not
+        # read those bytes before) is "consumed": its buffer is reused before new memory is
+        # allocated, so a streaming restore touches ~the readahead window of fresh memory,
+        # not the whole cache (first-touch memory is slow: docs/benchmarks.md).
+        self.live: dict[tuple[int, int, int], int] = {}  # bytes of known runs per chunk
+        self.served: dict[tuple[int, int, int], int] = {}
+        self.consumed: set[tuple[int, int, int]] = set()
+        self.recycled = 0
         self.nursery = None  # set by the daemon: where readahead runs
         self.disk_reads = 0
         self.disk_bytes = 0
@@ -94,11 +102,18 @@ class Reader:
     # ------------------------------------------------------------ bookkeeping
     def note_runs(self, runs) -> None:
         """Durable runs now known to be in the logs (replayed, or just written)."""
+        live = self.live
         for r in runs:
+            if r.log < 0:
+                continue
             key = (r.layer, r.log)
             end = r.loff + r.length
-            if r.log >= 0 and end > self.log_end.get(key, 0):
+            if end > self.log_end.get(key, 0):
                 self.log_end[key] = end
+            for idx in range(r.loff // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1):
+                k = (r.layer, r.log, idx)
+                live[k] = live.get(k, 0) + (min(end, (idx + 1) * CHUNK_BYTES)
+                                            - max(r.loff, idx * CHUNK_BYTES))
 
     def invalidate(self, layer: int, logno: int, loff: int, length: int) -> None:
         """A log range was written: drop cached chunks over it, and make loads in flight
@@ -140,13 +155,62 @@ class Reader:
 
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
-                   sequential: bool = True):
+                   sequential: bool = True, seen: list | None = None):
         """Bytes [off, off+size) of a file. `sequential`: the reader continues where it
         stopped, so reading ahead is worth it; random readers (DCP loading items by offset)
-        get only the chunks they touch."""
+        get only the chunks they touch. `seen`: the reading handle's served ranges (for
+        recycling consumed chunks), updated here."""
         hi = min(off + size, file_size)
         if off >= hi:
             return b""
+        out = await self._read(emap, off, hi, sequential)
+        if seen is not None:
+            self._account(emap, off, hi, seen)
+        return out
+
+    def _account(self, emap: ExtentMap, off: int, hi: int, seen: list) -> None:
+        """Count the bytes of [off, hi) this handle had not read before against their chunks;
+        a chunk whose live bytes are all served becomes the first candidate for reuse."""
+        if seen and seen[-1][1] == off:  # the common case: reading on from where it stopped
+            seen[-1][1] = hi
+            new = [(off, hi)]
+        else:  # seen: sorted, disjoint; merge [off, hi) in and collect what it adds
+            new, pos, merged = [], off, []
+            mlo, mhi = off, hi
+            for a, b in seen:
+                if b < off or a > hi:
+                    merged.append([a, b])
+                    continue
+                if a > pos:
+                    new.append((pos, a))
+                pos = max(pos, b)
+                mlo, mhi = min(mlo, a), max(mhi, b)
+            if pos < hi:
+                new.append((pos, hi))
+            merged.append([mlo, mhi])
+            merged.sort()
+            seen[:] = merged
+        live, served, chunks = self.live, self.served, self.chunks
+        for lo, up in new:
+            for _, n, run, roff in emap.find(lo, up):
+                if run.log < 0 or run.memory() is not None:
+                    continue
+                a = run.loff + roff
+                b = a + n
+                for idx in range(a // CHUNK_BYTES, (b - 1) // CHUNK_BYTES + 1):
+                    k = (run.layer, run.log, idx)
+                    want = live.get(k)
+                    if want is None:
+                        continue
+                    got = served.get(k, 0) + (min(b, (idx + 1) * CHUNK_BYTES)
+                                              - max(a, idx * CHUNK_BYTES))
+                    served[k] = got
+                    if got >= want:
+                        self.consumed.add(k)
+                        if k in chunks:
+                            chunks.move_to_end(k, last=False)
+
+    async def _read(self, emap: ExtentMap, off: int, hi: int, sequential: bool):
         while True:
             pieces = emap.find(off, hi)
             keys: dict[tuple[int, int, int], None] = {}
@@ -251,6 +315,10 @@ class Reader:
     def _buffer(self):
         if self.spare:
             return self.spare.pop()
+        first = next(iter(self.chunks), None)  # consumed chunks are kept at the LRU end
+        if first is not None and first in self.consumed and first not in self.pins:
+            self.recycled += 1
+            return self.chunks.pop(first).buf
         if self.allocated < self.max_chunks:
             self.allocated += 1
             return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)

@@ -193,10 +193,12 @@ class Ckptfs(Contender):
     key, label = "ckptfs", "torch.save per tensor into ckptfs"
     on_ckptfs = True
 
-    def _mount(self, run) -> api.Mount:
+    restore_options: dict = {}  # extra mount options of the restore mount
+
+    def _mount(self, run, **extra) -> api.Mount:
         os.makedirs(run.mountpoint, exist_ok=True)
         m = api.Mount(run.backing, run.mountpoint, log_file=run.log_file,
-                      timeout=run.cfg.mount_timeout, **run.cfg.mount_options)
+                      timeout=run.cfg.mount_timeout, **{**run.cfg.mount_options, **extra})
         run.mounts.append(m)
         with Watchdog(m, run.cfg.mount_timeout, "mount"):
             m.start()
@@ -235,7 +237,7 @@ class Ckptfs(Contender):
 
     def setup_restore(self, run) -> None:
         t0 = time.perf_counter()
-        run.mount = self._mount(run)
+        run.mount = self._mount(run, **self.restore_options)
         run.extra["remount_s"] = time.perf_counter() - t0
 
     def _restore(self, run) -> dict:
@@ -307,6 +309,13 @@ class Dcp(Contender):
 
     def fsyncs(self, run) -> tuple[int, str]:
         return 2, "by construction: fsync of the .distcp file and of .metadata"
+
+
+class CkptfsDirectReads(Ckptfs):
+    """The same save; the restore mount has --direct-reads (torch.load reads straight into the
+    tensors, no page-cache copy; MAP_SHARED mmap would fail, which torch.load does not use)."""
+    key, label = "ckptfs_dr", "torch.save into ckptfs, restore --direct-reads"
+    restore_options = {"direct_reads": True}
 
 
 class DcpCkptfs(Ckptfs):
@@ -526,5 +535,6 @@ class Fio(Contender):
         return 1, "by construction: fio end_fsync=1"
 
 
-CONTENDERS = {c.key: c for c in (Straight, StraightFsync, Ckptfs, Dcp, DcpCkptfs, TorchSnapshot,
-                                 DataStatesPattern, Tmpfs, RawDirect, Fio)}
+CONTENDERS = {c.key: c for c in (Straight, StraightFsync, Ckptfs, CkptfsDirectReads, Dcp,
+                                 DcpCkptfs, TorchSnapshot, DataStatesPattern, Tmpfs, RawDirect,
+                                 Fio)}

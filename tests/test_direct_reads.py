@@ -1,0 +1,141 @@
+"""`--direct-reads`: read-only opens bypass the kernel page cache (FOPEN_DIRECT_IO). What must
+hold: every byte reads back as written (torch.load, DCP, plain reads at odd offsets, files still
+in staging, files rewritten while mounted), torch.load(mmap=True) and MAP_PRIVATE mmap work,
+MAP_SHARED mmap fails with ENODEV (the documented price), and the default keeps the page cache."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ckptfs.bench import models  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+def _state():
+    specs = models.tensor_specs("gpt2", 24 * MiB) + models.small_tensor_specs(40, seed=3)
+    return models.state_dict(specs, seed=5)
+
+
+def _save(root: str, sd: dict) -> None:
+    for name, t in sd.items():
+        p = os.path.join(root, "step_1", models.file_name(name))
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        torch.save(t, p)
+
+
+def _check(root: str, sd: dict, **load_kw) -> None:
+    for name, t in sd.items():
+        got = torch.load(os.path.join(root, "step_1", models.file_name(name)),
+                         weights_only=True, **load_kw)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
+
+
+def test_restore_through_direct_reads(mounts):
+    backing = mounts.backing()
+    sd = _state()
+    w = mounts.mount(backing)
+    _save(w.mountpoint, sd)
+    w.stop()
+    for opts in ({"direct_reads": True}, {"direct_reads": True, "ro": True}):
+        m = mounts.mount(backing, **opts)
+        before = m.status()["read_requests"]
+        _check(m.mountpoint, sd)
+        _check(m.mountpoint, sd, mmap=True)  # torch maps MAP_PRIVATE: allowed
+        assert m.status()["read_requests"] > before
+        m.stop()
+
+
+def test_mmap_shared_is_refused_private_works(mounts):
+    m = mounts.mount(direct_reads=True)
+    p = os.path.join(m.mountpoint, "blob")
+    data = os.urandom(3 * MiB + 17)
+    with open(p, "wb") as f:
+        f.write(data)
+    m.sync()
+    with open(p, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == data
+        with pytest.raises(OSError) as exc:
+            mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert exc.value.errno == errno.ENODEV
+    # read-write opens keep the page cache: MAP_SHARED works there
+    with open(p, "r+b") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == data
+
+
+def test_default_mount_keeps_mmap_shared(mnt):
+    p = os.path.join(mnt.mountpoint, "blob")
+    data = os.urandom(MiB + 3)
+    with open(p, "wb") as f:
+        f.write(data)
+    with open(p, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == data
+
+
+def test_odd_reads_staged_and_rewritten_files(mounts):
+    m = mounts.mount(direct_reads=True)
+    rng = random.Random(11)
+    p = os.path.join(m.mountpoint, "f")
+    data = bytearray(rng.randbytes(9 * MiB + 4095))
+    with open(p, "wb") as f:
+        f.write(data)
+    # not synced: parts still in staging; reads at odd offsets and sizes, forward and back
+    with open(p, "rb", buffering=0) as f:
+        for _ in range(200):
+            off = rng.randrange(len(data))
+            n = rng.choice([1, 7, 4096, 65537, MiB + 1, 3 * MiB])
+            f.seek(off)
+            assert f.read(n) == bytes(data[off:off + n])
+        f.seek(0)
+        assert f.read() == bytes(data)
+    m.sync()
+    # rewrite a range while mounted: the next read-only open sees it (no stale cache)
+    new = rng.randbytes(2 * MiB)
+    with open(p, "r+b") as f:
+        f.seek(5 * MiB)
+        f.write(new)
+    data[5 * MiB:7 * MiB] = new
+    with open(p, "rb") as f:
+        assert f.read() == bytes(data)
+    m.sync()
+    with open(p, "rb") as f:
+        assert f.read() == bytes(data)
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
+def test_streaming_restore_recycles_consumed_chunks(mounts, direct_reads):
+    """Reading files once, front to back (a restore), frees each cache chunk as soon as all of
+    its bytes were served: fresh memory stays ~the readahead window, not the whole cache, and
+    nothing is read from disk twice."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    rng = random.Random(5)
+    files = {f"t{i}.bin": rng.randbytes(rng.randrange(5 * MiB, 23 * MiB)) for i in range(8)}
+    files.update({f"s{i}.bin": rng.randbytes(rng.randrange(1, 9000)) for i in range(50)})
+    for name, data in files.items():
+        with open(os.path.join(w.mountpoint, name), "wb") as f:
+            f.write(data)
+    w.stop()
+    payload = sum(len(d) for d in files.values())
+    m = mounts.mount(backing, direct_reads=direct_reads, read_cache="128M", prefetch="16M")
+    for name, data in files.items():  # the save order = log order
+        with open(os.path.join(m.mountpoint, name), "rb") as f:
+            assert f.read(4096) == data[:4096]  # a header read, then everything again
+            f.seek(0)
+            assert f.read() == data
+    st = m.status()
+    assert st["read_chunks_recycled"] > 0
+    assert st["read_cache_allocated_bytes"] <= 64 * MiB < payload
+    assert st["read_disk_bytes"] <= payload + 12 * MiB  # ~no chunk read twice
