@@ -32,6 +32,7 @@ from ckptfs.staging import ExtentMap, Run
 log = logging.getLogger("ckptfs.reader")
 
 CHUNK_BYTES = 4 << 20
+SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 
 
@@ -80,6 +81,7 @@ class Reader:
         self.served: dict[tuple[int, int, int], int] = {}
         self.consumed: set[tuple[int, int, int]] = set()
         self.recycled = 0
+        self.scratch = None  # reply assembly buffer for reads spanning several pieces
         self.nursery = None  # set by the daemon: where readahead runs
         self.disk_reads = 0
         self.disk_bytes = 0
@@ -253,7 +255,7 @@ class Reader:
     def _copy(self, pieces: list, off: int, hi: int):
         """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
         (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
-        runs, so no copy here), else a new bytearray."""
+        runs, so no copy here), else a view of the scratch buffer."""
         def source(run: Run, roff: int, n: int):
             mv = run.memory()
             if mv is not None:
@@ -273,12 +275,23 @@ class Reader:
             parts = source(pieces[0][2], pieces[0][3], pieces[0][1])
             if len(parts) == 1:
                 return parts[0]
-        out = bytearray(hi - off)
+        # Several pieces (a chunk or segment boundary, or holes): assembled in a reused scratch
+        # buffer (warm memory; pyfuse3 writes the reply from it before any other task runs).
+        size = hi - off
+        if self.scratch is None or len(self.scratch) < size:
+            self.scratch = alloc_aligned(-(-max(size, SCRATCH_BYTES) // SCRATCH_BYTES)
+                                         * SCRATCH_BYTES, populate=True, huge=True)
+        out = memoryview(self.scratch)[:size]
+        pos = 0
         for s, n, run, roff in pieces:
+            if s - off > pos:  # a hole reads as zeros
+                out[pos:s - off] = bytes(s - off - pos)
             pos = s - off
             for p in source(run, roff, n):
                 out[pos:pos + len(p)] = p
                 pos += len(p)
+        if pos < size:
+            out[pos:] = bytes(size - pos)
         return out
 
     def _verify(self, run: Run) -> None:

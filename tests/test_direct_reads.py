@@ -139,3 +139,33 @@ def test_streaming_restore_recycles_consumed_chunks(mounts, direct_reads):
     assert st["read_chunks_recycled"] > 0
     assert st["read_cache_allocated_bytes"] <= 64 * MiB < payload
     assert st["read_disk_bytes"] <= payload + 12 * MiB  # ~no chunk read twice
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
+def test_reads_across_pieces_and_holes(mounts, direct_reads):
+    """A READ that spans several runs, chunks and holes is assembled in a reused buffer: holes
+    must read as zeros every time, whatever an earlier READ left in that buffer."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    rng = random.Random(8)
+    p = os.path.join(w.mountpoint, "sparse")
+    model = bytearray(12 * MiB)
+    with open(p, "wb") as f:
+        for _ in range(40):  # many small runs with gaps between them
+            off = rng.randrange(0, 12 * MiB - 70000)
+            data = rng.randbytes(rng.randrange(1, 70000))
+            f.seek(off)
+            f.write(data)
+            model[off:off + len(data)] = data
+        f.truncate(len(model))
+    w.stop()
+    m = mounts.mount(backing, direct_reads=direct_reads)
+    with open(os.path.join(m.mountpoint, "sparse"), "rb", buffering=0) as f:
+        for _ in range(3):
+            f.seek(0)
+            assert f.read() == bytes(model)
+        for _ in range(100):
+            off = rng.randrange(len(model))
+            n = rng.choice([5000, 300000, MiB, 2 * MiB + 3])
+            f.seek(off)
+            assert f.read(n) == bytes(model[off:off + n])

@@ -319,7 +319,10 @@ class CkptfsDirectReads(Ckptfs):
 
 
 class DcpCkptfs(Ckptfs):
-    key, label = "dcp_ckptfs", "torch DCP into ckptfs"
+    """DCP into the mount; restored through a --direct-reads mount (DCP reads item by item at
+    offsets, where page-cache readahead mostly reads what is not asked for)."""
+    key, label = "dcp_ckptfs", "torch DCP into ckptfs (restore --direct-reads)"
+    restore_options = {"direct_reads": True}
 
     def _save(self, run) -> None:
         _dcp_save(run.w.sd, os.path.join(run.mountpoint, "dcp"))
