@@ -579,6 +579,7 @@ class CkptOperations(pyfuse3.Operations):
             "read_cache_bytes": self.reader.cached,
             "read_cache_allocated_bytes": self.reader.allocated * CHUNK_BYTES,
             "read_chunks_recycled": self.reader.recycled,
+            "read_runs_verified_ahead": self.reader.verified_ahead,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
         }

@@ -81,6 +81,11 @@ class Reader:
         self.served: dict[tuple[int, int, int], int] = {}
         self.consumed: set[tuple[int, int, int]] = set()
         self.recycled = 0
+        # Checksums are checked in worker threads as soon as all chunks of a run are loaded
+        # (readahead), so READ handlers on the trio thread rarely compute one.
+        self.chunk_runs: dict[tuple[int, int, int], list[Run]] = {}
+        self.verifying: set[Run] = set()
+        self.verified_ahead = 0
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         self.nursery = None  # set by the daemon: where readahead runs
         self.disk_reads = 0
@@ -116,6 +121,8 @@ class Reader:
                 k = (r.layer, r.log, idx)
                 live[k] = live.get(k, 0) + (min(end, (idx + 1) * CHUNK_BYTES)
                                             - max(r.loff, idx * CHUNK_BYTES))
+                if not r.verified:
+                    self.chunk_runs.setdefault(k, []).append(r)
 
     def invalidate(self, layer: int, logno: int, loff: int, length: int) -> None:
         """A log range was written: drop cached chunks over it, and make loads in flight
@@ -125,7 +132,10 @@ class Reader:
         for idx in range(loff // CHUNK_BYTES, (loff + length - 1) // CHUNK_BYTES + 1):
             ch = self.chunks.pop((layer, logno, idx), None)
             if ch is not None:
-                self.spare.append(ch.buf)
+                if (layer, logno, idx) in self.pins:
+                    self.allocated -= 1  # a worker may still read it: not reused, freed later
+                else:
+                    self.spare.append(ch.buf)
         if loff + length > self.log_end.get(key, 0):
             self.log_end[key] = loff + length
 
@@ -313,6 +323,47 @@ class Reader:
             raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
         run.verified = True
 
+    def _verify_ahead(self, key: tuple[int, int, int]) -> None:
+        """Chunk `key` just arrived: check, in a worker thread, every run over it whose chunks
+        are now all cached (its chunks stay pinned meanwhile)."""
+        if self.nursery is None:
+            return
+        runs = self.chunk_runs[key]
+        keep = []
+        for run in runs:
+            if run.verified or run in self.bad:
+                continue
+            keep.append(run)
+            if run in self.verifying:
+                continue
+            keys = [(run.layer, run.log, i) for i in
+                    range(run.loff // CHUNK_BYTES, (run.loff + run.length - 1) // CHUNK_BYTES + 1)]
+            if all(k in self.chunks for k in keys):
+                self.verifying.add(run)
+                self._pin(keys)
+                self.nursery.start_soon(self._verify_bg, run, keys)
+        if keep:
+            self.chunk_runs[key] = keep
+        else:
+            del self.chunk_runs[key]
+
+    async def _verify_bg(self, run: Run, keys) -> None:
+        try:
+            if await trio.to_thread.run_sync(self._verify_quietly, run, limiter=self.limiter):
+                self.verified_ahead += 1
+        finally:
+            self._unpin(keys)
+            self.verifying.discard(run)
+
+    def _verify_quietly(self, run: Run) -> bool:
+        """Worker thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
+        dropped meanwhile (its log range rewritten) leaves the check to the READ path."""
+        try:
+            self._verify(run)
+            return True
+        except (ChecksumError, KeyError):
+            return False
+
     def _pin(self, keys) -> None:
         for k in keys:
             self.pins[k] = self.pins.get(k, 0) + 1
@@ -362,6 +413,8 @@ class Reader:
                     if victim is None:
                         break
                     self.spare.append(self.chunks.pop(victim).buf)
+                if key in self.chunk_runs:
+                    self._verify_ahead(key)
             else:
                 self.spare.append(buf)
         finally:

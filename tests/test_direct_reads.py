@@ -139,6 +139,7 @@ def test_streaming_restore_recycles_consumed_chunks(mounts, direct_reads):
     assert st["read_chunks_recycled"] > 0
     assert st["read_cache_allocated_bytes"] <= 64 * MiB < payload
     assert st["read_disk_bytes"] <= payload + 12 * MiB  # ~no chunk read twice
+    assert st["read_runs_verified_ahead"] > 0  # checksums checked by readahead, off the loop
 
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
@@ -169,3 +170,45 @@ def test_reads_across_pieces_and_holes(mounts, direct_reads):
             n = rng.choice([5000, 300000, MiB, 2 * MiB + 3])
             f.seek(off)
             assert f.read(n) == bytes(model[off:off + n])
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
+def test_damage_found_by_readahead_is_eio_for_that_file_only(mounts, direct_reads):
+    """Checksums checked ahead of the reader (in worker threads) must report damage exactly
+    like the READ path does: EIO for the damaged file, every other file intact."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    rng = random.Random(9)
+    files = {f"f{i}.bin": rng.randbytes(6 * MiB) for i in range(6)}
+    for name, data in files.items():
+        with open(os.path.join(w.mountpoint, name), "wb") as f:
+            f.write(data)
+    w.stop()
+    marker = files["f4.bin"][3 * MiB:3 * MiB + 64]
+    logs = [os.path.join(d, n) for d, _, ns in os.walk(backing) for n in ns
+            if n.startswith("data-") and n.endswith(".log")]
+    hits = []
+    for path in logs:
+        with open(path, "rb") as f:
+            blob = f.read()
+        if marker in blob:
+            hits.append((path, blob.index(marker)))
+    assert len(hits) == 1
+    path, pos = hits[0]
+    with open(path, "r+b") as f:
+        f.seek(pos + 10)
+        b = f.read(1)
+        f.seek(pos + 10)
+        f.write(bytes([b[0] ^ 0x40]))
+    m = mounts.mount(backing, direct_reads=direct_reads)
+    for name, data in files.items():
+        p = os.path.join(m.mountpoint, name)
+        if name == "f4.bin":
+            with pytest.raises(OSError) as exc:
+                with open(p, "rb") as f:
+                    f.read()
+            assert exc.value.errno == errno.EIO
+        else:
+            with open(p, "rb") as f:
+                assert f.read() == data, name
+    assert m.status()["read_runs_verified_ahead"] > 0
