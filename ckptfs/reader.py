@@ -408,6 +408,8 @@ class Reader:
                                               limiter=self.limiter)
             if self.gen.get((layer, logno), 0) == gen:
                 self.chunks[key] = _Chunk(buf, n)
+                self.served.pop(key, None)  # consumption counts per stay in the cache
+                self.consumed.discard(key)
                 while len(self.chunks) > self.max_chunks:
                     victim = next((k for k in self.chunks if k not in self.pins), None)
                     if victim is None:
