@@ -208,10 +208,10 @@ def prepare(cfg: MountConfig) -> dict:
         # existing data log (the reader still falls back to buffered per log if refused).
         logs = sorted(glob.glob(os.path.join(cfg.backing, layout.WRITERS_DIR, "*", "data-*.log")))
         info = probe_direct_read(logs[0]) if logs else None
-        if cfg.io_mode == "direct" and (info is None or not info.supported):
+        if cfg.io_mode == "direct" and info is not None and not info.supported:
             raise MountError(f"O_DIRECT reads are not available on {cfg.backing}: "
-                             f"{info.reason if info else 'no data log to probe'}")
-        facts["direct"] = bool(info and info.supported)
+                             f"{info.reason}")
+        facts["direct"] = info.supported if info else cfg.io_mode == "direct"
         facts["align"] = 4096
         facts["io_reason"] = info.reason if info else "no data log yet: buffered reads"
     else:

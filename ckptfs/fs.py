@@ -32,6 +32,7 @@ ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
+SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
 CTL_NAME = b".ckptfs"
@@ -52,7 +53,7 @@ class _Handle:
         self.flags = flags
         self.wrote = False
         self.next_off = 0  # where a sequential reader's next READ starts
-        self.seen: list[list[int]] = []  # file ranges served to this handle (reader recycling)
+        self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
 
 
 class CkptOperations(pyfuse3.Operations):
@@ -429,7 +430,12 @@ class CkptOperations(pyfuse3.Operations):
         sequential = off == 0 or h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES
         h.next_off = max(h.next_off, off + size) if sequential else off + size
         try:
-            return await self.reader.read(x.emap, off, size, x.size, sequential, h.seen)
+            # Consumption is counted for a file read by one handle only (several readers of one
+            # file must not recycle each other's chunks) and up to 64 separate ranges per handle.
+            seen = h.seen if x.opens == 1 else None
+            if seen is not None and len(seen) > SEEN_RANGES_MAX:
+                seen = h.seen = None
+            return await self.reader.read(x.emap, off, size, x.size, sequential, seen)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
 

@@ -108,7 +108,8 @@ class Reader:
 
     # ------------------------------------------------------------ bookkeeping
     def note_runs(self, runs) -> None:
-        """Durable runs now known to be in the logs (replayed, or just written)."""
+        """Durable runs known to be in the logs at mount (replayed). Runs flushed later are not
+        noted: they are not recycled early nor checked ahead, only read and checked on demand."""
         live = self.live
         for r in runs:
             if r.log < 0:
@@ -227,8 +228,10 @@ class Reader:
             pieces = emap.find(off, hi)
             keys: dict[tuple[int, int, int], None] = {}
             verify = []
+            staged = []
             for _, n, run, roff in pieces:
                 if run.memory() is not None:
+                    staged.append(run)
                     continue
                 if run in self.bad:
                     raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
@@ -245,6 +248,8 @@ class Reader:
                 if sequential:
                     self._readahead(keys)
                 self._pin(keys)
+                mine = [r for r in verify if r not in self.verifying]
+                self.verifying.update(mine)  # checked below: not again by _verify_ahead
                 try:
                     missing = [k for k in keys if k not in self.chunks]
                     if missing:
@@ -255,11 +260,15 @@ class Reader:
                         self.wait_seconds += time.perf_counter() - t0
                     if any(k not in self.chunks for k in keys):
                         continue  # invalidated while loading: look again
+                    if any(r.memory() is None for r in staged):
+                        continue  # flushed and released while we waited: look again
                     for run in verify:
-                        self._verify(run)
+                        if not run.verified:
+                            self._verify(run)
                     return self._copy(pieces, off, hi)
                 finally:
                     self._unpin(keys)
+                    self.verifying.difference_update(mine)
             return self._copy(pieces, off, hi)
 
     def _copy(self, pieces: list, off: int, hi: int):
@@ -404,8 +413,12 @@ class Reader:
             layer, logno, idx = key
             gen = self.gen.get((layer, logno), 0)
             buf = self._buffer()
-            n = await trio.to_thread.run_sync(self._pread, layer, logno, idx, buf,
-                                              limiter=self.limiter)
+            try:
+                n = await trio.to_thread.run_sync(self._pread, layer, logno, idx, buf,
+                                                  limiter=self.limiter)
+            except BaseException:
+                self.spare.append(buf)
+                raise
             if self.gen.get((layer, logno), 0) == gen:
                 self.chunks[key] = _Chunk(buf, n)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
@@ -434,6 +447,11 @@ class Reader:
                 raise
             fd = self._buffered_fd(layer, logno, fd)  # O_DIRECT opened but refused to read
             n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
+        while 0 < n < CHUNK_BYTES and n % 4096 == 0:  # short, not at the end: read on
+            k = os.preadv(fd, [memoryview(buf)[n:]], idx * CHUNK_BYTES + n)
+            if k <= 0:
+                break
+            n += k
         self.disk_reads += 1
         self.disk_bytes += n
         self.load_seconds += time.perf_counter() - t0
