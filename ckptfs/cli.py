@@ -116,9 +116,9 @@ def _add_mount(sub) -> None:
                    "one copy less per byte")
     p.add_argument("--direct-reads", action=argparse.BooleanOptionalAction,
                    default=d.direct_reads,
-                   help="read-only opens bypass the kernel page cache: faster restores with "
-                   "torch.load/DCP, but MAP_SHARED mmap of those files (safetensors, numpy "
-                   "memmap) fails with ENODEV; torch.load(mmap=True) still works")
+                   help="read-only opens of files >= 1 MiB bypass the kernel page cache: "
+                   "faster restores with torch.load/DCP, but MAP_SHARED mmap of those files "
+                   "(safetensors, numpy memmap) fails with ENODEV; torch.load(mmap=True) works")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
     p.add_argument("--prometheus", default="", metavar="FILE",

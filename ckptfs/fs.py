@@ -32,6 +32,7 @@ ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
+DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
@@ -408,9 +409,11 @@ class CkptOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         keep = x.ino not in self.written_direct
         self.written_direct.discard(x.ino)
-        if self.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY:
+        if (self.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY
+                and x.size >= DIRECT_READ_MIN_BYTES):
             # --direct-reads: read() goes straight from the daemon into the reader's buffer
-            # (no page-cache copy); MAP_SHARED mmap of such a handle fails with ENODEV.
+            # (no page-cache copy); MAP_SHARED mmap of such a handle fails with ENODEV. Files
+            # under one READ request keep the page cache: their small header reads hit it.
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
