@@ -15,7 +15,7 @@ import pytest
 
 import ckptfs.io as cio
 from ckptfs.io import (DirectInfo, EngineError, alloc_aligned, open_engine, open_file,
-                       probe_direct, uring_unavailable_reason)
+                       probe_direct, probe_direct_read, uring_unavailable_reason)
 from ckptfs.io.base import _reset_log_once
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -70,6 +70,25 @@ def test_probe_direct_disk_and_tmpfs(disk_dir):
         shm = probe_direct("/dev/shm")
         assert shm.supported is False and "tmpfs" in shm.reason
         assert set(os.listdir("/dev/shm")) == before
+
+
+def test_probe_direct_read_writes_nothing(disk_dir):
+    path = os.path.join(disk_dir, "existing.log")
+    with open(path, "wb") as f:
+        f.write(os.urandom(3 * 4096 + 5))
+    before = sorted(os.listdir(disk_dir))
+    info = probe_direct_read(path)
+    assert info.supported, info.reason
+    assert sorted(os.listdir(disk_dir)) == before  # a read-only probe
+    missing = probe_direct_read(os.path.join(disk_dir, "missing.log"))
+    assert not missing.supported and "missing.log" in missing.reason
+    fd, shm = tempfile.mkstemp(dir="/dev/shm")
+    os.close(fd)
+    try:
+        mem = probe_direct_read(shm)
+        assert not mem.supported and "tmpfs" in mem.reason
+    finally:
+        os.unlink(shm)
 
 
 def test_alloc_aligned():
