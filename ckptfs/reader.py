@@ -338,7 +338,7 @@ class Reader:
         if self.nursery is None:
             return
         runs = self.chunk_runs[key]
-        keep = []
+        keep, ready, pinned = [], [], {}
         for run in runs:
             if run.verified or run in self.bad:
                 continue
@@ -348,30 +348,36 @@ class Reader:
             keys = [(run.layer, run.log, i) for i in
                     range(run.loff // CHUNK_BYTES, (run.loff + run.length - 1) // CHUNK_BYTES + 1)]
             if all(k in self.chunks for k in keys):
-                self.verifying.add(run)
-                self._pin(keys)
-                self.nursery.start_soon(self._verify_bg, run, keys)
+                ready.append(run)
+                pinned.update(dict.fromkeys(keys))
         if keep:
             self.chunk_runs[key] = keep
         else:
             del self.chunk_runs[key]
+        if ready:  # one worker job for all of them (a chunk may hold hundreds of small runs)
+            self.verifying.update(ready)
+            self._pin(pinned)
+            self.nursery.start_soon(self._verify_bg, ready, list(pinned))
 
-    async def _verify_bg(self, run: Run, keys) -> None:
+    async def _verify_bg(self, runs: list[Run], keys) -> None:
         try:
-            if await trio.to_thread.run_sync(self._verify_quietly, run, limiter=self.limiter):
-                self.verified_ahead += 1
+            self.verified_ahead += await trio.to_thread.run_sync(self._verify_quietly, runs,
+                                                                 limiter=self.limiter)
         finally:
             self._unpin(keys)
-            self.verifying.discard(run)
+            self.verifying.difference_update(runs)
 
-    def _verify_quietly(self, run: Run) -> bool:
+    def _verify_quietly(self, runs: list[Run]) -> int:
         """Worker thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
         dropped meanwhile (its log range rewritten) leaves the check to the READ path."""
-        try:
-            self._verify(run)
-            return True
-        except (ChecksumError, KeyError):
-            return False
+        done = 0
+        for run in runs:
+            try:
+                self._verify(run)
+                done += 1
+            except (ChecksumError, KeyError):
+                pass
+        return done
 
     def _pin(self, keys) -> None:
         for k in keys:
