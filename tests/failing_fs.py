@@ -259,21 +259,17 @@ class FailingFS(pyfuse3.Operations):
         return self._entry(path)
 
     async def rmdir(self, parent_inode, name, ctx):
-        self._check("create")
-        path = self._child(parent_inode, name)
-        try:
-            st = os.lstat(path)
-            os.rmdir(path)
-        except OSError as exc:
-            raise _oserr(exc) from None
-        self._forget_key(st)
+        self._remove(parent_inode, name, os.rmdir)
 
     async def unlink(self, parent_inode, name, ctx):
+        self._remove(parent_inode, name, os.unlink)
+
+    def _remove(self, parent_inode, name, remove) -> None:
         self._check("create")
         path = self._child(parent_inode, name)
         try:
             st = os.lstat(path)
-            os.unlink(path)
+            remove(path)
         except OSError as exc:
             raise _oserr(exc) from None
         self._forget_key(st)

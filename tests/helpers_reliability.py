@@ -129,3 +129,29 @@ def write_file(path: str, data: bytes, fsync: bool = False, chunk: int = MiB) ->
 def dump_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
+
+
+def sync_until_ok(m, err: int, seconds: float, why: str) -> None:
+    """`m.sync()` until it succeeds; meanwhile it may only fail with errno `err` (the store's
+    error the flusher is retrying past), for at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            m.sync()
+            return
+        except OSError as exc:
+            assert exc.errno == err, exc
+            assert time.monotonic() < deadline, why
+            time.sleep(0.3)
+
+
+def verify_and_remount(mounts, m, backing: str, opts: dict, files: dict[str, int]):
+    """Unmount `m`, check every checksum offline (`ckptfs verify`), remount and compare each
+    file with its `content()`. Returns the new (still mounted) Mount."""
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    for name, size in files.items():
+        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
+    return m

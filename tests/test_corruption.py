@@ -83,17 +83,24 @@ def _commit_offsets(index: bytes) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_corrupt_index_record(mounts, damage):
-    backing = mounts.backing()
+def _synced_groups(mounts, backing: str, names: list[str]):
+    """One 100 KiB file per name, a sync between them (one commit group each, the last one
+    committed by the unmount). Returns (index path, index bytes as a bytearray, its records)."""
     m = mounts.mount(backing, **OPTS)
-    _files(m, {"early": 100 * KiB})
-    m.sync()
-    _files(m, {"late": 100 * KiB})
+    for i, name in enumerate(names):
+        if i:
+            m.sync()
+        _files(m, {name: 100 * KiB})
     m.stop()
     index_path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
     index = bytearray(read_all(index_path))
-    recs = _commit_offsets(bytes(index))
+    return index_path, index, _commit_offsets(bytes(index))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_index_record(mounts, damage):
+    backing = mounts.backing()
+    index_path, index, recs = _synced_groups(mounts, backing, ["early", "late"])
     first_commit = next(i for i, r in enumerate(recs) if r[1] == layout.R_COMMIT)
     pos, rtype, n = recs[first_commit + 1]  # the first record of the second group
     if damage == "flip":
@@ -324,16 +331,7 @@ def test_damage_in_the_middle_keeps_later_commits(mounts):
     """A corrupt record in the middle of an index costs its own commit group, not the commits
     after it, and a read-write mount does not cut them off."""
     backing = mounts.backing()
-    m = mounts.mount(backing, **OPTS)
-    _files(m, {"early": 100 * KiB})
-    m.sync()
-    _files(m, {"middle": 100 * KiB})
-    m.sync()
-    _files(m, {"late": 100 * KiB})
-    m.stop()
-    index_path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
-    index = bytearray(read_all(index_path))
-    recs = _commit_offsets(bytes(index))
+    index_path, index, recs = _synced_groups(mounts, backing, ["early", "middle", "late"])
     commits = [i for i, r in enumerate(recs) if r[1] == layout.R_COMMIT]
     pos, _, n = recs[commits[0] + 1]  # a record of the second group ("middle")
     index[pos + n - 1] ^= 0xFF

@@ -17,7 +17,7 @@ import pytest
 
 from ckptfs import api
 from ckptfs.io.buffers import probe_direct
-from helpers_reliability import MiB, cli, content, read_all
+from helpers_reliability import MiB, content, read_all, sync_until_ok, verify_and_remount
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -165,26 +165,12 @@ def test_eio_then_recovery(failing, mounts):
         assert read_all(os.path.join(mnt, "a")) == content("a", sizes["a"])
         # 3. the store heals: the flusher's retry lands B; new checkpoints succeed
         failing.heal()
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                m.sync()
-                break
-            except OSError as exc:
-                assert exc.errno == errno.EIO, exc
-                assert time.monotonic() < deadline, "staged data never landed after healing"
-                time.sleep(0.3)
+        sync_until_ok(m, errno.EIO, 15, "staged data never landed after healing")
         assert read_all(os.path.join(mnt, "b")) == content("b", sizes["b"])
         write_fsync(os.path.join(mnt, "c"), content("c", sizes["c"]))
         assert m.status()["current_error"] == ""
     finally:
         failing.heal()  # lets the unmount drain even when an assertion failed above
     # 4. remount: everything is there, and the backing store verifies
-    m.stop()
-    res = cli("verify", backing)
-    assert res.returncode == 0, res.stdout + res.stderr
-    m = mounts.mount(backing, **opts)
-    for name, size in sizes.items():
-        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
-    m.stop()
+    verify_and_remount(mounts, m, backing, opts, sizes).stop()
     print(f"\nEIO scenario: {time.monotonic() - t0:.1f} s")

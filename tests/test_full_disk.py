@@ -13,7 +13,8 @@ import time
 import pytest
 
 from ckptfs import api
-from helpers_reliability import MiB, cli, content, read_all
+from helpers_reliability import (MiB, cli, content, read_all, sync_until_ok,
+                                 verify_and_remount)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,24 +151,11 @@ def test_enospc_then_recovery(small_fs, mounts):
         assert read_fd(os.path.join(mnt, name))[0] == content(name, size), name
     # Free the space: the retry (every second) lands the staged data.
     os.unlink(filler)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            m.sync()
-            break
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-            assert time.monotonic() < deadline, "staged data never landed after space was freed"
-            time.sleep(0.3)
+    sync_until_ok(m, errno.ENOSPC, 20, "staged data never landed after space was freed")
     assert write_ckpt(os.path.join(mnt, "c"), content("c", 4 * MiB)) == ""
     durable["c"] = 4 * MiB
     assert m.status()["current_error"] == ""
-    m.stop()
-    res = cli("verify", backing)
-    assert res.returncode == 0, res.stdout + res.stderr
-    m = mounts.mount(backing, **opts)
-    for name, size in durable.items():
-        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
+    m = verify_and_remount(mounts, m, backing, opts, durable)
     for name, size in attempts.items():  # the one that failed: nothing or a prefix
         if name not in durable and os.path.exists(os.path.join(m.mountpoint, name)):
             got = read_all(os.path.join(m.mountpoint, name))

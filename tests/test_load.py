@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from helpers_reliability import KiB, MiB, cli, content, proc_status, read_all
+from helpers_reliability import (KiB, MiB, cli, content, proc_status, read_all,
+                                 verify_and_remount)
 
 SOAK_S = float(os.environ.get("CKPTFS_SOAK_S", "8"))
 pytestmark = pytest.mark.timeout(max(180, int(SOAK_S * 3 + 120)))
@@ -123,13 +124,7 @@ def test_concurrent_writers_and_readers(mounts, tmp_path):
     for name, size in files.items():
         assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
     total = sum(files.values())
-    m.stop()
-    res = cli("verify", backing)
-    assert res.returncode == 0, res.stdout + res.stderr
-    m = mounts.mount(backing, **opts)
-    for name, size in files.items():
-        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
-    m.stop()
+    verify_and_remount(mounts, m, backing, opts, files).stop()
     print(f"\n{SOAK_S:.0f} s: {len(files)} files, {total / MiB:.0f} MiB by 3 processes x 3 "
           f"writer threads (120 files open per process) + 3 readers; verified live and "
           f"after a remount")

@@ -129,6 +129,15 @@ def _open_probe_file(dirpath: str) -> tuple[int, str | None]:
     return fd, name
 
 
+def _on_memory_fs(dirpath: str, what: str) -> DirectInfo | None:
+    """The answer of both probes for tmpfs/ramfs (None elsewhere)."""
+    ftype = _fs_type(dirpath)
+    if ftype not in _MEMORY_FS:
+        return None
+    return DirectInfo(False, 0, 0, "%s is on %s (memory-backed): O_DIRECT would bypass no "
+                      "page cache; use buffered I/O" % (what, _MEMORY_FS[ftype]))
+
+
 def probe_direct(dirpath: str | os.PathLike) -> DirectInfo:
     """Can files in ``dirpath`` be written with O_DIRECT, and with which alignment?
 
@@ -142,10 +151,9 @@ def probe_direct(dirpath: str | os.PathLike) -> DirectInfo:
     dirpath = os.fspath(dirpath)
     if not os.path.isdir(dirpath):
         return DirectInfo(False, 0, 0, "%s is not a directory" % dirpath)
-    ftype = _fs_type(dirpath)
-    if ftype in _MEMORY_FS:
-        return DirectInfo(False, 0, 0, "%s is on %s (memory-backed): O_DIRECT would bypass no "
-                          "page cache; use buffered I/O" % (dirpath, _MEMORY_FS[ftype]))
+    mem = _on_memory_fs(dirpath, dirpath)
+    if mem is not None:
+        return mem
     try:
         fd, name = _open_probe_file(dirpath)
     except OSError as e:
@@ -193,10 +201,9 @@ def probe_direct_read(path: str | os.PathLike) -> DirectInfo:
     and read-only backing stores): opens the file with O_DIRECT and reads its first aligned
     block.  Memory-backed file systems report ``supported=False`` as in :func:`probe_direct`."""
     path = os.fspath(path)
-    ftype = _fs_type(os.path.dirname(path) or ".")
-    if ftype in _MEMORY_FS:
-        return DirectInfo(False, 0, 0, "%s is on %s (memory-backed): O_DIRECT would bypass no "
-                          "page cache; use buffered I/O" % (path, _MEMORY_FS[ftype]))
+    mem = _on_memory_fs(os.path.dirname(path) or ".", path)
+    if mem is not None:
+        return mem
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
     except OSError as e:
