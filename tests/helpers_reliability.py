@@ -115,6 +115,21 @@ def read_all(path: str) -> bytes:
         return f.read()
 
 
+def read_uncached(path: str) -> bytes:
+    """The whole file, after dropping its page-cache pages (the read reaches the daemon)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks = []
+        while True:
+            b = os.read(fd, MiB)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
 def write_file(path: str, data: bytes, fsync: bool = False, chunk: int = MiB) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

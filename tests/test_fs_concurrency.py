@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from helpers_reliability import read_uncached
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -37,20 +38,6 @@ def write_file(path: str, data: bytes, chunk: int | None = None) -> None:
         else:
             for i in range(0, len(data), chunk):
                 f.write(data[i:i + chunk])
-
-
-def read_uncached(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        out = []
-        while True:
-            b = os.read(fd, MiB)
-            if not b:
-                return b"".join(out)
-            out.append(b)
-    finally:
-        os.close(fd)
 
 
 def writer_job(root: str, who: str, nfiles: int) -> list[str]:

@@ -9,6 +9,7 @@ import os
 import random
 
 import pytest
+from helpers_reliability import read_uncached
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
@@ -17,9 +18,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 pytestmark = pytest.mark.timeout(180)
 
 KiB, MiB = 1 << 10, 1 << 20
-# Staging far larger than what is written (writers never wait for a free segment: that path has
-# a known race, see test_fs_concurrency.py SEGMENT_RACE); small segments so that writes
-# straddle segment boundaries.
+# Staging far larger than what is written (writers never wait for a free segment: backpressure
+# is tested in test_fs_concurrency.py); small segments so that writes straddle segment
+# boundaries.
 OPTS = dict(staging_size="256M", segment_size="256K", idle_flush=0.3)
 # Every path may become a file or a directory.
 PATHS = ["a", "b", "x", "x/a", "x/b", "x/y", "x/y/a", "z", "z/a", "z/x"]
@@ -162,21 +163,6 @@ def pwrite_path(path: str, off: int, data: bytes) -> None:
     try:
         n = os.pwrite(fd, data, off)
         assert n == len(data)
-    finally:
-        os.close(fd)
-
-
-def read_uncached(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
     finally:
         os.close(fd)
 

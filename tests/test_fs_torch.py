@@ -86,8 +86,8 @@ def test_torch_save_one_file_per_tensor(mounts):
     assert {torch.bfloat16, torch.float16, torch.float32, torch.int64} <= dtypes
     assert len(sd) >= 300
     assert max(t.numel() * t.element_size() for t in sd.values()) > 20 * MiB
-    # staging larger than the checkpoint: writers never wait for a free segment (that path has
-    # a known race, test_fs_concurrency.py SEGMENT_RACE; backpressure is tested there)
+    # staging larger than the checkpoint: writers never wait for a free segment (backpressure
+    # is tested in test_fs_concurrency.py)
     m = mounts.mount(staging_size="512M")
     save_all(m.mountpoint, sd)
     # read back right away: from staging memory (or whatever the flusher already wrote)
