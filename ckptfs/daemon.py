@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from ckptfs import layout
+from ckptfs import fuseloop, layout
 from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct, probe_direct_read
@@ -339,13 +339,17 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         if ready:
             ready(msg)
         raise MountError(msg[7:]) from None
+    # A cheaper wait for the next request than pyfuse3's (fuseloop.py); CKPTFS_PYFUSE3_WAIT=1
+    # keeps pyfuse3's own, for comparison.
+    if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
+        ops.request_wait = fuseloop.install()
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
             reader.nursery = nursery
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
-            nursery.start_soon(_signals, nursery)
+            nursery.start_soon(_signals, nursery, ops.request_wait)
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
@@ -406,11 +410,13 @@ async def _tune_later(mountpoint: str, readahead_kb: int) -> None:
     tune_readahead(mountpoint, readahead_kb)
 
 
-async def _signals(nursery) -> None:
+async def _signals(nursery, request_wait: "fuseloop.RequestWait | None") -> None:
     # SIGTERM/SIGINT: unmount cleanly (drain and commit), like `ckptfs umount`.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
         async for sig in sigs:
             log.info("signal %d: unmounting", sig)
+            if request_wait is not None:
+                request_wait.close()
             pyfuse3.terminate()
             return
 

@@ -1,0 +1,122 @@
+"""A cheaper wait for the next FUSE request than pyfuse3's own.
+
+pyfuse3's request loop (one trio task per request being served, up to `max_tasks`) calls the
+module-level coroutine `pyfuse3._wait_fuse_readable` before every `read()` of /dev/fuse. Its
+version takes a `trio.Lock` (two scheduler passes even when free), then registers the fd with
+epoll and parks until it is readable, for every request, also when the next request is already
+queued. With small files (~6 requests per `torch.save`) that wait was ~35-40% of the daemon's
+main thread (docs/benchmarks.md).
+
+`RequestWait` replaces it:
+- fast path: if /dev/fuse already has a request (a zero-timeout `poll`), return at once, with
+  no await between the check and pyfuse3's `read()` (trio runs one task at a time, and only this
+  thread reads the fd, so the request is still there). After `FAST_STREAK` fast returns in a row
+  the task takes the slow path once, so a stream of requests cannot starve the other tasks
+  (flusher completions, timers, signals).
+- slow path: one task at a time parks in `wait_readable` (trio allows one waiter per fd); the
+  others wait in a ParkingLot. After waking it checks again, because a task on the fast path may
+  have taken the request meanwhile (a blocking read on an empty /dev/fuse would stall the loop).
+- closing: `close()` (called right before pyfuse3.terminate()) makes every waiting and later
+  call return False, and terminate() wakes the task in `wait_readable` with ClosedResourceError;
+  pyfuse3's loop then ends (its own wait checks the session's exit flag, which Python cannot
+  read). An unmount makes the fd readable (an error), and pyfuse3's `read()` then ends the loop
+  itself.
+
+pyfuse3 counts idle tasks inside its own wait to decide when to start another one; with this
+wait it sees none idle and keeps up to `max_tasks` tasks (parked tasks cost a coroutine each).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+
+import pyfuse3
+import trio
+
+log = logging.getLogger("ckptfs")
+
+FAST_STREAK = 16
+
+
+def fuse_fd() -> int | None:
+    """The daemon's /dev/fuse descriptor (pyfuse3 does not expose it), or None."""
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                    return int(name)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return None
+
+
+class RequestWait:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.poller = select.poll()
+        self.poller.register(fd, select.POLLIN)
+        self.busy = False  # a task is in wait_readable(fd)
+        self.lot = trio.lowlevel.ParkingLot()
+        self.closed = False
+        self.streak = 0
+        self.fast = 0  # requests found waiting (no epoll registration, no scheduler pass)
+        self.slow = 0
+
+    def _ready(self) -> bool:
+        return bool(self.poller.poll(0))
+
+    def close(self) -> None:
+        """Call before pyfuse3.terminate(): from now on every wait returns False (pyfuse3's own
+        wait checks the session's exit flag, which Python cannot read)."""
+        self.closed = True
+        self.lot.unpark_all()
+
+    async def __call__(self) -> bool:
+        if self.closed:
+            return False
+        if self.streak < FAST_STREAK and self._ready():
+            self.streak += 1
+            self.fast += 1
+            return True
+        self.streak = 0
+        self.slow += 1
+        while self.busy:
+            await self.lot.park()
+            if self.closed:
+                return False
+        self.busy = True
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self.fd)
+                if self.closed:
+                    return False
+                if self._ready():
+                    return True
+        except trio.ClosedResourceError:
+            self.closed = True
+            return False
+        finally:
+            self.busy = False
+            if self.closed:
+                self.lot.unpark_all()
+            else:
+                self.lot.unpark()
+
+
+def install() -> RequestWait | None:
+    """Replace pyfuse3's wait (after pyfuse3.init()). Returns the installed wait, or None when
+    this pyfuse3 has no such hook or the fd cannot be found (its own wait then stays)."""
+    if not callable(getattr(pyfuse3, "_wait_fuse_readable", None)):
+        log.info("pyfuse3 has no _wait_fuse_readable: its own request wait is used")
+        return None
+    fd = fuse_fd()
+    if fd is None:
+        log.info("/dev/fuse descriptor not found: pyfuse3's own request wait is used")
+        return None
+    wait = RequestWait(fd)
+    pyfuse3._wait_fuse_readable = wait
+    return wait
