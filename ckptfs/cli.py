@@ -106,6 +106,9 @@ def _add_mount(sub) -> None:
                    help="kernel readahead of the mount (sequential readers get 1 MiB READs)")
     p.add_argument("--idle-flush", type=float, default=d.idle_flush_s,
                    help="seconds without writes after which a partial segment is flushed")
+    p.add_argument("--request-spin", type=int, default=d.request_spin_us, metavar="US",
+                   help="microseconds the daemon polls for the next request before it sleeps "
+                   "(catches a busy writer's next request without a wake-up; 0: off)")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
                    default=d.writeback_cache,
                    help="kernel writeback cache: merges small writes into 1 MiB requests "
@@ -141,7 +144,8 @@ def _mount(a) -> int:
                       queue_depth=a.queue_depth, io_mode=a.io, engine=a.engine,
                       log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
-                      idle_flush_s=a.idle_flush, allow_other=a.allow_other, debug=a.debug,
+                      idle_flush_s=a.idle_flush, request_spin_us=a.request_spin,
+                      allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
                       readonly=a.ro, direct_writes=a.direct_writes, direct_reads=a.direct_reads,
                       readahead_kb=a.readahead // 1024, data_logs=a.data_logs,

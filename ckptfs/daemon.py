@@ -50,6 +50,7 @@ class MountConfig:
     read_cache_bytes: int = 256 * MiB
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
+    request_spin_us: int = 250
     readahead_kb: int = 4096
     readonly: bool = False
     prometheus_file: str = ""
@@ -79,6 +80,8 @@ class MountConfig:
             raise ValueError("--io-chunk must be a multiple of 4 KiB")
         if self.idle_flush_s <= 0:
             raise ValueError("--idle-flush must be positive")
+        if not 0 <= self.request_spin_us <= 100_000:
+            raise ValueError("--request-spin must be between 0 and 100000 microseconds")
         if not 1 <= self.data_logs <= 256:
             raise ValueError("--data-logs must be between 1 and 256")
         if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
@@ -342,7 +345,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (fuseloop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        ops.request_wait = fuseloop.install()
+        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)

@@ -592,9 +592,10 @@ class CkptOperations(pyfuse3.Operations):
             "read_runs_verified_ahead": self.reader.verified_ahead,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
-            # requests found already queued / waited for with epoll (ckptfs/fuseloop.py)
+            # requests found queued (incl. caught spinning) / waited for (ckptfs/fuseloop.py)
             "requests_found_queued": self.request_wait.fast if self.request_wait else 0,
             "requests_waited_for": self.request_wait.slow if self.request_wait else 0,
+            "requests_caught_spinning": self.request_wait.spun if self.request_wait else 0,
         }
 
     async def getxattr(self, inode, name, ctx):
@@ -635,7 +636,7 @@ def prometheus_text(st: dict) -> str:
 COUNTERS = {"bytes_written", "write_requests", "read_requests", "segments_flushed",
             "bytes_durable", "log_bytes_written", "index_bytes", "index_commits", "data_syncs",
             "fsyncs", "errors", "read_disk_bytes", "flush_seconds", "requests_found_queued",
-            "requests_waited_for"}
+            "requests_waited_for", "requests_caught_spinning"}
 
 
 async def stats_exporter(ops: "CkptOperations", path: str, interval_s: float) -> None:

@@ -394,10 +394,12 @@ class Reader:
     def _buffer(self):
         if self.spare:
             return self.spare.pop()
-        first = next(iter(self.chunks), None)  # consumed chunks are kept at the LRU end
-        if first is not None and first in self.consumed and first not in self.pins:
-            self.recycled += 1
-            return self.chunks.pop(first).buf
+        for key in self.chunks:  # consumed chunks are moved to the front (the LRU end)
+            if key not in self.consumed:
+                break
+            if key not in self.pins:  # (a pinned one may still be checked or served)
+                self.recycled += 1
+                return self.chunks.pop(key).buf
         if self.allocated < self.max_chunks:
             self.allocated += 1
             return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)

@@ -138,6 +138,7 @@ def test_already_mounted_and_second_writer(mounts, fresh_backing, tmp_path, mode
     pytest.param(["--staging-size", "lots"], "not a size"),
     (["--staging-size", "1M", "--segment-size", "1M"], "at least two segments"),
     pytest.param(["--io", "sideways"], "invalid choice"),
+    (["--request-spin", "-5"], "--request-spin must be between"),
 ])
 def test_bad_options(fresh_backing, tmp_path, mode, args, expect):
     mnt = tmp_path / "mnt"

@@ -1,6 +1,7 @@
 """The daemon's own wait for the next FUSE request (ckptfs/fuseloop.py), on real mounts: it
-serves every request (counts add up), takes queued requests without parking, ends the loop on
-SIGTERM (idle and under load) and on unmount, and pyfuse3's own wait still works when asked for.
+serves every request (counts add up), takes queued requests without parking, catches a busy
+client's next request by spinning (--request-spin), ends the loop on SIGTERM (idle and under
+load) and on unmount, and pyfuse3's own wait still works when asked for.
 """
 
 from __future__ import annotations
@@ -45,10 +46,25 @@ def test_every_request_goes_through_the_wait(mounts):
     assert waited + queued >= st["write_requests"] + st["read_requests"] >= 400
 
 
+def test_spinning_catches_a_busy_clients_requests(mounts):
+    """One client writing back to back: with the default spin most requests are caught before
+    the loop parks; with --request-spin 0 none are, and the data is the same."""
+    m = mounts.mount()
+    files = _write_files(m.mountpoint, 300)
+    st = m.status()
+    assert st["requests_caught_spinning"] > st["requests_waited_for"] > 0
+    m2 = mounts.mount(mounts.backing("other"), request_spin=0)
+    files2 = _write_files(m2.mountpoint, 300)
+    st2 = m2.status()
+    assert st2["requests_caught_spinning"] == 0 and st2["requests_waited_for"] > 0
+    _check(files, m.mountpoint, m.mountpoint)
+    _check(files2, m2.mountpoint, m2.mountpoint)
+
+
 def test_queued_requests_are_taken_without_parking(mounts):
     """Several writers keep requests queued while the daemon serves one: some are found
-    waiting (the fast path), and every byte arrives."""
-    m = mounts.mount()
+    waiting (the fast path, no spinning here), and every byte arrives."""
+    m = mounts.mount(request_spin=0)
     results: dict[str, bytes] = {}
     errors = []
 
@@ -141,6 +157,7 @@ def test_pyfuse3_own_wait_still_works(mounts):
     files = _write_files(mp, 100)
     st = m.status()
     assert st["requests_waited_for"] == 0 and st["requests_found_queued"] == 0
+    assert st["requests_caught_spinning"] == 0
     _check(files, mp, mp)
     m.stop()
     m2 = mounts.mount(backing)
