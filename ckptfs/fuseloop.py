@@ -19,7 +19,8 @@ main thread (docs/benchmarks.md).
   wait and the wake-ups on both sides, which dominate a small request's round trip on a VM
   (tiny WRITE 41-59 -> 23-41 us; 3,000 small files saved 2.38 -> 1.69 s; docs/benchmarks.md,
   attempt 28). The price is at most that long of one CPU per request while requests come;
-  an idle mount does not spin. Other trio tasks wait at most that long.
+  an idle mount does not spin, and spins that keep missing back off. Other trio tasks wait at
+  most that long.
 - slow path: one task at a time parks in `wait_readable` (trio allows one waiter per fd); the
   others wait in a ParkingLot. After waking it checks again, because a task on the fast path may
   have taken the request meanwhile (a blocking read on an empty /dev/fuse would stall the loop).
@@ -75,6 +76,8 @@ class RequestWait:
         self.fast = 0  # requests found waiting (no epoll registration, no scheduler pass)
         self.slow = 0
         self.spun = 0
+        self.misses = 0  # spins in a row that caught nothing
+        self.skip = 0  # waits left that do not spin (back-off after misses)
 
     def _ready(self) -> bool:
         return bool(self.poller.poll(0))
@@ -82,15 +85,23 @@ class RequestWait:
     def _spin(self) -> bool:
         """Poll for up to spin_s: while a client is busy writing or reading, its next request
         usually comes within tens of microseconds of our reply, and catching it here saves
-        the park / epoll / wake-up round (costly under virtualisation)."""
+        the park / epoll / wake-up round (costly under virtualisation). Spins that keep
+        missing (a client that computes between requests) back off: after n misses in a row
+        the next 2**n - 1 waits (at most 255) do not spin; a catch resets that."""
         if self.spin_s <= 0:
+            return False
+        if self.skip:
+            self.skip -= 1
             return False
         end = time.perf_counter() + self.spin_s
         poll = self.poller.poll
         while time.perf_counter() < end:
             if poll(0):
                 self.spun += 1
+                self.misses = 0
                 return True
+        self.misses = min(self.misses + 1, 8)
+        self.skip = (1 << self.misses) - 1
         return False
 
     def close(self) -> None:

@@ -162,3 +162,35 @@ def test_pyfuse3_own_wait_still_works(mounts):
     m.stop()
     m2 = mounts.mount(backing)
     _check(files, mp, m2.mountpoint)
+
+
+def test_spin_backs_off_after_misses_and_resets_on_a_catch():
+    """The spin itself, on a pipe instead of /dev/fuse: a miss polls for the whole spin time
+    and makes the next waits skip spinning (1, 3, 7 ... at most 255 of them); a catch resets."""
+    from ckptfs.fuseloop import RequestWait
+
+    r, w = os.pipe()
+    try:
+        wait = RequestWait(r, spin_s=0.002)
+        t0 = time.perf_counter()
+        assert not wait._spin()  # nothing to read: polled for the whole 2 ms
+        assert time.perf_counter() - t0 >= 0.002
+        assert (wait.misses, wait.skip) == (1, 1)
+        t0 = time.perf_counter()
+        assert not wait._spin()  # skipped: returns at once
+        assert time.perf_counter() - t0 < 0.002
+        assert not wait._spin()  # a second miss in a row
+        assert (wait.misses, wait.skip) == (2, 3)
+        for _ in range(40):
+            wait.skip = 0
+            wait._spin()
+        assert wait.misses == 8 and wait.skip == 255
+        wait.skip = 0
+        os.write(w, b"x")  # a "request" is there: caught, back-off reset
+        assert wait._spin()
+        assert (wait.misses, wait.spun) == (0, 1)
+        off = RequestWait(r, spin_s=0.0)
+        assert not off._spin() and off.misses == 0  # --request-spin 0: never spins
+    finally:
+        os.close(r)
+        os.close(w)
