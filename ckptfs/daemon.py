@@ -334,6 +334,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     if wd is None:
         options.add("ro")
     status = 0
+    fds_before = fuseloop.fuse_fds()
     try:
         pyfuse3.init(ops, cfg.mountpoint, options)
     except Exception as exc:
@@ -345,7 +346,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (fuseloop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6)
+        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6, fds_before)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
@@ -356,7 +357,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
-            await pyfuse3.main()
+            if ops.request_wait is not None:
+                await pyfuse3.main(max_tasks=fuseloop.MAX_TASKS)
+            else:
+                await pyfuse3.main()
             nursery.cancel_scope.cancel()
     finally:
         try:
@@ -368,6 +372,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             log.error("unmount: NOT everything could be made durable: %s", exc)
             status = 1
         pyfuse3.close(unmount=True)
+        fuseloop.uninstall()
         reader.close()
         staging.close()
         if index_fd >= 0:

@@ -19,8 +19,7 @@ main thread (docs/benchmarks.md).
   wait and the wake-ups on both sides, which dominate a small request's round trip on a VM
   (tiny WRITE 41-59 -> 23-41 us; 3,000 small files saved 2.38 -> 1.69 s; docs/benchmarks.md,
   attempt 28). The price is at most that long of one CPU per request while requests come;
-  an idle mount does not spin, and spins that keep missing back off. Other trio tasks wait at
-  most that long.
+  an idle mount does not spin, and spins that keep missing back off.
 - slow path: one task at a time parks in `wait_readable` (trio allows one waiter per fd); the
   others wait in a ParkingLot. After waking it checks again, because a task on the fast path may
   have taken the request meanwhile (a blocking read on an empty /dev/fuse would stall the loop).
@@ -31,7 +30,15 @@ main thread (docs/benchmarks.md).
   itself.
 
 pyfuse3 counts idle tasks inside its own wait to decide when to start another one; with this
-wait it sees none idle and keeps up to `max_tasks` tasks (parked tasks cost a coroutine each).
+wait it sees none idle and starts tasks up to `max_tasks`, and each task that has read once
+keeps libfuse's ~1 MiB receive buffer. The daemon therefore runs pyfuse3.main() with
+`MAX_TASKS` (32): at most that many requests in service at once (handlers that wait for a
+flush or a disk read hold one each) and at most ~32 MiB of receive buffers.
+
+Bounds on other work: a task serves at most FAST_STREAK requests in a row without passing
+through the scheduler (found queued or caught spinning, each spin at most `--request-spin`),
+so other trio tasks (flush completions, timers, signals) wait at most that long; a spin that
+catches nothing delays them by one spin time and then backs off.
 """
 
 from __future__ import annotations
@@ -47,20 +54,22 @@ import trio
 log = logging.getLogger("ckptfs")
 
 FAST_STREAK = 16
+MAX_TASKS = 32
 
 
-def fuse_fd() -> int | None:
-    """The daemon's /dev/fuse descriptor (pyfuse3 does not expose it), or None."""
+def fuse_fds() -> set[int]:
+    """The process's open /dev/fuse descriptors (pyfuse3 does not expose its own)."""
+    fds = set()
     try:
         for name in os.listdir("/proc/self/fd"):
             try:
                 if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
-                    return int(name)
+                    fds.add(int(name))
             except OSError:
                 continue
     except OSError:
         pass
-    return None
+    return fds
 
 
 class RequestWait:
@@ -142,17 +151,28 @@ class RequestWait:
                 self.lot.unpark()
 
 
-def install(spin_s: float = 0.0) -> RequestWait | None:
-    """Replace pyfuse3's wait (after pyfuse3.init()); `spin_s`: how long to poll for the next
-    request before parking. Returns the installed wait, or None when this pyfuse3 has no such
-    hook or the fd cannot be found (its own wait then stays)."""
-    if not callable(getattr(pyfuse3, "_wait_fuse_readable", None)):
+_PYFUSE3_WAIT = getattr(pyfuse3, "_wait_fuse_readable", None)
+
+
+def install(spin_s: float, fds_before: set[int]) -> RequestWait | None:
+    """Replace pyfuse3's wait, right after pyfuse3.init(); `fds_before`: fuse_fds() before
+    pyfuse3.init() (the session's fd is the one that is new). `spin_s`: how long to poll for
+    the next request before parking. Returns the installed wait, or None (pyfuse3's own wait
+    stays) when this pyfuse3 has no such hook or the session's fd is not known for sure."""
+    if not callable(_PYFUSE3_WAIT):
         log.info("pyfuse3 has no _wait_fuse_readable: its own request wait is used")
         return None
-    fd = fuse_fd()
-    if fd is None:
-        log.info("/dev/fuse descriptor not found: pyfuse3's own request wait is used")
+    new = fuse_fds() - fds_before
+    if len(new) != 1:
+        log.info("/dev/fuse descriptor of the session not found (%d new): pyfuse3's own "
+                 "request wait is used", len(new))
         return None
-    wait = RequestWait(fd, spin_s)
+    wait = RequestWait(new.pop(), spin_s)
     pyfuse3._wait_fuse_readable = wait
     return wait
+
+
+def uninstall() -> None:
+    """Put pyfuse3's own wait back (after pyfuse3.main() returned)."""
+    if _PYFUSE3_WAIT is not None:
+        pyfuse3._wait_fuse_readable = _PYFUSE3_WAIT

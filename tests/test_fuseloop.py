@@ -47,12 +47,14 @@ def test_every_request_goes_through_the_wait(mounts):
 
 
 def test_spinning_catches_a_busy_clients_requests(mounts):
-    """One client writing back to back: with the default spin most requests are caught before
-    the loop parks; with --request-spin 0 none are, and the data is the same."""
-    m = mounts.mount()
+    """One client writing back to back: while the loop spins, its next requests are caught
+    before it sleeps; with --request-spin 0 none are, and the data is the same. (A long spin
+    here, so that a loaded CI machine cannot make the client miss it; how many the default
+    250 us catches is a matter of timing: benchmarks, not this test.)"""
+    m = mounts.mount(request_spin=100_000)
     files = _write_files(m.mountpoint, 300)
     st = m.status()
-    assert st["requests_caught_spinning"] > st["requests_waited_for"] > 0
+    assert st["requests_caught_spinning"] > 0
     m2 = mounts.mount(mounts.backing("other"), request_spin=0)
     files2 = _write_files(m2.mountpoint, 300)
     st2 = m2.status()
@@ -194,3 +196,61 @@ def test_spin_backs_off_after_misses_and_resets_on_a_catch():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
+    """More clients blocked in fsync at once than the loop has tasks (fuseloop.MAX_TASKS):
+    the others queue, nothing deadlocks, everything is durable and intact."""
+    from ckptfs import fuseloop
+
+    m = mounts.mount()
+    n = fuseloop.MAX_TASKS + 16
+    data = {os.path.join(m.mountpoint, f"s{i}"): os.urandom(50_000 + i) for i in range(n)}
+    errors = []
+    barrier = threading.Barrier(n)
+
+    def client(p: str) -> None:
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data[p])
+                barrier.wait(timeout=60)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in data]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "clients stuck"
+    assert not errors
+    assert m.status()["fsyncs"] >= n
+    _check(data, m.mountpoint, m.mountpoint)
+
+
+def test_install_takes_only_a_session_fd_it_can_be_sure_of():
+    """The wait is installed on the one /dev/fuse fd that appeared since `fds_before`, never on
+    a guess; uninstall puts pyfuse3's own wait back."""
+    import pyfuse3
+
+    from ckptfs import fuseloop
+
+    own = pyfuse3._wait_fuse_readable
+    assert fuseloop.install(0.0, fuseloop.fuse_fds()) is None  # nothing new
+    before = fuseloop.fuse_fds()
+    a = os.open("/dev/fuse", os.O_RDWR)
+    b = os.open("/dev/fuse", os.O_RDWR)
+    try:
+        assert fuseloop.install(0.0, before) is None  # two candidates: not sure, not installed
+        assert pyfuse3._wait_fuse_readable is own
+        w = fuseloop.install(0.0, before | {b})
+        assert w is not None and w.fd == a and pyfuse3._wait_fuse_readable is w
+    finally:
+        fuseloop.uninstall()
+        os.close(a)
+        os.close(b)
+    assert pyfuse3._wait_fuse_readable is own
