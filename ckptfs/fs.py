@@ -18,6 +18,7 @@ import time
 import pyfuse3
 import trio
 
+from ckptfs import fuseloop
 from ckptfs.flusher import ExtentEntry, Flusher, Journal
 from ckptfs.layout import (NAME_MAX, InodeRec, LinkRec, RenameRec, SetattrRec, SizeRec,
                            UnlinkRec)
@@ -89,7 +90,7 @@ class CkptOperations(pyfuse3.Operations):
         self.bytes_written = 0
         self.write_requests = 0
         self.read_requests = 0
-        self.request_wait = None  # fuseloop.RequestWait when installed (its counts in status)
+        self.request_wait: fuseloop.RequestWait | None = None  # installed by the daemon
         self.started = time.time()
         self.fsyncs = 0
 
@@ -592,10 +593,7 @@ class CkptOperations(pyfuse3.Operations):
             "read_runs_verified_ahead": self.reader.verified_ahead,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
-            # requests found queued (incl. caught spinning) / waited for (ckptfs/fuseloop.py)
-            "requests_found_queued": self.request_wait.fast if self.request_wait else 0,
-            "requests_waited_for": self.request_wait.slow if self.request_wait else 0,
-            "requests_caught_spinning": self.request_wait.spun if self.request_wait else 0,
+            **(self.request_wait.counts() if self.request_wait else fuseloop.NO_COUNTS),
         }
 
     async def getxattr(self, inode, name, ctx):
@@ -635,8 +633,7 @@ def prometheus_text(st: dict) -> str:
 
 COUNTERS = {"bytes_written", "write_requests", "read_requests", "segments_flushed",
             "bytes_durable", "log_bytes_written", "index_bytes", "index_commits", "data_syncs",
-            "fsyncs", "errors", "read_disk_bytes", "flush_seconds", "requests_found_queued",
-            "requests_waited_for", "requests_caught_spinning"}
+            "fsyncs", "errors", "read_disk_bytes", "flush_seconds", *fuseloop.NO_COUNTS}
 
 
 async def stats_exporter(ops: "CkptOperations", path: str, interval_s: float) -> None:

@@ -55,6 +55,7 @@ log = logging.getLogger("ckptfs")
 
 FAST_STREAK = 16
 MAX_TASKS = 32
+NO_COUNTS = {"requests_found_queued": 0, "requests_waited_for": 0, "requests_caught_spinning": 0}
 
 
 def fuse_fds() -> set[int]:
@@ -87,6 +88,12 @@ class RequestWait:
         self.spun = 0
         self.misses = 0  # spins in a row that caught nothing
         self.skip = 0  # waits left that do not spin (back-off after misses)
+
+    def counts(self) -> dict:
+        """For the mount's status: requests found queued (including those caught spinning),
+        waited for in epoll, and caught spinning."""
+        return {"requests_found_queued": self.fast, "requests_waited_for": self.slow,
+                "requests_caught_spinning": self.spun}
 
     def _ready(self) -> bool:
         return bool(self.poller.poll(0))
