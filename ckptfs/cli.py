@@ -109,6 +109,10 @@ def _add_mount(sub) -> None:
     p.add_argument("--request-spin", type=int, default=d.request_spin_us, metavar="US",
                    help="microseconds the daemon polls for the next request before it sleeps "
                    "(catches a busy writer's next request without a wake-up; 0: off)")
+    p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=d.fast_path,
+                   help="the daemon reads requests itself: WRITE payloads land straight in "
+                   "the staging segment, READ/WRITE/FLUSH/RELEASE skip pyfuse3 (off: pyfuse3 "
+                   "serves every request)")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
                    default=d.writeback_cache,
                    help="kernel writeback cache: merges small writes into 1 MiB requests "
@@ -145,6 +149,7 @@ def _mount(a) -> int:
                       log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
                       idle_flush_s=a.idle_flush, request_spin_us=a.request_spin,
+                      fast_path=a.fast_path,
                       allow_other=a.allow_other, debug=a.debug,
                       populate=not a.no_populate, writeback_cache=a.writeback_cache,
                       readonly=a.ro, direct_writes=a.direct_writes, direct_reads=a.direct_reads,

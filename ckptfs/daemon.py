@@ -51,6 +51,7 @@ class MountConfig:
     prefetch_bytes: int = 64 * MiB
     idle_flush_s: float = 1.0
     request_spin_us: int = 250
+    fast_path: bool = True
     readahead_kb: int = 4096
     readonly: bool = False
     prometheus_file: str = ""
@@ -346,7 +347,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (fuseloop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6, fds_before)
+        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6, fds_before,
+                                            ops if cfg.fast_path else None)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
@@ -371,6 +373,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         except OSError as exc:
             log.error("unmount: NOT everything could be made durable: %s", exc)
             status = 1
+        if ops.request_wait is not None:
+            ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
         fuseloop.uninstall()
         reader.close()

@@ -445,6 +445,17 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(exc.errno or errno.EIO) from None
 
     async def write(self, fh, off, buf):
+        h, x = self.write_target(fh)
+        try:
+            await self.staging.append(buf, self.piece_recorder(x, off))
+        except OSError as exc:
+            raise _err(exc.errno or errno.EIO) from None
+        self.wrote(h, x, off + len(buf), len(buf))
+        return len(buf)
+
+    # The three steps of a write, shared with the request loop's in-place writes
+    # (fastpath.py), which read the payload straight into the open segment.
+    def write_target(self, fh: int) -> tuple[_Handle, Inode]:
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
@@ -453,6 +464,12 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EBADF)
         if x.layer or self.readonly:
             raise _err(errno.EROFS)
+        return h, x
+
+    def piece_recorder(self, x: Inode, off: int):
+        """on_piece for Staging: records that data bytes [dpos, dpos+k) of a write at file
+        offset `off` now sit in `seg` at `soff` (extends the file's last run when the write
+        continues it in the same segment: one index record per file and segment)."""
         journal = self.journal
         emap = x.emap
 
@@ -477,19 +494,15 @@ class CkptOperations(pyfuse3.Operations):
                 emap.insert(foff, k, run, 0)
                 x.tail_run = run
             x.tail_end = foff + k
+        return on_piece
 
-        try:
-            await self.staging.append(buf, on_piece)
-        except OSError as exc:
-            raise _err(exc.errno or errno.EIO) from None
-        end = off + len(buf)
+    def wrote(self, h: _Handle, x: Inode, end: int, n: int) -> None:
         if end > x.size:
             x.size = end
         x.mtime_ns = x.ctime_ns = time.time_ns()
         h.wrote = True
-        self.bytes_written += len(buf)
+        self.bytes_written += n
         self.write_requests += 1
-        return len(buf)
 
     async def flush(self, fh):
         # close() does not wait for durability (the product's promise); a handle that wrote

@@ -55,7 +55,9 @@ log = logging.getLogger("ckptfs")
 
 FAST_STREAK = 16
 MAX_TASKS = 32
-NO_COUNTS = {"requests_found_queued": 0, "requests_waited_for": 0, "requests_caught_spinning": 0}
+NO_COUNTS = {"requests_found_queued": 0, "requests_waited_for": 0, "requests_caught_spinning": 0,
+             "writes_in_place": 0, "bytes_in_place": 0, "bytes_copied_in": 0,
+             "reads_direct": 0, "requests_forwarded": 0, "requests_answered_here": 0}
 
 
 def fuse_fds() -> set[int]:
@@ -92,8 +94,8 @@ class RequestWait:
     def counts(self) -> dict:
         """For the mount's status: requests found queued (including those caught spinning),
         waited for in epoll, and caught spinning."""
-        return {"requests_found_queued": self.fast, "requests_waited_for": self.slow,
-                "requests_caught_spinning": self.spun}
+        return dict(NO_COUNTS, requests_found_queued=self.fast, requests_waited_for=self.slow,
+                    requests_caught_spinning=self.spun)
 
     def _ready(self) -> bool:
         return bool(self.poller.poll(0))
@@ -119,6 +121,9 @@ class RequestWait:
         self.misses = min(self.misses + 1, 8)
         self.skip = (1 << self.misses) - 1
         return False
+
+    def detach(self) -> None:
+        """Undo what install() changed besides the hook (nothing here; see FastPath)."""
 
     def close(self) -> None:
         """Call before pyfuse3.terminate(): from now on every wait returns False (pyfuse3's own
@@ -161,11 +166,13 @@ class RequestWait:
 _PYFUSE3_WAIT = getattr(pyfuse3, "_wait_fuse_readable", None)
 
 
-def install(spin_s: float, fds_before: set[int]) -> RequestWait | None:
+def install(spin_s: float, fds_before: set[int], ops=None) -> RequestWait | None:
     """Replace pyfuse3's wait, right after pyfuse3.init(); `fds_before`: fuse_fds() before
     pyfuse3.init() (the session's fd is the one that is new). `spin_s`: how long to poll for
-    the next request before parking. Returns the installed wait, or None (pyfuse3's own wait
-    stays) when this pyfuse3 has no such hook or the session's fd is not known for sure."""
+    the next request before parking. `ops`: the file system, for the fast path (fastpath.py:
+    the wait reads requests itself and serves READ/WRITE/FLUSH/RELEASE); None: only wait.
+    Returns the installed wait, or None (pyfuse3's own wait stays) when this pyfuse3 has no
+    such hook or the session's fd is not known for sure."""
     if not callable(_PYFUSE3_WAIT):
         log.info("pyfuse3 has no _wait_fuse_readable: its own request wait is used")
         return None
@@ -174,7 +181,11 @@ def install(spin_s: float, fds_before: set[int]) -> RequestWait | None:
         log.info("/dev/fuse descriptor of the session not found (%d new): pyfuse3's own "
                  "request wait is used", len(new))
         return None
-    wait = RequestWait(new.pop(), spin_s)
+    if ops is not None:
+        from ckptfs.fastpath import FastPath
+        wait = FastPath.attach(new.pop(), ops, spin_s)
+    else:
+        wait = RequestWait(new.pop(), spin_s)
     pyfuse3._wait_fuse_readable = wait
     return wait
 

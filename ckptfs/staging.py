@@ -221,9 +221,38 @@ class Staging:
         self.seal_hook(seg)
         return seg
 
-    async def append(self, data, on_piece: Callable[[Segment, int, int, int], None]) -> None:
-        """Copy `data` into staging. For each piece call on_piece(segment, data offset,
-        segment offset, length) right after it is copied (before any other task runs)."""
+    def tails(self) -> tuple[memoryview | None, memoryview | None]:
+        """Where the next write's bytes would go: the unused rest of the open segment (or the
+        first free buffer, not taken yet), then the next free buffer; None where no buffer is
+        free. A request may be read straight into them; its bytes count only once `landed`
+        is called, before any other task runs."""
+        seg, free = self.open, self.free
+        if seg is not None:
+            return seg.view[seg.used:], (memoryview(free[0]) if free else None)
+        if not free:
+            return None, None
+        return memoryview(free[0]), (memoryview(free[1]) if len(free) > 1 else None)
+
+    def landed(self, k: int, on_piece: Callable[[Segment, int, int, int], None],
+               base: int = 0) -> None:
+        """The first `k` bytes of the first of `tails()` not yet filled are file data now
+        (read there in place): data offset `base` on."""
+        seg = self.open
+        if seg is None:  # tails() offered the first free buffer: it becomes the open segment
+            self.numbers += 1
+            seg = self.open = Segment(self.free.popleft(), self.numbers)
+        soff = seg.used
+        seg.used = soff + k
+        on_piece(seg, base, soff, k)
+        if seg.used == self.segment_bytes:
+            self.seal()
+        self.last_write = trio.current_time()
+
+    async def append(self, data, on_piece: Callable[[Segment, int, int, int], None],
+                     base: int = 0) -> None:
+        """Copy `data` into staging. For each piece call on_piece(segment, data offset
+        (+ `base`), segment offset, length) right after it is copied (before any other task
+        runs)."""
         mv = memoryview(data)
         n = len(mv)
         pos = 0
@@ -236,7 +265,7 @@ class Staging:
             soff = seg.used
             seg.view[soff:soff + k] = mv[pos:pos + k]
             seg.used = soff + k
-            on_piece(seg, pos, soff, k)
+            on_piece(seg, base + pos, soff, k)
             pos += k
             if seg.used == self.segment_bytes:
                 self.seal()

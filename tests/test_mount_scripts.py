@@ -145,10 +145,10 @@ def test_helper_translates_and_rejects_options(helpers):
     r = sh(mount_helper, "/b", "/m", "-f", "-o", "ro,readahead=8M")
     assert r.returncode == 0 and "--ro --readahead 8M" in r.stderr, r.stderr
     r = sh(mount_helper, "/b", "/m", "-f", "-o",
-           "ro,direct_reads,data_logs=4,stripe-size=1M,request_spin=0")
+           "ro,direct_reads,data_logs=4,stripe-size=1M,request_spin=0,no_fast_path")
     assert r.returncode == 0, r.stderr
-    assert ("--ro --direct-reads --data-logs 4 --stripe-size 1M --request-spin 0"
-            in r.stderr), r.stderr
+    assert ("--ro --direct-reads --data-logs 4 --stripe-size 1M --request-spin 0 "
+            "--no-fast-path" in r.stderr), r.stderr
     for bad, words in [("bogus=1", "unknown option 'bogus=1'"),
                        ("sync", "not supported"), ("staging_size", "needs a value"),
                        ("allow_other=1", "takes no value")]:

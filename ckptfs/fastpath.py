@@ -1,0 +1,421 @@
+"""In-place WRITEs: the request loop reads a write's payload straight into the open segment.
+
+Through pyfuse3 a 1 MiB WRITE costs the daemon the kernel's copy into libfuse's receive buffer,
+a copy into a Python `bytes` (pyfuse3), a copy into the segment (staging.append) and a Python
+coroutine per request. Here the daemon reads /dev/fuse itself, with one `readv` into
+[80-byte header | the rest of the open segment | the next free segment buffer | an overflow
+buffer]: a WRITE's payload lands where it will be flushed from (also when it runs past the
+end of a segment), and the kernel's copy is the only one. The request is answered here, without pyfuse3 or libfuse.
+
+The requests of a checkpoint's save and restore are answered here too, by calling the same
+handlers pyfuse3 would call and encoding the replies libfuse would send: READ (one `writev`
+from the read cache), FLUSH, RELEASE, LOOKUP, GETATTR, OPEN, CREATE. Two differences: a
+read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for
+it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
+isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
+
+Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
+pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
+socket pair (the real /dev/fuse descriptor is kept under a new number), the loop writes the
+request into the other end, and pyfuse3 reads it from there as if from /dev/fuse; libfuse's
+replies come back through the pair and are passed on to /dev/fuse by the task that forwarded
+the request (in its next call of the wait, right after pyfuse3 served it). The INIT reply is
+read on the way: the fast path starts once the protocol version (7.12 or later: header sizes)
+and max_write are known. Before pyfuse3.close() unmounts, `detach()` gives libfuse its
+/dev/fuse descriptor back.
+
+Costs: a forwarded request takes three more system calls (send, recv, write; no extra sleep
+or wake-up: all on the daemon's one thread). Bounds: one request is read at a time (one
+thread); what does not fit in the two segment buffers (no free buffer: backpressure; or
+segments smaller than a request) is read into the overflow buffer and copied into staging once
+a buffer is free, as pyfuse3's path would (that buffer then stays with the waiting request;
+the next read gets a new one). libfuse's `debug` output does not
+show the requests answered here.
+
+`--no-fast-path` turns it off (pyfuse3 reads every request; docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+
+import pyfuse3
+import trio
+
+from ckptfs.fuseloop import RequestWait
+
+log = logging.getLogger("ckptfs")
+
+# linux/fuse.h (protocol 7.12 and later)
+FUSE_LOOKUP = 1
+FUSE_GETATTR = 3
+FUSE_OPEN = 14
+FUSE_READ = 15
+FUSE_WRITE = 16
+FUSE_RELEASE = 18
+FUSE_FLUSH = 25
+FUSE_INIT = 26
+FUSE_CREATE = 35
+FUSE_IOCTL = 39
+FOPEN_DIRECT_IO = 1 << 0
+FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_NONSEEKABLE = 1 << 2
+FOPEN_NOFLUSH = 1 << 5
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen pad
+RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
+FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
+OUT_HEADER = struct.Struct("<IiQ")  # len error unique
+WRITE_OUT = struct.Struct("<IiQII")  # out header + size pad
+INIT_OUT = struct.Struct("<IIIIHHI")  # major minor max_readahead flags max_bg congestion max_write
+OPEN_IN = struct.Struct("<II")  # flags open_flags
+CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags
+# fuse_attr: ino size blocks atime mtime ctime (s) atime mtime ctime (ns) mode nlink uid gid
+# rdev blksize flags
+ATTR = "QQQqqqIIIIIIIIII"
+ENTRY_OUT = struct.Struct("<QQQQII" + ATTR)  # nodeid generation entry/attr valid (s, ns), attr
+ATTR_OUT = struct.Struct("<QII" + ATTR)  # attr_valid attr_valid_nsec dummy, attr
+OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
+HEAD = IN_HEADER.size + RW_IN.size  # 80
+# libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
+# than that unless max_write says so (checked at INIT).
+REQUEST_MAX = 256 * 4096 + 4096
+SOCKET_BUFFER = 4 << 20
+
+
+class _Context:
+    """What the handlers read of pyfuse3's RequestContext."""
+
+    __slots__ = ("uid", "gid", "pid", "umask")
+
+    def __init__(self, uid: int, gid: int, pid: int, umask: int = 0) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
+
+
+def _valid(t: float) -> tuple[int, int]:
+    """A cache timeout as the protocol's (seconds, nanoseconds), as libfuse computes it."""
+    if t <= 0:
+        return 0, 0
+    sec = int(t)
+    return sec, int((t - sec) * 1e9)
+
+
+def _attr(a) -> tuple:
+    """pyfuse3.EntryAttributes as the fields of struct fuse_attr (libfuse's convert_stat)."""
+    at, an = divmod(a.st_atime_ns, 1_000_000_000)
+    mt, mn = divmod(a.st_mtime_ns, 1_000_000_000)
+    ct, cn = divmod(a.st_ctime_ns, 1_000_000_000)
+    return (a.st_ino, a.st_size, a.st_blocks, at, mt, ct, an, mn, cn, a.st_mode, a.st_nlink,
+            a.st_uid, a.st_gid, a.st_rdev & 0xFFFFFFFF, a.st_blksize, 0)
+
+
+def _entry(a) -> bytes:
+    ev, evn = _valid(a.entry_timeout)
+    av, avn = _valid(a.attr_timeout)
+    return ENTRY_OUT.pack(a.st_ino, a.generation, ev, av, evn, avn, *_attr(a))
+
+
+def _open_flags(fi, flags: int) -> int:
+    f = ((FOPEN_DIRECT_IO if fi.direct_io else 0) | (FOPEN_KEEP_CACHE if fi.keep_cache else 0)
+         | (FOPEN_NONSEEKABLE if fi.nonseekable else 0))
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        f |= FOPEN_NOFLUSH  # close() of a reader sends no FLUSH: ckptfs has nothing to do then
+    return f
+
+
+class FastPath(RequestWait):
+    """pyfuse3's wait for the next request (see fuseloop.RequestWait), extended: it reads the
+    request itself and answers the common ones here; anything else it hands to libfuse and
+    returns True (pyfuse3 then reads it)."""
+
+    def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float) -> None:
+        super().__init__(fuse_fd, spin_s)
+        self.lib_fd = lib_fd  # libfuse's descriptor number (now our socket's other end)
+        self.sock = sock
+        self.ops = ops
+        self.staging = ops.staging
+        self.head = bytearray(HEAD)
+        self.overflow: bytearray | None = bytearray(REQUEST_MAX)
+        self.request_max = REQUEST_MAX
+        self.replies = bytearray(REQUEST_MAX)
+        self.minor = 0  # negotiated protocol minor; 0 until the INIT reply went by
+        self.init_unique = -1
+        self.forwarders: set = set()  # tasks that returned True: pyfuse3 served a request
+        self.writes_in_place = 0
+        self.bytes_in_place = 0
+        self.bytes_copied = 0
+        self.reads_direct = 0
+        self.forwarded = 0
+        self.answered = 0  # requests answered here (any outcome)
+        self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
+        self.detached = False
+
+    @classmethod
+    def attach(cls, lib_fd: int, ops, spin_s: float) -> "FastPath":
+        """Move libfuse's descriptor `lib_fd` onto a socket and keep /dev/fuse for us."""
+        fuse_fd = os.dup(lib_fd)  # the session's /dev/fuse, under a new number
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for s in (ours, theirs):
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+                except OSError:
+                    pass
+        os.dup2(theirs.fileno(), lib_fd, inheritable=False)
+        theirs.close()
+        os.set_blocking(fuse_fd, False)
+        return cls(fuse_fd, lib_fd, ours, ops, spin_s)
+
+    def detach(self) -> None:
+        """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""
+        if self.detached:
+            return
+        self.detached = True
+        os.set_blocking(self.fd, True)
+        os.dup2(self.fd, self.lib_fd, inheritable=False)
+        os.close(self.fd)
+        self.sock.close()
+
+    def counts(self) -> dict:
+        c = super().counts()
+        c.update(writes_in_place=self.writes_in_place, bytes_in_place=self.bytes_in_place,
+                 bytes_copied_in=self.bytes_copied, reads_direct=self.reads_direct,
+                 requests_forwarded=self.forwarded, requests_answered_here=self.answered)
+        c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
+        return c
+
+    def close(self) -> None:
+        super().close()
+        # pyfuse3.terminate() wakes waiters on libfuse's descriptor, not on ours
+        trio.lowlevel.notify_closing(self.fd)
+
+    async def __call__(self) -> bool:
+        task = trio.lowlevel.current_task()
+        if task in self.forwarders:  # pyfuse3 served what this task forwarded: pass replies on
+            self.forwarders.discard(task)
+            self.pump()
+        while True:
+            if not await super().__call__():
+                self.pump()
+                return False
+            if await self.serve_one():
+                self.forwarders.add(task)
+                return True
+
+    # ------------------------------------------------------------ requests
+    async def serve_one(self) -> bool:
+        """Read one request and serve it; True if it was handed to libfuse instead."""
+        head = self.head
+        if self.overflow is None:
+            self.overflow = bytearray(self.request_max)
+        t1, t2 = self.staging.tails() if self.minor else (None, None)
+        bufs = [head, t1, t2, self.overflow] if t2 is not None else (
+            [head, t1, self.overflow] if t1 is not None else [head, self.overflow])
+        try:
+            n = os.readv(self.fd, bufs)
+        except (BlockingIOError, InterruptedError):
+            return False  # the request was withdrawn (its caller was interrupted)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return False
+            if exc.errno != errno.ENODEV:
+                log.error("reading /dev/fuse: %s", exc)
+            self.close()  # ENODEV: unmounted, or the connection was aborted
+            return False
+        if n < IN_HEADER.size:
+            log.error("short read on /dev/fuse (%d bytes)", n)
+            return False
+        _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
+        if self.minor and not extlen:
+            self.answered += 1
+            if opcode == FUSE_WRITE and n >= HEAD:
+                await self.write(unique, n, t1, t2)
+                return False
+            if opcode == FUSE_READ and n >= HEAD:
+                await self.read(unique)
+                return False
+            if opcode == FUSE_FLUSH:
+                await self.simple(unique, self.ops.flush)
+                return False
+            if opcode == FUSE_RELEASE:
+                await self.simple(unique, self.ops.release)
+                return False
+            if opcode == FUSE_IOCTL:
+                # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of
+                # every file it opens, which libfuse would answer ENOSYS (a round trip
+                # through pyfuse3 per open). Regular files answer ENOTTY.
+                self.reply_error(unique, errno.ENOTTY)
+                return False
+            if opcode in self.entry_ops:
+                await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
+                                    self.body(n, bufs))
+                return False
+            self.answered -= 1
+        self.forward(n, bufs, opcode, unique)
+        return True
+
+    async def write(self, unique: int, n: int, t1, t2) -> None:
+        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+        if n != HEAD + size:
+            self.reply_error(unique, errno.EIO)
+            return
+        ops, staging = self.ops, self.staging
+        try:
+            h, x = ops.write_target(fh)
+            record = ops.piece_recorder(x, off)
+            k = min(size, len(t1)) if t1 is not None else 0
+            if k:
+                staging.landed(k, record)
+            if t2 is not None and size > k:  # ran past the segment's end into the next buffer
+                k2 = min(size - k, len(t2))
+                staging.landed(k2, record, base=k)
+                k += k2
+            self.bytes_in_place += k
+            if size > k:  # the rest went to the overflow buffer: copy it into staging
+                # append() may wait for free buffers: the buffer stays with this request
+                # (other tasks read the next requests into a new one)
+                rest = memoryview(self.overflow)[:size - k]
+                self.overflow = None
+                await staging.append(rest, record, base=k)
+                self.bytes_copied += size - k
+            ops.wrote(h, x, off + size, size)
+        except pyfuse3.FUSEError as exc:
+            self.reply_error(unique, exc.errno)
+            return
+        except OSError as exc:
+            self.reply_error(unique, exc.errno or errno.EIO)
+            return
+        except Exception:
+            log.exception("internal error in write")
+            self.reply_error(unique, errno.EIO)
+            return
+        self.writes_in_place += 1
+        self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
+
+    async def read(self, unique: int) -> None:
+        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+        try:
+            data = await self.ops.read(fh, off, size)  # guarded: only FUSEError escapes
+        except pyfuse3.FUSEError as exc:
+            self.reply_error(unique, exc.errno)
+            return
+        self.reads_direct += 1
+        # `data` may be a view into the read cache: sent before any other task runs
+        self.send(OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data)
+
+    entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
+
+    async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: _Context,
+                       body: bytes) -> None:
+        """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
+        reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for)."""
+        ops = self.ops
+        try:
+            if opcode == FUSE_GETATTR:
+                a = await ops.getattr(nodeid, ctx)
+                av, avn = _valid(a.attr_timeout)
+                out = ATTR_OUT.pack(av, avn, 0, *_attr(a))
+            elif opcode == FUSE_LOOKUP:
+                out = _entry(await ops.lookup(nodeid, body[:body.index(b"\0")], ctx))
+            elif opcode == FUSE_OPEN:
+                flags, _ = OPEN_IN.unpack_from(body)
+                fi = await ops.open(nodeid, flags, ctx)
+                out = OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
+            else:
+                flags, mode, umask, _ = CREATE_IN.unpack_from(body)
+                name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
+                ctx.umask = umask
+                fi, a = await ops.create(nodeid, name, mode, flags, ctx)
+                out = _entry(a) + OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
+        except pyfuse3.FUSEError as exc:
+            self.reply_error(unique, exc.errno)
+            return
+        self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
+
+    def body(self, n: int, bufs: list) -> bytes:
+        """The request's bytes after the 40-byte header."""
+        if n <= HEAD:
+            return bytes(self.head[IN_HEADER.size:n])
+        return b"".join(self.pieces(n, bufs))[IN_HEADER.size:]
+
+    async def simple(self, unique: int, handler) -> None:
+        fh, = FH_IN.unpack_from(self.head, IN_HEADER.size)
+        try:
+            await handler(fh)
+        except pyfuse3.FUSEError as exc:
+            self.reply_error(unique, exc.errno)
+            return
+        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
+
+    def reply_error(self, unique: int, err: int) -> None:
+        self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
+
+    def send(self, header: bytes, data=None) -> None:
+        try:
+            if data is None or not len(data):
+                os.write(self.fd, header)
+            else:
+                os.writev(self.fd, [header, data])
+        except OSError as exc:
+            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("replying on /dev/fuse: %s", exc)
+
+    # ------------------------------------------------------------ libfuse's side
+    @staticmethod
+    def pieces(n: int, bufs: list) -> list:
+        """The n bytes just read, as views of the buffers they landed in."""
+        parts, left = [], n
+        for b in bufs:
+            k = min(left, len(b))
+            parts.append(memoryview(b)[:k])
+            left -= k
+            if not left:
+                break
+        return parts
+
+    def forward(self, n: int, bufs: list, opcode: int, unique: int) -> None:
+        """Hand the request just read (n bytes across `bufs`) to libfuse."""
+        if opcode == FUSE_INIT:
+            self.init_unique = unique
+        self.forwarded += 1
+        self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
+        self.sock.sendmsg(self.pieces(n, bufs))
+
+    def pump(self) -> None:
+        """Pass libfuse's replies (and notifications) on to /dev/fuse."""
+        buf = self.replies
+        while True:
+            try:
+                k = self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.error("reading libfuse's replies: %s", exc)
+                return
+            if k <= 0:
+                return
+            msg = memoryview(buf)[:k]
+            if self.init_unique >= 0 and k >= OUT_HEADER.size:
+                _, err, unique = OUT_HEADER.unpack_from(msg)
+                if unique == self.init_unique:
+                    self.init_unique = -1
+                    self.negotiated(msg, err)
+            self.send(msg)
+
+    def negotiated(self, msg, err: int) -> None:
+        """The INIT reply: the fast path starts if the protocol is one it knows."""
+        if err or len(msg) < OUT_HEADER.size + INIT_OUT.size:
+            return
+        major, minor, _, _, _, _, max_write = INIT_OUT.unpack_from(msg, OUT_HEADER.size)
+        if major != 7 or minor < 12:
+            log.info("FUSE protocol %d.%d: every request goes through pyfuse3", major, minor)
+            return
+        self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
+        if len(self.overflow or b"") < self.request_max:
+            self.overflow = bytearray(self.request_max)
+        self.minor = minor
+        log.info("FUSE protocol %d.%d, max_write %d: in-place writes on", major, minor, max_write)
