@@ -83,6 +83,9 @@ def _size_arg(v) -> str:
     return str(v)
 
 
+# options whose default may be on (or automatic): False asks for --no-<option>
+NEGATABLE = {"direct_reads", "direct_writes", "writeback_cache", "fast_path"}
+
 class Mount:
     """Mount `backing` at `mountpoint` for the duration of a `with` block (or start()/stop()).
 
@@ -107,6 +110,8 @@ class Mount:
             flag = "--" + k.replace("_", "-")
             if v is True:
                 cmd.append(flag)
+            elif v is False and k in NEGATABLE:
+                cmd.append("--no-" + k.replace("_", "-"))
             elif v is False or v is None:
                 continue
             else:

@@ -124,8 +124,10 @@ def _add_mount(sub) -> None:
     p.add_argument("--direct-reads", action=argparse.BooleanOptionalAction,
                    default=d.direct_reads,
                    help="read-only opens of files >= 1 MiB bypass the kernel page cache: "
-                   "faster restores with torch.load/DCP, but MAP_SHARED mmap of those files "
-                   "(safetensors, numpy memmap) fails with ENODEV; torch.load(mmap=True) works")
+                   "faster restores with torch.load/DCP. Default: on where the kernel keeps "
+                   "MAP_SHARED mmap of such files possible (Linux 6.6+, with the fast path), "
+                   "else off; forced on without that, MAP_SHARED mmap (safetensors, numpy "
+                   "memmap) of those files fails with ENODEV")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users see the mount (needs user_allow_other for non-root)")
     p.add_argument("--prometheus", default="", metavar="FILE",

@@ -56,7 +56,7 @@ class MountConfig:
     readonly: bool = False
     prometheus_file: str = ""
     direct_writes: bool = True
-    direct_reads: bool = False
+    direct_reads: bool | None = None  # None: on when shared mmap stays possible (fastpath.py)
     data_logs: int = 1
     stripe_bytes: int = 0
     writeback_cache: bool = False
@@ -318,7 +318,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # With the writeback cache the kernel owns mtime and does not move it on direct writes:
     # the two do not mix (docs/tuning.md).
     ops.direct_writes = cfg.direct_writes and not ops.enable_writeback_cache
-    ops.direct_reads = cfg.direct_reads
+    ops.direct_reads = bool(cfg.direct_reads)
+    ops.direct_reads_auto = cfg.direct_reads is None
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -65,12 +65,16 @@ FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NONSEEKABLE = 1 << 2
 FOPEN_NOFLUSH = 1 << 5
+FUSE_INIT_EXT = 1 << 30  # flags2 holds bits 32-63
+FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36  # Linux 6.6+: MAP_SHARED mmap of FOPEN_DIRECT_IO files
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen pad
 RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
 FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 WRITE_OUT = struct.Struct("<IiQII")  # out header + size pad
+INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
 INIT_OUT = struct.Struct("<IIIIHHI")  # major minor max_readahead flags max_bg congestion max_write
+INIT_OUT_FLAGS2 = 32  # offset of flags2 in fuse_init_out (64 bytes since 7.23)
 OPEN_IN = struct.Struct("<II")  # flags open_flags
 CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags
 # fuse_attr: ino size blocks atime mtime ctime (s) atime mtime ctime (ns) mode nlink uid gid
@@ -143,6 +147,7 @@ class FastPath(RequestWait):
         self.replies = bytearray(REQUEST_MAX)
         self.minor = 0  # negotiated protocol minor; 0 until the INIT reply went by
         self.init_unique = -1
+        self.kernel_flags = 0  # what the kernel offered in INIT
         self.forwarders: set = set()  # tasks that returned True: pyfuse3 served a request
         self.writes_in_place = 0
         self.bytes_in_place = 0
@@ -381,6 +386,9 @@ class FastPath(RequestWait):
         """Hand the request just read (n bytes across `bufs`) to libfuse."""
         if opcode == FUSE_INIT:
             self.init_unique = unique
+            if n >= IN_HEADER.size + INIT_IN.size:
+                _, _, _, flags, flags2 = INIT_IN.unpack_from(self.head, IN_HEADER.size)
+                self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         self.sock.sendmsg(self.pieces(n, bufs))
@@ -410,10 +418,24 @@ class FastPath(RequestWait):
         """The INIT reply: the fast path starts if the protocol is one it knows."""
         if err or len(msg) < OUT_HEADER.size + INIT_OUT.size:
             return
-        major, minor, _, _, _, _, max_write = INIT_OUT.unpack_from(msg, OUT_HEADER.size)
+        major, minor, _, flags, _, _, max_write = INIT_OUT.unpack_from(msg, OUT_HEADER.size)
         if major != 7 or minor < 12:
             log.info("FUSE protocol %d.%d: every request goes through pyfuse3", major, minor)
             return
+        if (self.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP
+                and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4):
+            # libfuse 3.14 does not know this flag; the READs of a mapping come here anyway.
+            # With it, MAP_SHARED mmap of a --direct-reads file works (through the page
+            # cache) instead of failing with ENODEV, so direct reads can be the default.
+            at = OUT_HEADER.size + INIT_OUT_FLAGS2
+            flags2 = struct.unpack_from("<I", msg, at)[0] if flags & FUSE_INIT_EXT else 0
+            struct.pack_into("<I", msg, OUT_HEADER.size + 12, flags | FUSE_INIT_EXT)
+            struct.pack_into("<I", msg, at, flags2 | FUSE_DIRECT_IO_ALLOW_MMAP >> 32)
+            self.ops.shared_mmap_direct = True
+            if self.ops.direct_reads_auto:
+                self.ops.direct_reads = True
+            log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
+                     "on" if self.ops.direct_reads else "off")
         self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
         if len(self.overflow or b"") < self.request_max:
             self.overflow = bytearray(self.request_max)

@@ -31,6 +31,10 @@ log = logging.getLogger("ckptfs.fs")
 ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
+# st_blksize, the preferred I/O size (Lustre reports its stripe size here): Python's open()
+# buffers that much, so a reader of small items at offsets (DCP) reads 1 MiB at a time
+# instead of 4 KiB (with --direct-reads each read is a round trip to the daemon)
+IO_BLOCK_BYTES = 1 << 20
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
@@ -75,6 +79,8 @@ class CkptOperations(pyfuse3.Operations):
         self.readonly = False
         self.direct_writes = False
         self.direct_reads = False
+        self.direct_reads_auto = False  # turned on at INIT if shared mmap stays possible
+        self.shared_mmap_direct = False  # the kernel maps direct-I/O files MAP_SHARED
         self.written_direct: set[int] = set()
         self.handles: dict[int, _Handle] = {}
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
@@ -107,7 +113,7 @@ class CkptOperations(pyfuse3.Operations):
         a.st_gid = x.gid
         a.st_rdev = x.rdev
         a.st_size = x.size
-        a.st_blksize = BLOCK_BYTES
+        a.st_blksize = IO_BLOCK_BYTES
         a.st_blocks = (x.size + 511) // 512 if x.emap is not None else 0
         a.st_atime_ns = x.atime_ns
         a.st_mtime_ns = x.mtime_ns
@@ -606,6 +612,8 @@ class CkptOperations(pyfuse3.Operations):
             "read_runs_verified_ahead": self.reader.verified_ahead,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
+            "direct_reads": self.direct_reads,
+            "shared_mmap_of_direct_files": self.shared_mmap_direct,
             **(self.request_wait.counts() if self.request_wait else fuseloop.NO_COUNTS),
         }
 

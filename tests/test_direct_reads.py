@@ -1,7 +1,9 @@
-"""`--direct-reads`: read-only opens bypass the kernel page cache (FOPEN_DIRECT_IO). What must
-hold: every byte reads back as written (torch.load, DCP, plain reads at odd offsets, files still
-in staging, files rewritten while mounted), torch.load(mmap=True) and MAP_PRIVATE mmap work,
-MAP_SHARED mmap fails with ENODEV (the documented price), and the default keeps the page cache."""
+"""`--direct-reads`: read-only opens of files >= 1 MiB bypass the kernel page cache
+(FOPEN_DIRECT_IO). What must hold: every byte reads back as written (torch.load, DCP, plain
+reads at odd offsets, files still in staging, files rewritten while mounted), torch.load(mmap=True)
+and MAP_PRIVATE mmap work; MAP_SHARED mmap works too where the fast path could ask the kernel for
+it (the default turns direct reads on only then), and fails with ENODEV without it (the price
+of forcing --direct-reads there); --no-direct-reads keeps the page cache."""
 
 from __future__ import annotations
 
@@ -55,13 +57,29 @@ def test_restore_through_direct_reads(mounts):
         m.stop()
 
 
-def test_mmap_shared_is_refused_private_works(mounts):
-    m = mounts.mount(direct_reads=True)
+def _blob(m, size: int = 3 * MiB + 17) -> tuple[str, bytes]:
     p = os.path.join(m.mountpoint, "blob")
-    data = os.urandom(3 * MiB + 17)
+    data = os.urandom(size)
     with open(p, "wb") as f:
         f.write(data)
     m.sync()
+    return p, data
+
+
+def _reads_bypass_the_page_cache(m, p: str, data: bytes) -> bool:
+    """Read the file twice: through the page cache the second read sends no READ."""
+    for _ in range(2):
+        before = m.status()["read_requests"]
+        with open(p, "rb") as f:
+            assert f.read() == data
+    return m.status()["read_requests"] > before
+
+
+def test_mmap_shared_is_refused_without_the_fast_path_private_works(mounts):
+    m = mounts.mount(direct_reads=True, fast_path=False)
+    p, data = _blob(m)
+    assert m.status()["shared_mmap_of_direct_files"] is False
+    assert _reads_bypass_the_page_cache(m, p, data)
     with open(p, "rb") as f:
         with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as mm:
             assert mm[:] == data
@@ -74,11 +92,38 @@ def test_mmap_shared_is_refused_private_works(mounts):
             assert mm[:] == data
 
 
+def test_default_mount_reads_direct_and_maps_shared(mounts):
+    """The default (fast path on a kernel with FUSE_DIRECT_IO_ALLOW_MMAP, Linux 6.6+): reads
+    of big files bypass the page cache, and MAP_SHARED mmap of them (safetensors, numpy.memmap)
+    still works. Without the fast path the default keeps the page cache."""
+    import numpy as np
+
+    m = mounts.mount()
+    st = m.status()
+    if not st["shared_mmap_of_direct_files"]:
+        assert st["direct_reads"] is False  # an older kernel: the page cache stays the default
+        pytest.skip("kernel without FUSE_DIRECT_IO_ALLOW_MMAP")
+    assert st["direct_reads"] is True
+    p, data = _blob(m)
+    assert _reads_bypass_the_page_cache(m, p, data)
+    with open(p, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == data
+    arr = np.memmap(p, dtype=np.uint8, mode="r")
+    assert arr[-17:].tobytes() == data[-17:]
+    del arr
+    m2 = mounts.mount(mounts.backing("other"), fast_path=False)
+    st2 = m2.status()
+    assert st2["direct_reads"] is False and st2["shared_mmap_of_direct_files"] is False
+    p2, data2 = _blob(m2)
+    assert not _reads_bypass_the_page_cache(m2, p2, data2)
+
+
 @pytest.mark.parametrize("direct_reads,size", [(True, MiB - 1), (False, MiB + 3)],
-                         ids=["direct-small-file", "default-mount"])
+                         ids=["direct-small-file", "no-direct-reads"])
 def test_mmap_shared_works_where_the_page_cache_is_kept(mounts, direct_reads, size):
-    """A default mount keeps the page cache for every file; with --direct-reads, files under one
-    READ request (1 MiB) keep it too (a round trip per header read is not worth it). Either
+    """--no-direct-reads keeps the page cache for every file; with --direct-reads, files under
+    one READ request (1 MiB) keep it too (a round trip per header read is not worth it). Either
     way MAP_SHARED works on them."""
     m = mounts.mount(direct_reads=direct_reads)
     p = os.path.join(m.mountpoint, "f")

@@ -43,7 +43,7 @@ from ckptfs.bench.peers import CONTENDERS
 
 _libc = ctypes.CDLL(None)
 
-DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_dr", "dcp", "dcp_ckptfs",
+DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "dcp", "dcp_ckptfs",
                       "torchsnapshot", "datastates", "tmpfs", "raw", "fio")
 QUICK_SIZE = 24 << 20
 
