@@ -130,6 +130,13 @@ def read_uncached(path: str) -> bytes:
         os.close(fd)
 
 
+def check_files(files: dict[str, bytes], old_root: str, new_root: str) -> None:
+    """Every file of `files` (paths under old_root) reads back the same under new_root."""
+    for p, data in files.items():
+        with open(p.replace(old_root, new_root, 1), "rb") as f:
+            assert f.read() == data, p
+
+
 def write_file(path: str, data: bytes, fsync: bool = False, chunk: int = MiB) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

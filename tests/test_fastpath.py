@@ -14,6 +14,8 @@ import termios
 
 import pytest
 
+from helpers_reliability import check_files
+
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
@@ -50,12 +52,6 @@ def _write_tree(root: str) -> dict[str, bytes]:
     return files
 
 
-def _check(files: dict[str, bytes], old_root: str, new_root: str) -> None:
-    for p, data in files.items():
-        with open(p.replace(old_root, new_root, 1), "rb") as f:
-            assert f.read() == data, p
-
-
 def test_writes_land_in_place_and_other_requests_still_work(mounts):
     m = mounts.mount()
     root = m.mountpoint
@@ -72,7 +68,7 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
     assert os.statvfs(root).f_bsize > 0
     os.unlink(os.path.join(root, "sub", "s49"))
     files.pop(os.path.join(root, "sub", "s49"))
-    _check(files, root, root)
+    check_files(files, root, root)
     st = m.status()
     # every WRITE and READ was answered by the fast path, not by pyfuse3
     assert st["writes_in_place"] == st["write_requests"] > 0
@@ -88,7 +84,7 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
         assert fwd.get(op, 0) >= 1, fwd
     m.stop()
     m2 = mounts.mount(m.backing)
-    _check(files, root, m2.mountpoint)
+    check_files(files, root, m2.mountpoint)
     assert os.readlink(os.path.join(m2.mountpoint, "link")) == "moved"
     st = os.stat(os.path.join(m2.mountpoint, "moved"))
     assert st.st_size == len(files[os.path.join(root, "moved")])
@@ -97,13 +93,13 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
 def test_the_same_without_the_fast_path(mounts):
     m = mounts.mount(no_fast_path=True)
     files = _write_tree(m.mountpoint)
-    _check(files, m.mountpoint, m.mountpoint)
+    check_files(files, m.mountpoint, m.mountpoint)
     st = m.status()
     assert st["write_requests"] > 0
     assert (st["writes_in_place"], st["reads_direct"], st["requests_forwarded"]) == (0, 0, 0)
     m.stop()
     m2 = mounts.mount(m.backing)  # written by pyfuse3's path, read by the fast path
-    _check(files, m.mountpoint, m2.mountpoint)
+    check_files(files, m.mountpoint, m2.mountpoint)
 
 
 def test_writes_across_segment_ends_and_overwrites(mounts):
@@ -159,10 +155,10 @@ def test_backpressure_with_payloads_waiting_outside_the_segments(mounts):
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors
-    _check(data, m.mountpoint, m.mountpoint)
+    check_files(data, m.mountpoint, m.mountpoint)
     m.stop()
     m2 = mounts.mount(m.backing)
-    _check(data, m.mountpoint, m2.mountpoint)
+    check_files(data, m.mountpoint, m2.mountpoint)
 
 
 def test_ioctl_is_answered_enotty(mnt):

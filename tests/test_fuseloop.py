@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ckptfs import api
+from helpers_reliability import check_files
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,16 +30,10 @@ def _write_files(root: str, n: int, size: int = 1000, tag: str = "f") -> dict[st
     return out
 
 
-def _check(files: dict[str, bytes], root_from: str, root_to: str) -> None:
-    for p, data in files.items():
-        with open(p.replace(root_from, root_to, 1), "rb") as f:
-            assert f.read() == data, p
-
-
 def test_every_request_goes_through_the_wait(mounts):
     m = mounts.mount()
     files = _write_files(m.mountpoint, 200)
-    _check(files, m.mountpoint, m.mountpoint)
+    check_files(files, m.mountpoint, m.mountpoint)
     st = m.status()
     waited, queued = st["requests_waited_for"], st["requests_found_queued"]
     assert waited > 0
@@ -59,8 +54,8 @@ def test_spinning_catches_a_busy_clients_requests(mounts):
     files2 = _write_files(m2.mountpoint, 300)
     st2 = m2.status()
     assert st2["requests_caught_spinning"] == 0 and st2["requests_waited_for"] > 0
-    _check(files, m.mountpoint, m.mountpoint)
-    _check(files2, m2.mountpoint, m2.mountpoint)
+    check_files(files, m.mountpoint, m.mountpoint)
+    check_files(files2, m2.mountpoint, m2.mountpoint)
 
 
 def test_queued_requests_are_taken_without_parking(mounts):
@@ -88,7 +83,7 @@ def test_queued_requests_are_taken_without_parking(mounts):
     m.sync()
     m.stop()
     m2 = mounts.mount(m.backing)
-    _check(results, m.mountpoint, m2.mountpoint)
+    check_files(results, m.mountpoint, m2.mountpoint)
 
 
 def _sigterm_and_wait(m: api.Mount) -> int:
@@ -107,7 +102,7 @@ def test_sigterm_when_idle_unmounts_and_keeps_everything(mounts):
     assert _sigterm_and_wait(m) == 0
     assert not api.is_mounted(m.mountpoint)
     m2 = mounts.mount(m.backing)
-    _check(files, m.mountpoint, m2.mountpoint)
+    check_files(files, m.mountpoint, m2.mountpoint)
 
 
 def test_sigterm_under_load_ends_the_loop(mounts):
@@ -144,7 +139,7 @@ def test_sigterm_under_load_ends_the_loop(mounts):
     m2 = mounts.mount(m.backing)
     # files closed before the signal was sent were acknowledged by the daemon: all there
     snapshot = dict(list(closed.items())[:before])
-    _check(snapshot, m.mountpoint, m2.mountpoint)
+    check_files(snapshot, m.mountpoint, m2.mountpoint)
 
 
 def test_pyfuse3_own_wait_still_works(mounts):
@@ -160,10 +155,10 @@ def test_pyfuse3_own_wait_still_works(mounts):
     st = m.status()
     assert st["requests_waited_for"] == 0 and st["requests_found_queued"] == 0
     assert st["requests_caught_spinning"] == 0
-    _check(files, mp, mp)
+    check_files(files, mp, mp)
     m.stop()
     m2 = mounts.mount(backing)
-    _check(files, mp, m2.mountpoint)
+    check_files(files, mp, m2.mountpoint)
 
 
 def test_spin_backs_off_after_misses_and_resets_on_a_catch():
@@ -229,7 +224,7 @@ def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
     assert not any(t.is_alive() for t in threads), "clients stuck"
     assert not errors
     assert m.status()["fsyncs"] >= n
-    _check(data, m.mountpoint, m.mountpoint)
+    check_files(data, m.mountpoint, m.mountpoint)
 
 
 def test_install_takes_only_a_session_fd_it_can_be_sure_of():
