@@ -245,3 +245,17 @@ def test_several_data_logs_and_stripe_alignment(mounts):
     m2 = mounts.mount(m.backing)
     with open(f"{m2.mountpoint}/big", "rb") as f:
         assert f.read() == data
+
+
+def test_api_knows_every_negatable_mount_option():
+    """api.Mount(..., opt=False) passes --no-<opt> for exactly the options the CLI declares
+    with a --no- form (its list is kept by hand in api.NEGATABLE)."""
+    import argparse
+
+    from ckptfs import cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli._add_mount(sub)
+    mount = sub.choices["mount"]
+    negatable = {a.dest for a in mount._actions if isinstance(a, argparse.BooleanOptionalAction)}
+    assert negatable == api.NEGATABLE
