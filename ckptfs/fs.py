@@ -33,8 +33,10 @@ ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 # st_blksize, the preferred I/O size (Lustre reports its stripe size here): Python's open()
 # buffers that much, so a reader of small items at offsets (DCP) reads 1 MiB at a time
-# instead of 4 KiB (with --direct-reads each read is a round trip to the daemon)
-IO_BLOCK_BYTES = 1 << 20
+# instead of 4 KiB (with --direct-reads each read is a round trip to the daemon). A page short
+# of 1 MiB: its buffer comes from malloc, rarely page-aligned, and a direct read of a full
+# 1 MiB there spans 257 pages, which the kernel (256 pages per request) sends as two READs.
+IO_BLOCK_BYTES = (1 << 20) - 4096
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
@@ -96,6 +98,7 @@ class CkptOperations(pyfuse3.Operations):
         self.bytes_written = 0
         self.write_requests = 0
         self.read_requests = 0
+        self.bytes_read = 0  # served to READs (re-reads counted again)
         self.request_wait: fuseloop.RequestWait | None = None  # installed by the daemon
         self.started = time.time()
         self.fsyncs = 0
@@ -446,9 +449,11 @@ class CkptOperations(pyfuse3.Operations):
             seen = h.seen if x.opens == 1 else None
             if seen is not None and len(seen) > SEEN_RANGES_MAX:
                 seen = h.seen = None
-            return await self.reader.read(x.emap, off, size, x.size, sequential, seen)
+            out = await self.reader.read(x.emap, off, size, x.size, sequential, seen)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
+        self.bytes_read += len(out)
+        return out
 
     async def write(self, fh, off, buf):
         h, x = self.write_target(fh)
@@ -585,6 +590,7 @@ class CkptOperations(pyfuse3.Operations):
             "bytes_written": self.bytes_written,
             "write_requests": self.write_requests,
             "read_requests": self.read_requests,
+            "bytes_read": self.bytes_read,
             "bytes_staged": self.staging.staged_segments() * self.staging.segment_bytes,
             "staging_bytes": self.staging.capacity_bytes,
             "segments_flushed": st.segments,
@@ -652,7 +658,7 @@ def prometheus_text(st: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-COUNTERS = {"bytes_written", "write_requests", "read_requests", "segments_flushed",
+COUNTERS = {"bytes_written", "write_requests", "read_requests", "bytes_read", "segments_flushed",
             "bytes_durable", "log_bytes_written", "index_bytes", "index_commits", "data_syncs",
             "fsyncs", "errors", "read_disk_bytes", "flush_seconds", *fuseloop.NO_COUNTS}
 

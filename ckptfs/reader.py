@@ -79,7 +79,11 @@ class Reader:
         # not the whole cache (first-touch memory is slow: docs/benchmarks.md).
         self.live: dict[tuple[int, int, int], int] = {}  # bytes of known runs per chunk
         self.served: dict[tuple[int, int, int], int] = {}
-        self.consumed: set[tuple[int, int, int]] = set()
+        # consumed chunks, oldest first (a dict for its order). Entries of chunks dropped since
+        # are removed when _buffer meets them. Not kept in the LRU order of self.chunks: a
+        # re-read of a consumed chunk (torch.load reads a file's first MiB again after a seek
+        # to the end) moves it to the MRU end, where a scan from the LRU end would not find it.
+        self.consumed: dict[tuple[int, int, int], None] = {}
         self.recycled = 0
         # Checksums are checked in worker threads as soon as all chunks of a run are loaded
         # (readahead), so READ handlers on the trio thread rarely compute one.
@@ -218,8 +222,8 @@ class Reader:
                     got = served.get(k, 0) + (min(b, (idx + 1) * CHUNK_BYTES)
                                               - max(a, idx * CHUNK_BYTES))
                     served[k] = got
-                    if got >= want:
-                        self.consumed.add(k)
+                    if got >= want and k not in self.consumed:
+                        self.consumed[k] = None
                         if k in chunks:
                             chunks.move_to_end(k, last=False)
 
@@ -275,14 +279,20 @@ class Reader:
         """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
         (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
         runs, so no copy here), else a view of the scratch buffer."""
+        consumed = self.consumed
+
         def source(run: Run, roff: int, n: int):
             mv = run.memory()
             if mv is not None:
                 return [mv[roff:roff + n]]
             parts, lo = [], run.loff + roff
             while n > 0:
-                ch = self.chunks[(run.layer, run.log, lo // CHUNK_BYTES)]
-                self.chunks.move_to_end((run.layer, run.log, lo // CHUNK_BYTES))
+                key = (run.layer, run.log, lo // CHUNK_BYTES)
+                ch = self.chunks[key]
+                self.chunks.move_to_end(key)
+                if key in consumed:  # read again: the last consumed chunk to be reused
+                    del consumed[key]
+                    consumed[key] = None
                 a = lo % CHUNK_BYTES
                 k = min(n, CHUNK_BYTES - a)
                 parts.append(ch.view[a:a + k])
@@ -394,12 +404,19 @@ class Reader:
     def _buffer(self):
         if self.spare:
             return self.spare.pop()
-        for key in self.chunks:  # consumed chunks are moved to the front (the LRU end)
-            if key not in self.consumed:
+        stale, pick = [], None
+        for key in self.consumed:  # the oldest consumed chunk still cached and not pinned
+            if key not in self.chunks:
+                stale.append(key)
+            elif key not in self.pins:  # (a pinned one may still be checked or served)
+                pick = key
                 break
-            if key not in self.pins:  # (a pinned one may still be checked or served)
-                self.recycled += 1
-                return self.chunks.pop(key).buf
+        for key in stale:
+            del self.consumed[key]
+        if pick is not None:
+            del self.consumed[pick]
+            self.recycled += 1
+            return self.chunks.pop(pick).buf
         if self.allocated < self.max_chunks:
             self.allocated += 1
             return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
@@ -430,7 +447,7 @@ class Reader:
             if self.gen.get((layer, logno), 0) == gen:
                 self.chunks[key] = _Chunk(buf, n)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
-                self.consumed.discard(key)
+                self.consumed.pop(key, None)
                 while len(self.chunks) > self.max_chunks:
                     victim = next((k for k in self.chunks if k not in self.pins), None)
                     if victim is None:

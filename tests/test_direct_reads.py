@@ -17,10 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ckptfs.bench import models  # noqa: E402
+from ckptfs.reader import CHUNK_BYTES as CHUNK  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
+
 
 
 def _state():
@@ -197,6 +199,42 @@ def test_streaming_restore_recycles_consumed_chunks(mounts, direct_reads):
         with open(os.path.join(m.mountpoint, name), "rb") as f:
             assert f.read() == data
     assert m.status()["read_disk_bytes"] <= 2 * payload + 24 * MiB
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
+def test_torch_load_restore_keeps_the_cache_to_the_readahead_window(mounts, direct_reads):
+    """torch.load seeks to a file's end, then reads the file's head several times: with direct
+    reads each of those is a READ, so a chunk of small files is consumed by the first read of
+    its last file and read again after. Such re-reads must not keep consumed chunks from reuse:
+    the cache's memory stays ~the readahead window, not the configured size."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    sd = models.state_dict(models.tensor_specs("gpt2", 450 * MiB), seed=11)  # tiny and big
+    _save(w.mountpoint, sd)
+    w.stop()
+    payload = sum(t.numel() * t.element_size() for t in sd.values())
+    m = mounts.mount(backing, direct_reads=direct_reads, read_cache="256M", prefetch="8M")
+    _check(m.mountpoint, sd)
+    st = m.status()
+    assert payload > 256 * MiB
+    assert st["read_cache_allocated_bytes"] <= 8 * MiB + 6 * CHUNK, st
+    assert st["read_disk_bytes"] <= payload + 16 * MiB, st  # nothing read from disk twice
+    assert st["bytes_read"] >= payload, st
+
+
+def test_buffered_reader_fills_take_one_request_each(mounts):
+    """Python's buffered reader reads st_blksize at a time into a malloc'd buffer that need not
+    start on a page: a direct read of a full 1 MiB there spans 257 pages, which the kernel
+    sends as two READs (its cap is 256 pages). st_blksize leaves a page of room for that."""
+    m = mounts.mount(mounts.backing(), direct_reads=True)
+    p, data = _blob(m, 16 * MiB + 5)
+    assert os.stat(p).st_blksize <= (1 << 20) - 4096
+    before = m.status()["read_requests"]
+    with open(p, "rb") as f:  # buffered: 4 KiB at a time from the buffer
+        got = b"".join(iter(lambda: f.read(4096), b""))
+    assert got == data
+    fills = -(-len(data) // os.stat(p).st_blksize)
+    assert m.status()["read_requests"] - before <= fills + 2
 
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
