@@ -53,7 +53,7 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "seen")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
@@ -61,6 +61,7 @@ class _Handle:
         self.flags = flags
         self.wrote = False
         self.next_off = 0  # where a sequential reader's next READ starts
+        self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
 
 
@@ -440,8 +441,19 @@ class CkptOperations(pyfuse3.Operations):
             return b""
         # Kernel readahead sends several READs at once: "sequential" means at or a little
         # past where this handle read last; a jump back or far ahead (DCP reading items by
-        # offset) is a random read, which gets no readahead.
-        sequential = off == 0 or h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES
+        # offset) is a random read, which gets no readahead. Readahead grows with the bytes
+        # read in a row (as the kernel's does): a reader going from item to item of one big
+        # file in an order of its own (DCP) would otherwise pull in a full window behind every
+        # item, evicting what it reads next (a 1 GB DCP restore read 2.75 GB from disk, now
+        # 2.2). A READ at offset 0 starts a file: the full window, which covers the next files
+        # in the logs (a restore reads files in about the order they were written).
+        if off == 0:
+            h.streak, ahead, sequential = size, None, True
+        elif h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES:
+            h.streak += size
+            ahead, sequential = h.streak, True
+        else:
+            h.streak, ahead, sequential = 0, 0, False
         h.next_off = max(h.next_off, off + size) if sequential else off + size
         try:
             # Consumption is counted for a file read by one handle only (several readers of one
@@ -449,7 +461,7 @@ class CkptOperations(pyfuse3.Operations):
             seen = h.seen if x.opens == 1 else None
             if seen is not None and len(seen) > SEEN_RANGES_MAX:
                 seen = h.seen = None
-            out = await self.reader.read(x.emap, off, size, x.size, sequential, seen)
+            out = await self.reader.read(x.emap, off, size, x.size, ahead, seen)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
         self.bytes_read += len(out)

@@ -172,15 +172,18 @@ class Reader:
 
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
-                   sequential: bool = True, seen: list | None = None):
-        """Bytes [off, off+size) of a file. `sequential`: the reader continues where it
-        stopped, so reading ahead is worth it; random readers (DCP loading items by offset)
-        get only the chunks they touch. `seen`: the reading handle's served ranges (for
-        recycling consumed chunks), updated here."""
+                   ahead: int | None = None, seen: list | None = None):
+        """Bytes [off, off+size) of a file. `ahead`: bytes to read ahead in log order (None:
+        the configured --prefetch, the most; in whole chunks, so less than one is none): worth it
+        for a reader that continues where it stopped; random readers get only the chunks they
+        touch. `seen`: the reading handle's served ranges (for recycling consumed chunks),
+        updated here."""
         hi = min(off + size, file_size)
         if off >= hi:
             return b""
-        out = await self._read(emap, off, hi, sequential)
+        window = max(1, self.prefetch_bytes // CHUNK_BYTES) if self.prefetch_bytes > 0 else 0
+        out = await self._read(emap, off, hi,
+                               window if ahead is None else min(window, ahead // CHUNK_BYTES))
         if seen is not None:
             self._account(emap, off, hi, seen)
         return out
@@ -227,7 +230,7 @@ class Reader:
                         if k in chunks:
                             chunks.move_to_end(k, last=False)
 
-    async def _read(self, emap: ExtentMap, off: int, hi: int, sequential: bool):
+    async def _read(self, emap: ExtentMap, off: int, hi: int, ahead: int):
         while True:
             pieces = emap.find(off, hi)
             keys: dict[tuple[int, int, int], None] = {}
@@ -249,8 +252,8 @@ class Reader:
                 for idx in range(lo // CHUNK_BYTES, (lo + ln - 1) // CHUNK_BYTES + 1):
                     keys[(run.layer, run.log, idx)] = None
             if keys:
-                if sequential:
-                    self._readahead(keys)
+                if ahead:
+                    self._readahead(keys, ahead)
                 self._pin(keys)
                 mine = [r for r in verify if r not in self.verifying]
                 self.verifying.update(mine)  # checked below: not again by _verify_ahead
@@ -482,14 +485,14 @@ class Reader:
         self.load_seconds += time.perf_counter() - t0
         return n
 
-    def _readahead(self, keys) -> None:
-        if self.nursery is None or self.prefetch_bytes <= 0:
+    def _readahead(self, keys, ahead: int) -> None:
+        """Start loading the `ahead` chunks after the last of `keys` in each log."""
+        if self.nursery is None:
             return
         last: dict[tuple[int, int], int] = {}
         for layer, logno, idx in keys:
             if idx > last.get((layer, logno), -1):
                 last[(layer, logno)] = idx
-        ahead = max(1, self.prefetch_bytes // CHUNK_BYTES)
         for (layer, logno), idx in last.items():
             end = self.log_end.get((layer, logno), 0)
             for i in range(idx + 1, idx + 1 + ahead):

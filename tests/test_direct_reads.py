@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import random
+import time
 
 import pytest
 
@@ -265,6 +266,46 @@ def test_reads_across_pieces_and_holes(mounts, direct_reads):
             n = rng.choice([5000, 300000, MiB, 2 * MiB + 3])
             f.seek(off)
             assert f.read(n) == bytes(model[off:off + n])
+
+
+def _settled(m, key: str) -> int:
+    """A status figure once it stopped moving for 0.5 s."""
+    last, since = m.status()[key], time.monotonic()
+    while time.monotonic() - since < 0.5:
+        time.sleep(0.05)
+        now = m.status()[key]
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def test_readahead_grows_with_the_streak(mounts):
+    """A reader that jumps to an item and reads a few MiB of it (DCP loading items of one big
+    file in its own order) gets no full --prefetch window behind every item: readahead grows
+    with the bytes read in a row. A file read from its start still gets the full window."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    rng = random.Random(9)
+    data = rng.randbytes(160 * MiB)
+    with open(os.path.join(w.mountpoint, "big"), "wb") as f:
+        f.write(data)
+    w.stop()
+    m = mounts.mount(backing, direct_reads=True, prefetch="64M")
+    fd = os.open(os.path.join(m.mountpoint, "big"), os.O_RDONLY)
+    try:
+        assert os.pread(fd, 512, 100 * MiB) == data[100 * MiB:100 * MiB + 512]  # a jump
+        for i in range(3):  # an item: 3 MiB in a row, after another jump
+            lo = 50 * MiB + i * MiB
+            assert os.pread(fd, MiB, lo) == data[lo:lo + MiB]
+        item = _settled(m, "read_disk_bytes")  # readahead runs in the background
+        assert item <= 40 * MiB, item  # the runs touched (checked whole), not 64 MiB more
+        assert os.pread(fd, MiB, 0) == data[:MiB]  # a file's start: the full window
+        deadline = time.monotonic() + 10
+        while m.status()["read_disk_bytes"] - item < 60 * MiB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m.status()["read_disk_bytes"] - item >= 60 * MiB
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
