@@ -303,13 +303,16 @@ class FastPath(RequestWait):
     async def read(self, unique: int) -> None:
         fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
         try:
-            data = await self.ops.read(fh, off, size)  # guarded: only FUSEError escapes
+            # guarded: only FUSEError escapes
+            parts = await self.ops.read(fh, off, size, gather=True)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
         self.reads_direct += 1
-        # `data` may be a view into the read cache: sent before any other task runs
-        self.send(OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data)
+        # views into the read cache and staging, gathered by writev: sent before any other
+        # task runs (no await since they were taken)
+        n = sum(map(len, parts))
+        self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts)
 
     entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
 
@@ -358,12 +361,12 @@ class FastPath(RequestWait):
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
 
-    def send(self, header: bytes, data=None) -> None:
+    def send(self, header: bytes, *data) -> None:
         try:
-            if data is None or not len(data):
+            if not data:
                 os.write(self.fd, header)
             else:
-                os.writev(self.fd, [header, data])
+                os.writev(self.fd, [header, *data])
         except OSError as exc:
             # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
             if exc.errno not in (errno.ENOENT, errno.ENODEV):

@@ -429,16 +429,18 @@ class CkptOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh, off, size, gather=False):
+        """pyfuse3's READ; `gather` (the fast path): a list of buffers instead of one."""
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
         x = h.inode
         self.read_requests += 1
         if x.layer < 0:
-            return self.snapshots.get(fh, b"")[off:off + size]
+            out = self.snapshots.get(fh, b"")[off:off + size]
+            return [out] if gather else out
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
-            return b""
+            return [] if gather else b""
         # Kernel readahead sends several READs at once: "sequential" means at or a little
         # past where this handle read last; a jump back or far ahead (DCP reading items by
         # offset) is a random read, which gets no readahead. Readahead grows with the bytes
@@ -461,10 +463,10 @@ class CkptOperations(pyfuse3.Operations):
             seen = h.seen if x.opens == 1 else None
             if seen is not None and len(seen) > SEEN_RANGES_MAX:
                 seen = h.seen = None
-            out = await self.reader.read(x.emap, off, size, x.size, ahead, seen)
+            out = await self.reader.read(x.emap, off, size, x.size, ahead, seen, gather)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
-        self.bytes_read += len(out)
+        self.bytes_read += sum(map(len, out)) if gather else len(out)
         return out
 
     async def write(self, fh, off, buf):

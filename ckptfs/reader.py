@@ -36,6 +36,14 @@ SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 
 
+GATHER_MAX_PIECES = 64  # more pieces in one READ are assembled in the scratch buffer
+_ZEROS = memoryview(bytes(SCRATCH_BYTES))
+
+
+def _zeros(n: int) -> list:
+    return [_ZEROS[:min(n - i, SCRATCH_BYTES)] for i in range(0, n, SCRATCH_BYTES)]
+
+
 class ChecksumError(OSError):
     def __init__(self, msg: str) -> None:
         super().__init__(errno.EIO, msg)
@@ -68,6 +76,10 @@ class Reader:
         self.loading: dict[tuple[int, int, int], trio.Event] = {}
         self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
         self.log_end: dict[tuple[int, int], int] = {}  # end of the known runs in each log
+        # per log, (the last chunk a sequential READ touched, the end of the chunks readahead
+        # asked for): a READ between the two only asks for the chunks past the end (readahead
+        # runs on every sequential READ); a READ before it (a second pass) starts anew
+        self.ra_window: dict[tuple[int, int], tuple[int, int]] = {}
         self.fds: dict[tuple[int, int], int] = {}
         self.stale_fds: list[int] = []  # replaced O_DIRECT fds, closed with the reader
         self.fd_lock = threading.Lock()
@@ -172,18 +184,21 @@ class Reader:
 
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
-                   ahead: int | None = None, seen: list | None = None):
+                   ahead: int | None = None, seen: list | None = None, gather: bool = False):
         """Bytes [off, off+size) of a file. `ahead`: bytes to read ahead in log order (None:
         the configured --prefetch, the most; in whole chunks, so less than one is none): worth it
         for a reader that continues where it stopped; random readers get only the chunks they
         touch. `seen`: the reading handle's served ranges (for recycling consumed chunks),
-        updated here."""
+        updated here. `gather`: return a list of buffers (views into chunks and segments, valid
+        until the next await) instead of one, so a reply can be written with writev and no
+        copy."""
         hi = min(off + size, file_size)
         if off >= hi:
-            return b""
+            return [] if gather else b""
         window = max(1, self.prefetch_bytes // CHUNK_BYTES) if self.prefetch_bytes > 0 else 0
         out = await self._read(emap, off, hi,
-                               window if ahead is None else min(window, ahead // CHUNK_BYTES))
+                               window if ahead is None else min(window, ahead // CHUNK_BYTES),
+                               gather)
         if seen is not None:
             self._account(emap, off, hi, seen)
         return out
@@ -230,7 +245,7 @@ class Reader:
                         if k in chunks:
                             chunks.move_to_end(k, last=False)
 
-    async def _read(self, emap: ExtentMap, off: int, hi: int, ahead: int):
+    async def _read(self, emap: ExtentMap, off: int, hi: int, ahead: int, gather: bool):
         while True:
             pieces = emap.find(off, hi)
             keys: dict[tuple[int, int, int], None] = {}
@@ -272,16 +287,17 @@ class Reader:
                     for run in verify:
                         if not run.verified:
                             self._verify(run)
-                    return self._copy(pieces, off, hi)
+                    return self._copy(pieces, off, hi, gather)
                 finally:
                     self._unpin(keys)
                     self.verifying.difference_update(mine)
-            return self._copy(pieces, off, hi)
+            return self._copy(pieces, off, hi, gather)
 
-    def _copy(self, pieces: list, off: int, hi: int):
+    def _copy(self, pieces: list, off: int, hi: int, gather: bool = False):
         """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
         (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
-        runs, so no copy here), else a view of the scratch buffer."""
+        runs, so no copy here), else a view of the scratch buffer. With `gather`, a list of
+        views (zeros for holes) when it is short, the fast path's writev gathers them."""
         consumed = self.consumed
 
         def source(run: Run, roff: int, n: int):
@@ -306,7 +322,19 @@ class Reader:
         if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == hi - off:
             parts = source(pieces[0][2], pieces[0][3], pieces[0][1])
             if len(parts) == 1:
-                return parts[0]
+                return parts if gather else parts[0]
+            if gather:
+                return parts
+        elif gather and len(pieces) <= GATHER_MAX_PIECES:
+            parts, pos = [], off
+            for s, n, run, roff in pieces:
+                if s > pos:  # a hole reads as zeros
+                    parts.extend(_zeros(s - pos))
+                parts.extend(source(run, roff, n))
+                pos = s + n
+            if pos < hi:
+                parts.extend(_zeros(hi - pos))
+            return parts
         # Several pieces (a chunk or segment boundary, or holes): assembled in a reused scratch
         # buffer (warm memory; pyfuse3 writes the reply from it before any other task runs).
         size = hi - off
@@ -324,7 +352,7 @@ class Reader:
                 pos += len(p)
         if pos < size:
             out[pos:] = bytes(size - pos)
-        return out
+        return [out] if gather else out
 
     def _verify(self, run: Run) -> None:
         crc, lo, n = 0, run.loff, run.length
@@ -495,7 +523,16 @@ class Reader:
                 last[(layer, logno)] = idx
         for (layer, logno), idx in last.items():
             end = self.log_end.get((layer, logno), 0)
-            for i in range(idx + 1, idx + 1 + ahead):
+            first, stop = idx + 1, idx + 1 + ahead
+            prev, hi = self.ra_window.get((layer, logno), (0, 0))
+            if prev <= idx < hi:  # on from the last READ, inside the window: only what is new
+                self.ra_window[(layer, logno)] = (idx, max(hi, stop))
+                if stop <= hi:
+                    continue
+                first = hi
+            else:
+                self.ra_window[(layer, logno)] = (idx, stop)
+            for i in range(first, stop):
                 if i * CHUNK_BYTES >= end:
                     break
                 k = (layer, logno, i)

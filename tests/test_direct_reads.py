@@ -308,6 +308,57 @@ def test_readahead_grows_with_the_streak(mounts):
         os.close(fd)
 
 
+def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_path):
+    """The window bookkeeping of Reader._readahead, without a mount: its nursery replaced by a
+    recorder of the chunk loads it starts (the loads themselves are what the mount tests do)."""
+    from ckptfs.reader import Reader
+
+    r = Reader({0: str(tmp_path)}, cache_bytes=64 * MiB, prefetch_bytes=16 * MiB)
+    started: list[int] = []
+
+    class Recorder:
+        def start_soon(self, fn, key):
+            started.append(key[2])
+
+    r.nursery = Recorder()
+    r.log_end[(0, 1)] = 100 * CHUNK
+
+    def ahead_of(idx: int, ahead: int = 4) -> list[int]:
+        started.clear()
+        r._readahead({(0, 1, idx): None}, ahead)
+        return list(started)
+
+    assert ahead_of(0) == [1, 2, 3, 4]
+    assert ahead_of(1) == [5]  # only the chunk not asked for yet
+    assert ahead_of(1) == []
+    assert ahead_of(3) == [6, 7]
+    assert ahead_of(2) == [3, 4, 5, 6]  # behind the last READ: the reader started over
+    assert ahead_of(98) == [99]  # a jump ahead: from there, up to the log's end
+    assert ahead_of(40, ahead=2) == [41, 42]
+
+
+def test_a_second_pass_gets_readahead_again(mounts):
+    """Readahead asks only for chunks past what it asked for before while a reader moves on;
+    a reader that starts over (a second restore through the same mount, the cache recycled
+    meanwhile) gets the window again."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    data = random.Random(4).randbytes(96 * MiB)
+    with open(os.path.join(w.mountpoint, "big"), "wb") as f:
+        f.write(data)
+    w.stop()
+    m = mounts.mount(backing, direct_reads=True, read_cache="32M", prefetch="16M")
+    p = os.path.join(m.mountpoint, "big")
+    with open(p, "rb", buffering=0) as f:
+        assert f.read() == data
+    first = _settled(m, "read_disk_bytes")
+    assert first <= len(data) + 16 * MiB
+    with open(p, "rb", buffering=0) as f:
+        assert f.read(MiB) == data[:MiB]  # the start again: evicted, read ahead again
+        assert _settled(m, "read_disk_bytes") - first >= 16 * MiB
+        assert f.read() == data[MiB:]
+
+
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
 def test_damage_found_by_readahead_is_eio_for_that_file_only(mounts, direct_reads):
     """Checksums checked ahead of the reader (in worker threads) must report damage exactly
