@@ -312,7 +312,8 @@ class FastPath(RequestWait):
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
         n = sum(map(len, parts))
-        self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts)
+        if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
+            self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
 
     entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
 
@@ -361,7 +362,8 @@ class FastPath(RequestWait):
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
 
-    def send(self, header: bytes, *data) -> None:
+    def send(self, header: bytes, *data) -> bool:
+        """Write a reply; False if the kernel refused it (the request is still waiting)."""
         try:
             if not data:
                 os.write(self.fd, header)
@@ -371,6 +373,8 @@ class FastPath(RequestWait):
             # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.error("replying on /dev/fuse: %s", exc)
+                return False
+        return True
 
     # ------------------------------------------------------------ libfuse's side
     @staticmethod

@@ -32,11 +32,12 @@ ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 # st_blksize, the preferred I/O size (Lustre reports its stripe size here): Python's open()
-# buffers that much, so a reader of small items at offsets (DCP) reads 1 MiB at a time
-# instead of 4 KiB (with --direct-reads each read is a round trip to the daemon). A page short
-# of 1 MiB: its buffer comes from malloc, rarely page-aligned, and a direct read of a full
-# 1 MiB there spans 257 pages, which the kernel (256 pages per request) sends as two READs.
-IO_BLOCK_BYTES = (1 << 20) - 4096
+# buffers that much, so a reader of small items at offsets (DCP) reads 512 KiB at a time
+# instead of 4 KiB (with direct reads each read is a round trip to the daemon). A power of two:
+# the kernel rounds it down to one. Not 1 MiB: Python's buffer comes from malloc, rarely
+# page-aligned, and a direct read of a full 1 MiB there spans 257 pages, which the kernel
+# (256 pages per request) sends as two READs.
+IO_BLOCK_BYTES = 512 << 10
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
@@ -450,13 +451,12 @@ class CkptOperations(pyfuse3.Operations):
         # 2.2). A READ at offset 0 starts a file: the full window, which covers the next files
         # in the logs (a restore reads files in about the order they were written).
         if off == 0:
-            h.streak, ahead, sequential = size, None, True
+            h.streak, ahead, h.next_off = size, None, size
         elif h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES:
             h.streak += size
-            ahead, sequential = h.streak, True
+            ahead, h.next_off = h.streak, max(h.next_off, off + size)
         else:
-            h.streak, ahead, sequential = 0, 0, False
-        h.next_off = max(h.next_off, off + size) if sequential else off + size
+            h.streak, ahead, h.next_off = 0, 0, off + size
         try:
             # Consumption is counted for a file read by one handle only (several readers of one
             # file must not recycle each other's chunks) and up to 64 separate ranges per handle.

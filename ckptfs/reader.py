@@ -9,8 +9,9 @@ EIO, other files are unaffected.
 
 Files of a checkpoint are written one after another, so they lie one after another in the logs,
 and a restore reads them in about that order. A sequential reader therefore triggers readahead
-in log order (--prefetch bytes ahead, in chunk-sized jobs in worker threads): the next files are
-on their way while the current one is being deserialised.
+in log order (up to --prefetch bytes ahead: from a file's start the whole window, after a jump as
+much as it has read in a row; chunk-sized jobs in worker threads): the next files are on their
+way while the current one is being deserialised.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ class Reader:
         self.loading: dict[tuple[int, int, int], trio.Event] = {}
         self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
         self.log_end: dict[tuple[int, int], int] = {}  # end of the known runs in each log
-        # per log, (the last chunk a sequential READ touched, the end of the chunks readahead
-        # asked for): a READ between the two only asks for the chunks past the end (readahead
-        # runs on every sequential READ); a READ before it (a second pass) starts anew
+        # per log, shared by all readers: (the last chunk a sequential READ touched, the end of
+        # the chunks readahead asked for). A READ between the two only asks for the chunks past
+        # the end (readahead runs on every sequential READ); a READ before it (a second pass)
+        # or at or past the end starts anew, and so does the log's next write (invalidate).
+        # Chunks asked for and evicted before use are not asked for again while in the window.
         self.ra_window: dict[tuple[int, int], tuple[int, int]] = {}
         self.fds: dict[tuple[int, int], int] = {}
         self.stale_fds: list[int] = []  # replaced O_DIRECT fds, closed with the reader
@@ -145,7 +148,8 @@ class Reader:
         """A log range was written: drop cached chunks over it, and make loads in flight
         over it discard their result."""
         key = (layer, logno)
-        self.gen[key] = self.gen.get(key, 0) + 1
+        self.gen[key] = self.gen.get(key, 0) + 1  # loads in flight on this log are discarded:
+        self.ra_window.pop(key, None)  # readahead asks for them again
         for idx in range(loff // CHUNK_BYTES, (loff + length - 1) // CHUNK_BYTES + 1):
             ch = self.chunks.pop((layer, logno, idx), None)
             if ch is not None:
@@ -296,8 +300,9 @@ class Reader:
     def _copy(self, pieces: list, off: int, hi: int, gather: bool = False):
         """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
         (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
-        runs, so no copy here), else a view of the scratch buffer. With `gather`, a list of
-        views (zeros for holes) when it is short, the fast path's writev gathers them."""
+        runs, so no copy here), else a view of the scratch buffer. With `gather`, a list: the
+        views of each piece in each chunk (zeros for holes) for up to GATHER_MAX_PIECES pieces,
+        which the fast path's writev gathers, else [the scratch view]."""
         consumed = self.consumed
 
         def source(run: Run, roff: int, n: int):
@@ -319,6 +324,7 @@ class Reader:
                 n -= k
             return parts
 
+        parts = None
         if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == hi - off:
             parts = source(pieces[0][2], pieces[0][3], pieces[0][1])
             if len(parts) == 1:
@@ -347,7 +353,7 @@ class Reader:
             if s - off > pos:  # a hole reads as zeros
                 out[pos:s - off] = bytes(s - off - pos)
             pos = s - off
-            for p in source(run, roff, n):
+            for p in parts if parts is not None else source(run, roff, n):
                 out[pos:pos + len(p)] = p
                 pos += len(p)
         if pos < size:
@@ -514,7 +520,8 @@ class Reader:
         return n
 
     def _readahead(self, keys, ahead: int) -> None:
-        """Start loading the `ahead` chunks after the last of `keys` in each log."""
+        """Start loading the `ahead` chunks after the last of `keys` in each log, except
+        those asked for before in the log's window (ra_window), cached or being loaded."""
         if self.nursery is None:
             return
         last: dict[tuple[int, int], int] = {}
@@ -522,8 +529,9 @@ class Reader:
             if idx > last.get((layer, logno), -1):
                 last[(layer, logno)] = idx
         for (layer, logno), idx in last.items():
-            end = self.log_end.get((layer, logno), 0)
-            first, stop = idx + 1, idx + 1 + ahead
+            # (up to the end of the log's known runs: a log still growing is asked again)
+            end = -(-self.log_end.get((layer, logno), 0) // CHUNK_BYTES)
+            first, stop = idx + 1, min(idx + 1 + ahead, end)
             prev, hi = self.ra_window.get((layer, logno), (0, 0))
             if prev <= idx < hi:  # on from the last READ, inside the window: only what is new
                 self.ra_window[(layer, logno)] = (idx, max(hi, stop))
@@ -533,8 +541,6 @@ class Reader:
             else:
                 self.ra_window[(layer, logno)] = (idx, stop)
             for i in range(first, stop):
-                if i * CHUNK_BYTES >= end:
-                    break
                 k = (layer, logno, i)
                 if k not in self.chunks and k not in self.loading:
                     self.nursery.start_soon(self._load_quietly, k)

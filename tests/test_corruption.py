@@ -60,7 +60,7 @@ def test_flipped_byte_in_data_log(mounts):
         read_all(os.path.join(m.mountpoint, "c"))
     assert ei.value.errno == errno.EIO
     # The undamaged first piece of c still reads; the damaged range keeps failing. Unbuffered:
-    # a buffered reader would fetch st_blksize (1 MiB) and so reach into the damaged run.
+    # a buffered reader would fetch st_blksize (512 KiB) and so reach into the damaged run.
     with open(os.path.join(m.mountpoint, "c"), "rb", buffering=0) as f:
         first = snap.lookup("/c").emap.pieces[0]
         assert f.read(first[1]) == content("c", files["c"])[:first[1]]

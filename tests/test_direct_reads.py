@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ckptfs.bench import models  # noqa: E402
+from ckptfs.fs import IO_BLOCK_BYTES  # noqa: E402
 from ckptfs.reader import CHUNK_BYTES as CHUNK  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,10 +227,11 @@ def test_torch_load_restore_keeps_the_cache_to_the_readahead_window(mounts, dire
 def test_buffered_reader_fills_take_one_request_each(mounts):
     """Python's buffered reader reads st_blksize at a time into a malloc'd buffer that need not
     start on a page: a direct read of a full 1 MiB there spans 257 pages, which the kernel
-    sends as two READs (its cap is 256 pages). st_blksize leaves a page of room for that."""
+    sends as two READs (its cap is 256 pages). st_blksize is 512 KiB, as reported (the kernel
+    rounds it down to a power of two): one READ per refill."""
     m = mounts.mount(mounts.backing(), direct_reads=True)
     p, data = _blob(m, 16 * MiB + 5)
-    assert os.stat(p).st_blksize <= (1 << 20) - 4096
+    assert os.stat(p).st_blksize == IO_BLOCK_BYTES == 512 << 10
     before = m.status()["read_requests"]
     with open(p, "rb") as f:  # buffered: 4 KiB at a time from the buffer
         got = b"".join(iter(lambda: f.read(4096), b""))
@@ -335,6 +337,13 @@ def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_pat
     assert ahead_of(2) == [3, 4, 5, 6]  # behind the last READ: the reader started over
     assert ahead_of(98) == [99]  # a jump ahead: from there, up to the log's end
     assert ahead_of(40, ahead=2) == [41, 42]
+    assert ahead_of(41) == [43, 44, 45]
+    r.log_end[(0, 1)] = 46 * CHUNK - 5  # the log ends inside chunk 45
+    assert ahead_of(42) == []
+    r.log_end[(0, 1)] = 50 * CHUNK  # it grew: the chunks past the old end are asked for now
+    assert ahead_of(42) == [46]
+    r.invalidate(0, 1, 44 * CHUNK, 100)  # a write into the log: loads in flight are discarded
+    assert ahead_of(43) == [44, 45, 46, 47]  # so they are asked for again
 
 
 def test_a_second_pass_gets_readahead_again(mounts):
