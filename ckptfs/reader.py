@@ -37,7 +37,7 @@ SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 
 
-GATHER_MAX_PIECES = 64  # more pieces in one READ are assembled in the scratch buffer
+GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
 
@@ -65,7 +65,8 @@ class Reader:
         self.writer_dirs = writer_dirs  # layer -> writer directory holding its data logs
         self.direct = direct
         self.max_chunks = max(8, cache_bytes // CHUNK_BYTES)
-        self.prefetch_bytes = prefetch_bytes
+        # readahead window in chunks (--prefetch; at least one unless it is 0)
+        self.window = max(1, prefetch_bytes // CHUNK_BYTES) if prefetch_bytes > 0 else 0
         self.chunks: OrderedDict[tuple[int, int, int], _Chunk] = OrderedDict()
         self.spare: list = []  # buffers of evicted chunks, reused before allocating
         self.allocated = 0
@@ -199,7 +200,7 @@ class Reader:
         hi = min(off + size, file_size)
         if off >= hi:
             return [] if gather else b""
-        window = max(1, self.prefetch_bytes // CHUNK_BYTES) if self.prefetch_bytes > 0 else 0
+        window = self.window
         out = await self._read(emap, off, hi,
                                window if ahead is None else min(window, ahead // CHUNK_BYTES),
                                gather)
@@ -301,8 +302,8 @@ class Reader:
         """The bytes of [off, hi): a view into the chunk or segment when one piece covers it
         (pyfuse3 takes any contiguous buffer and copies it into the reply before the next task
         runs, so no copy here), else a view of the scratch buffer. With `gather`, a list: the
-        views of each piece in each chunk (zeros for holes) for up to GATHER_MAX_PIECES pieces,
-        which the fast path's writev gathers, else [the scratch view]."""
+        views of each piece in each chunk (zeros for holes), which the fast path's writev
+        gathers (up to GATHER_MAX_PARTS of them, else [the scratch view])."""
         consumed = self.consumed
 
         def source(run: Run, roff: int, n: int):
@@ -324,40 +325,30 @@ class Reader:
                 n -= k
             return parts
 
-        parts = None
-        if len(pieces) == 1 and pieces[0][0] == off and pieces[0][1] == hi - off:
-            parts = source(pieces[0][2], pieces[0][3], pieces[0][1])
-            if len(parts) == 1:
-                return parts if gather else parts[0]
-            if gather:
-                return parts
-        elif gather and len(pieces) <= GATHER_MAX_PIECES:
-            parts, pos = [], off
-            for s, n, run, roff in pieces:
-                if s > pos:  # a hole reads as zeros
-                    parts.extend(_zeros(s - pos))
-                parts.extend(source(run, roff, n))
-                pos = s + n
-            if pos < hi:
-                parts.extend(_zeros(hi - pos))
+        parts, pos = [], off
+        for s, n, run, roff in pieces:
+            if s > pos:  # a hole reads as zeros
+                parts.extend(_zeros(s - pos))
+            parts.extend(source(run, roff, n))
+            pos = s + n
+        if pos < hi:
+            parts.extend(_zeros(hi - pos))
+        if gather and len(parts) <= GATHER_MAX_PARTS:
             return parts
-        # Several pieces (a chunk or segment boundary, or holes): assembled in a reused scratch
-        # buffer (warm memory; pyfuse3 writes the reply from it before any other task runs).
+        if len(parts) == 1:
+            return parts[0]
+        # Several parts (a chunk or segment boundary, or holes) for pyfuse3, or too many for one
+        # writev: assembled in a reused scratch buffer (warm memory; the reply is written from
+        # it before any other task runs).
         size = hi - off
         if self.scratch is None or len(self.scratch) < size:
             self.scratch = alloc_aligned(-(-max(size, SCRATCH_BYTES) // SCRATCH_BYTES)
                                          * SCRATCH_BYTES, populate=True, huge=True)
         out = memoryview(self.scratch)[:size]
         pos = 0
-        for s, n, run, roff in pieces:
-            if s - off > pos:  # a hole reads as zeros
-                out[pos:s - off] = bytes(s - off - pos)
-            pos = s - off
-            for p in parts if parts is not None else source(run, roff, n):
-                out[pos:pos + len(p)] = p
-                pos += len(p)
-        if pos < size:
-            out[pos:] = bytes(size - pos)
+        for p in parts:
+            out[pos:pos + len(p)] = p
+            pos += len(p)
         return [out] if gather else out
 
     def _verify(self, run: Run) -> None:

@@ -270,6 +270,17 @@ def test_reads_across_pieces_and_holes(mounts, direct_reads):
             assert f.read(n) == bytes(model[off:off + n])
 
 
+def _saved_big(mounts, size: int, seed: int) -> tuple[str, bytes]:
+    """A backing directory holding one file "big" of `size` random bytes (mount unmounted)."""
+    backing = mounts.backing()
+    w = mounts.mount(backing)
+    data = random.Random(seed).randbytes(size)
+    with open(os.path.join(w.mountpoint, "big"), "wb") as f:
+        f.write(data)
+    w.stop()
+    return backing, data
+
+
 def _settled(m, key: str) -> int:
     """A status figure once it stopped moving for 0.5 s."""
     last, since = m.status()[key], time.monotonic()
@@ -285,13 +296,7 @@ def test_readahead_grows_with_the_streak(mounts):
     """A reader that jumps to an item and reads a few MiB of it (DCP loading items of one big
     file in its own order) gets no full --prefetch window behind every item: readahead grows
     with the bytes read in a row. A file read from its start still gets the full window."""
-    backing = mounts.backing()
-    w = mounts.mount(backing)
-    rng = random.Random(9)
-    data = rng.randbytes(160 * MiB)
-    with open(os.path.join(w.mountpoint, "big"), "wb") as f:
-        f.write(data)
-    w.stop()
+    backing, data = _saved_big(mounts, 160 * MiB, seed=9)
     m = mounts.mount(backing, direct_reads=True, prefetch="64M")
     fd = os.open(os.path.join(m.mountpoint, "big"), os.O_RDONLY)
     try:
@@ -302,10 +307,7 @@ def test_readahead_grows_with_the_streak(mounts):
         item = _settled(m, "read_disk_bytes")  # readahead runs in the background
         assert item <= 40 * MiB, item  # the runs touched (checked whole), not 64 MiB more
         assert os.pread(fd, MiB, 0) == data[:MiB]  # a file's start: the full window
-        deadline = time.monotonic() + 10
-        while m.status()["read_disk_bytes"] - item < 60 * MiB and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert m.status()["read_disk_bytes"] - item >= 60 * MiB
+        assert _settled(m, "read_disk_bytes") - item >= 60 * MiB
     finally:
         os.close(fd)
 
@@ -350,12 +352,7 @@ def test_a_second_pass_gets_readahead_again(mounts):
     """Readahead asks only for chunks past what it asked for before while a reader moves on;
     a reader that starts over (a second restore through the same mount, the cache recycled
     meanwhile) gets the window again."""
-    backing = mounts.backing()
-    w = mounts.mount(backing)
-    data = random.Random(4).randbytes(96 * MiB)
-    with open(os.path.join(w.mountpoint, "big"), "wb") as f:
-        f.write(data)
-    w.stop()
+    backing, data = _saved_big(mounts, 96 * MiB, seed=4)
     m = mounts.mount(backing, direct_reads=True, read_cache="32M", prefetch="16M")
     p = os.path.join(m.mountpoint, "big")
     with open(p, "rb", buffering=0) as f:
