@@ -6,10 +6,11 @@ Two halves with one contract between them:
   namespace records and extent entries (a file range pointing at a run in a segment). Only a
   prefix whose extents are all durable can be committed, so the index never points at data that
   is not on disk and replay always sees operations in their real order.
-- `Flusher` runs a thread that owns the io engine. It takes sealed segments in order, computes
-  the runs' CRC32C, writes each segment whole (tail padded to the alignment) at the next aligned
-  offset of the current data log, fdatasyncs, reports the segments durable to the trio thread,
-  then appends the committable journal prefix to the index and fdatasyncs it (group commit).
+- `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
+  runs' CRC32C were taken as the bytes landed: fs.piece_recorder), writes each segment whole
+  (tail padded to the alignment) at the next aligned offset of the current data log,
+  fdatasyncs, reports the segments durable to the trio thread, then appends the committable
+  journal prefix to the index and fdatasyncs it (group commit).
 
 Barriers (`fsync`, `ckptfs sync`, unmount) seal the open segment and wait until everything
 journaled before them is committed. A failed write (ENOSPC, EIO) keeps the segments staged, is
@@ -28,7 +29,6 @@ import time
 from collections import deque
 
 import trio
-from crc32c import crc32c
 
 from ckptfs import layout
 from ckptfs.io import alloc_aligned, open_engine
@@ -469,10 +469,8 @@ class Flusher:
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
             if seg.log < 0:  # first attempt; a retry keeps its place
-                if nbytes > seg.used:
+                if nbytes > seg.used:  # (the runs' CRC32C were taken as their bytes landed)
                     seg.view[seg.used:nbytes] = bytes(nbytes - seg.used)
-                for run in seg.runs:
-                    run.crc = crc32c(seg.view[run.soff:run.soff + run.length])
                 self._place(seg, nbytes)
         extra: list[int] = []  # fds opened by name here: synced and closed below
         try:

@@ -17,6 +17,7 @@ import time
 
 import pyfuse3
 import trio
+from crc32c import crc32c
 
 from ckptfs import fuseloop
 from ckptfs.flusher import ExtentEntry, Flusher, Journal
@@ -54,13 +55,14 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen")
+    __slots__ = ("ino", "inode", "flags", "wrote", "error", "next_off", "streak", "seen")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
         self.inode = inode
         self.flags = flags
         self.wrote = False
+        self.error = 0  # errno for close()/fsync(): a write answered before it failed here
         self.next_off = 0  # where a sequential reader's next READ starts
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
@@ -494,7 +496,13 @@ class CkptOperations(pyfuse3.Operations):
     def piece_recorder(self, x: Inode, off: int):
         """on_piece for Staging: records that data bytes [dpos, dpos+k) of a write at file
         offset `off` now sit in `seg` at `soff` (extends the file's last run when the write
-        continues it in the same segment: one index record per file and segment)."""
+        continues it in the same segment: one index record per file and segment).
+
+        The run's CRC32C is carried along piece by piece, here, while the bytes are still in
+        the CPU cache (the kernel or staging.append has just written them): at flush time
+        they are cold, and checking 2 GB there cost the flusher ~130 us per MiB of CPU and
+        memory bandwidth that a 2-CPU machine takes from the writer (docs/benchmarks.md,
+        attempt 36). The GIL is kept (a release would let the flusher thread in)."""
         journal = self.journal
         emap = x.emap
 
@@ -504,6 +512,7 @@ class CkptOperations(pyfuse3.Operations):
             tail = journal.entries[-1][1] if journal.entries else None
             if (run is not None and run.seg is seg and run.soff + run.length == soff
                     and x.tail_end == foff and type(tail) is ExtentEntry and tail.run is run):
+                run.crc = crc32c(seg.view[soff:soff + k], run.crc, 0)
                 roff = run.length
                 run.length += k
                 last = emap.pieces[-1] if emap.pieces else None
@@ -512,7 +521,7 @@ class CkptOperations(pyfuse3.Operations):
                 else:
                     emap.insert(foff, k, run, roff)
             else:
-                run = Run(seg, soff, k)
+                run = Run(seg, soff, k, crc=crc32c(seg.view[soff:soff + k], 0, 0))
                 seg.runs.append(run)
                 if x.nlink > 0:  # an unlinked, still open file needs no index record
                     journal.add(ExtentEntry(x.ino, foff, run))
@@ -533,6 +542,8 @@ class CkptOperations(pyfuse3.Operations):
         # close() does not wait for durability (the product's promise); a handle that wrote
         # learns about a pending flusher error (ENOSPC, EIO) at close at the latest.
         h = self.handles.get(fh)
+        if h is not None and h.error:
+            raise _err(h.error)
         if self.flusher.error is not None and h is not None and h.wrote:
             raise _err(self.flusher.error.errno or errno.EIO)
 
@@ -551,6 +562,9 @@ class CkptOperations(pyfuse3.Operations):
 
     async def fsync(self, fh, datasync):
         self.fsyncs += 1
+        h = self.handles.get(fh)
+        if h is not None and h.error:
+            raise _err(h.error)
         await self._barrier()
 
     async def _barrier(self) -> None:
