@@ -270,38 +270,12 @@ class FastPath(RequestWait):
         ops, staging = self.ops, self.staging
         try:
             h, x = ops.write_target(fh)
-        except pyfuse3.FUSEError as exc:
-            self.reply_error(unique, exc.errno)
-            return
-        k = min(size, len(t1)) if t1 is not None else 0
-        # past the open segment's end it ran into the next buffer
-        k2 = min(size - k, len(t2)) if t2 is not None and size > k else 0
-        if k + k2 == size:
-            # All of it landed in place: answer first. The bookkeeping (extents, index
-            # records, the CRC32C of the bytes while they are in the CPU cache) then overlaps
-            # with the writer pinning its next pages; no other request is read before it is
-            # done (no await). A write is 1 MiB 270-330 us instead of 370-430 us
-            # (docs/benchmarks.md, attempt 36).
-            self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
-            try:
-                record = ops.piece_recorder(x, off)
-                if k:
-                    staging.landed(k, record)
-                if k2:
-                    staging.landed(k2, record, base=k)
-                ops.wrote(h, x, off + size, size)
-            except Exception:  # a bug: the write was answered, so its close() must fail
-                log.exception("internal error after a write was answered")
-                h.error = errno.EIO
-                return
-            self.writes_in_place += 1
-            self.bytes_in_place += size
-            return
-        try:
             record = ops.piece_recorder(x, off)
+            k = min(size, len(t1)) if t1 is not None else 0
             if k:
                 staging.landed(k, record)
-            if k2:
+            if t2 is not None and size > k:  # ran past the segment's end into the next buffer
+                k2 = min(size - k, len(t2))
                 staging.landed(k2, record, base=k)
                 k += k2
             self.bytes_in_place += k

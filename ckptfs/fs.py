@@ -55,14 +55,13 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "error", "next_off", "streak", "seen")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen")
 
     def __init__(self, inode: Inode, flags: int) -> None:
         self.ino = inode.ino
         self.inode = inode
         self.flags = flags
         self.wrote = False
-        self.error = 0  # errno for close()/fsync(): a write answered before it failed here
         self.next_off = 0  # where a sequential reader's next READ starts
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
@@ -499,10 +498,11 @@ class CkptOperations(pyfuse3.Operations):
         continues it in the same segment: one index record per file and segment).
 
         The run's CRC32C is carried along piece by piece, here, while the bytes are still in
-        the CPU cache (the kernel or staging.append has just written them): at flush time
-        they are cold, and checking 2 GB there cost the flusher ~130 us per MiB of CPU and
-        memory bandwidth that a 2-CPU machine takes from the writer (docs/benchmarks.md,
-        attempt 36). The GIL is kept (a release would let the flusher thread in)."""
+        the CPU cache (the kernel or staging.append has just written them: crc32c runs at
+        ~25 GB/s over them). At flush time they are cold (~7.7 GB/s): the flusher's pass cost
+        ~130 us of CPU and memory bandwidth per MiB, which on a 2-CPU machine came out of
+        the writer's time (~15% of a stream of 1 MiB writes; docs/benchmarks.md, attempt
+        36). The GIL is kept (a release would let the flusher thread in mid-request)."""
         journal = self.journal
         emap = x.emap
 
@@ -542,8 +542,6 @@ class CkptOperations(pyfuse3.Operations):
         # close() does not wait for durability (the product's promise); a handle that wrote
         # learns about a pending flusher error (ENOSPC, EIO) at close at the latest.
         h = self.handles.get(fh)
-        if h is not None and h.error:
-            raise _err(h.error)
         if self.flusher.error is not None and h is not None and h.wrote:
             raise _err(self.flusher.error.errno or errno.EIO)
 
@@ -562,9 +560,6 @@ class CkptOperations(pyfuse3.Operations):
 
     async def fsync(self, fh, datasync):
         self.fsyncs += 1
-        h = self.handles.get(fh)
-        if h is not None and h.error:
-            raise _err(h.error)
         await self._barrier()
 
     async def _barrier(self) -> None:

@@ -1,8 +1,9 @@
 """The aggregation: aligned in-memory segments, data runs and per-file extent maps.
 
 Everything here is owned by the trio thread, except that the flusher thread reads sealed
-segments' memory and fills in a run's checksum and log location (plain attribute writes) before
-it reports the segment durable.
+segments' memory and fills in a run's log location (plain attribute writes) before it reports
+the segment durable. A run's checksum is carried along on the trio thread as its pieces land
+(fs.piece_recorder).
 
 - A `Segment` wraps one buffer of the fixed, pre-faulted pool while it fills and drains.
 - A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
@@ -41,7 +42,8 @@ class Segment:
 
 class Run:
     """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
-    data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (set at flush)."""
+    data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (kept up to date as the
+    run grows: fs.piece_recorder; from the index after replay)."""
 
     __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer")
 
