@@ -63,6 +63,13 @@ def test_quick_run_is_complete_and_verified(tmp_path):
     # ckptfs: the daemon reported its syncs; unmount and remount were measured
     ck = runs["ckptfs"]
     assert ck["unmount_s"] > 0 and ck["remount_s"] > 0
+    # the daemon's CPU per GB is reported for every ckptfs row, and only there
+    for key in expected:
+        m = res["summary"][key]["median"]
+        if key in ("ckptfs", "ckptfs_pc", "dcp_ckptfs"):
+            assert m["daemon_save_cpu_s_per_gb"] >= 0 and m["daemon_restore_cpu_s_per_gb"] >= 0, key
+        else:
+            assert "daemon_save_cpu_s_per_gb" not in m, key
     assert ck["status_bytes_durable"] >= payload
     assert res["summary"]["ckptfs"]["time_vs_ckptfs"]["durable_s"] == pytest.approx(1.0)
     # nothing left behind: no mount, no directory under --dir, no /dev/shm leftovers

@@ -278,7 +278,8 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
 # ------------------------------------------------------------------------ summary
 FIELDS = ("blocked_s", "durable_s", "restore_s", "files_created", "dirs_created", "fsyncs",
           "rss_peak_save_bytes", "rss_peak_restore_bytes", "daemon_peak_rss_bytes",
-          "daemon_restore_peak_rss_bytes", "unmount_s", "remount_s", "bytes_in_files")
+          "daemon_restore_peak_rss_bytes", "unmount_s", "remount_s", "bytes_in_files",
+          "daemon_save_cpu_s", "daemon_restore_cpu_s")
 
 
 def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
@@ -303,6 +304,9 @@ def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
             med["blocked_gbps"] = nbytes / med["blocked_s"] / 1e9
         if med.get("restore_s"):
             med["restore_gbps"] = nbytes / med["restore_s"] / 1e9
+        for f in ("daemon_save_cpu_s", "daemon_restore_cpu_s"):  # per GB of payload
+            if med.get(f) is not None:
+                med[f + "_per_gb"] = med[f] / (nbytes / 1e9)
         cls = CONTENDERS[key]
         out[key] = {"label": cls.label, "limit": cls.limit, "durable": cls.durable,
                     "runs_ok": len(good), "runs": len(rs), "bytes": nbytes,
@@ -331,7 +335,7 @@ MiB = 1 << 20
 def format_table(summary: dict, payload: int, ntensors: int) -> str:
     hdr = ("contender", "blocked s", "durable s", "GB/s", "restore s", "GB/s",
            "durable vs ckptfs", "restore vs ckptfs", "files", "fsyncs", "+RSS save MB",
-           "daemon MB", "ok")
+           "daemon MB", "daemon CPU s/GB", "ok")
     rows = []
     for key, s in summary.items():
         m, r = s["median"], s["time_vs_ckptfs"]
@@ -348,6 +352,8 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
                      "%.2fx" % r["restore_s"] if "restore_s" in r else "-",
                      f("files_created", "%d"), f("fsyncs", "%d"),
                      _mb(m.get("rss_extra_save_bytes")), _mb(daemon),
+                     "%s/%s" % (f("daemon_save_cpu_s_per_gb"), f("daemon_restore_cpu_s_per_gb"))
+                     if m.get("daemon_save_cpu_s_per_gb") is not None else "-",
                      "%d/%d%s" % (s["runs_ok"], s["runs"],
                                   " FAILED" if not s["runs_ok"] else
                                   "" if s["verified"] or s["limit"] else " NOT VERIFIED")))
@@ -357,7 +363,8 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
     lines.insert(1, "-" * len(lines[0]))
     lines.append("payload %.3f GB in %d tensors; medians; GB/s = payload / time; "
                  "'vs ckptfs' = contender time / ckptfs time (>1: ckptfs faster); "
-                 "* tmpfs is never durable" % (payload / 1e9, ntensors))
+                 "* tmpfs is never durable; daemon CPU s/GB: save (until durable) / "
+                 "restore, request spin included" % (payload / 1e9, ntensors))
     return "\n".join(lines)
 
 
@@ -365,7 +372,8 @@ def write_csv(path: str, summary: dict) -> None:
     cols = ["contender", "label", "runs_ok", "bytes", "blocked_s", "durable_s", "durable_gbps",
             "restore_s", "restore_gbps", "durable_vs_ckptfs", "restore_vs_ckptfs",
             "files_created", "dirs_created", "fsyncs", "rss_extra_save_bytes",
-            "rss_extra_restore_bytes", "daemon_peak_rss_bytes", "unmount_s", "remount_s"]
+            "rss_extra_restore_bytes", "daemon_peak_rss_bytes", "unmount_s", "remount_s",
+            "daemon_save_cpu_s_per_gb", "daemon_restore_cpu_s_per_gb"]
     with open(path, "w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(cols)

@@ -43,6 +43,21 @@ def daemon_hwm_bytes(pid: int) -> int | None:
     return None
 
 
+def daemon_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_delta(pid: int, before: float | None) -> float | None:
+    after = daemon_cpu_s(pid)
+    return None if before is None or after is None else after - before
+
+
 def save_per_tensor(w, dest: str, fsync: bool = False) -> None:
     """What unmodified training code does: one ``torch.save`` per tensor, one file each."""
     import torch
@@ -218,10 +233,13 @@ class Ckptfs(Contender):
         save_per_tensor(run.w, run.mountpoint)
 
     def save(self, run) -> None:
+        cpu0 = daemon_cpu_s(run.mount.pid)
         with Watchdog(run.mount, run.cfg.step_timeout, "save + sync"):
             self._save(run)
             run.mark_blocked()
             run.mount.sync()
+        # the daemon's CPU for the save until durable (request spin included)
+        run.extra["daemon_save_cpu_s"] = _cpu_delta(run.mount.pid, cpu0)
 
     def after_save(self, run) -> None:
         m = run.mount
@@ -244,8 +262,10 @@ class Ckptfs(Contender):
         return load_per_tensor(run.w, run.mountpoint)
 
     def restore(self, run) -> dict:
+        cpu0 = daemon_cpu_s(run.mount.pid)
         with Watchdog(run.mount, run.cfg.step_timeout, "restore"):
             out = self._restore(run)
+        run.extra["daemon_restore_cpu_s"] = _cpu_delta(run.mount.pid, cpu0)
         run.extra["daemon_restore_peak_rss_bytes"] = daemon_hwm_bytes(run.mount.pid)
         try:
             st = run.mount.status()
