@@ -467,7 +467,7 @@ class CkptOperations(pyfuse3.Operations):
             out = await self.reader.read(x.emap, off, size, x.size, ahead, seen, gather)
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
-        self.bytes_read += sum(map(len, out)) if gather else len(out)
+        self.bytes_read += max(0, min(size, x.size - off))  # what the reader returned
         return out
 
     async def write(self, fh, off, buf):
@@ -508,11 +508,12 @@ class CkptOperations(pyfuse3.Operations):
 
         def on_piece(seg, dpos, soff, k):
             foff = off + dpos
+            piece = seg.view[soff:soff + k]
             run = x.tail_run
             tail = journal.entries[-1][1] if journal.entries else None
             if (run is not None and run.seg is seg and run.soff + run.length == soff
                     and x.tail_end == foff and type(tail) is ExtentEntry and tail.run is run):
-                run.crc = crc32c(seg.view[soff:soff + k], run.crc, 0)
+                run.crc = crc32c(piece, run.crc, 0)
                 roff = run.length
                 run.length += k
                 last = emap.pieces[-1] if emap.pieces else None
@@ -521,7 +522,7 @@ class CkptOperations(pyfuse3.Operations):
                 else:
                     emap.insert(foff, k, run, roff)
             else:
-                run = Run(seg, soff, k, crc=crc32c(seg.view[soff:soff + k], 0, 0))
+                run = Run(seg, soff, k, crc=crc32c(piece, 0, 0))
                 seg.runs.append(run)
                 if x.nlink > 0:  # an unlinked, still open file needs no index record
                     journal.add(ExtentEntry(x.ino, foff, run))
