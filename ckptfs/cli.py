@@ -7,7 +7,9 @@ import importlib
 import json
 import logging
 import os
+import select
 import sys
+import time
 
 BENCHES = ("engine", "micro", "e2e", "scaling")
 
@@ -236,10 +238,10 @@ def _umount(a) -> int:
         return _fail(f"{mp}: cannot reach the daemon ({exc}) and lazy unmount failed: "
                      f"{res.stderr.strip()}")
     pid = st["pid"]
-    try:
-        api.sync(mp)
-    except OSError as exc:
-        print(f"ckptfs: {mp}: could not make everything durable: {exc}", file=sys.stderr)
+    deadline = time.monotonic() + a.timeout
+    err = _bounded_sync(mp, a.timeout)
+    if err is not None:
+        print(f"ckptfs: {mp}: could not make everything durable: {err}", file=sys.stderr)
         if not a.force:
             return _fail("not unmounted (use --force to unmount anyway, losing what is staged)")
     res = api.fusermount(mp)
@@ -249,12 +251,54 @@ def _umount(a) -> int:
         if res.returncode != 0:
             return _fail(f"cannot unmount {mp}: {res.stderr.strip()} (busy? close files "
                          "or use --lazy)")
-    if not api.wait_pid_exit(pid, a.timeout):
-        return _fail(f"daemon {pid} still running after {a.timeout}s")
+    if not api.wait_pid_exit(pid, max(1.0, deadline - time.monotonic())):
+        return _fail(f"daemon {pid} still running {a.timeout}s after the umount began")
     st2 = st.get("bytes_durable", 0)
     print(f"unmounted {mp}: everything durable in {st['backing']} "
           f"({st2 / 1e9:.3f} GB flushed by this mount)")
     return 0
+
+
+def _bounded_sync(mp: str, timeout: float) -> str | None:
+    """The barrier of `umount`, given at most `timeout` seconds: None once everything is
+    durable, else why not. A backing store that stopped answering must not hang the command,
+    and a process whose thread waits in a FUSE request cannot even exit (the kernel waits for
+    the daemon's answer once the request reached it), so the barrier runs in a child process
+    with its stdio on /dev/null: on timeout it is left behind and exits when the barrier
+    completes."""
+    from ckptfs import api
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the barrier, its outcome through the pipe
+        code = 0
+        try:
+            nul = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(nul, fd)
+            os.closerange(3, w)
+            os.closerange(w + 1, 1 << 16)
+            try:
+                api.sync(mp)
+                msg = b""
+            except OSError as exc:
+                msg = (str(exc) or "barrier failed").encode()
+            os.write(w, b"done:" + msg)
+        except BaseException:  # noqa: BLE001 - the child must not return into the CLI
+            code = 1
+        os._exit(code)
+    os.close(w)
+    try:
+        if not select.select([r], [], [], timeout)[0]:
+            return (f"the barrier did not complete within {timeout:g} s (is the backing "
+                    "store answering?)")
+        msg = os.read(r, 4096)
+    finally:
+        os.close(r)
+    os.waitpid(pid, 0)
+    if not msg.startswith(b"done:"):
+        return "the barrier process failed"
+    return msg[5:].decode(errors="replace") or None
 
 
 def _sync(a) -> int:
@@ -268,8 +312,6 @@ def _sync(a) -> int:
 
 
 def _status(a) -> int:
-    import time
-
     from ckptfs import api
 
     while True:
@@ -316,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lazy", action="store_true", help="lazy unmount if the mount is busy")
     p.add_argument("--force", action="store_true",
                    help="unmount even when the final sync fails")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the drain")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the whole umount may take: the drain (a barrier that does not "
+                   "complete in time fails the umount, unless --force) and the daemon's exit")
     p = sub.add_parser("sync", help="barrier: returns when everything is durable",
                        epilog="example: ckptfs sync /ckpt")
     p.add_argument("mountpoint")

@@ -400,15 +400,25 @@ def check_backing(backing: str, create: bool) -> None:
                                      "host": socket.gethostname()}).encode() + b"\n", 0o644)
 
 
+WRITER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+WRITER_ID_MAX = 128
+
+
 def default_writer_id() -> str:
-    return safe_writer_id(socket.gethostname() or "localhost")
+    """The host name, with characters outside [A-Za-z0-9._-] replaced by '_'."""
+    name = socket.gethostname() or "localhost"
+    return safe_writer_id("".join(c if c in WRITER_ID_CHARS else "_" for c in name)[:WRITER_ID_MAX])
 
 
 def safe_writer_id(name: str) -> str:
-    ok = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    if not ok or ok in (".", "..") or len(ok) > 128:
-        raise FormatError(f"invalid writer id {name!r}")
-    return ok
+    """`name` if it is a valid writer id (the name of a directory under writers/): 1 to 128
+    characters of [A-Za-z0-9._-], not '.' or '..'. Anything else is refused, not rewritten:
+    two different ids must never end up in the same directory."""
+    if (not name or name in (".", "..") or len(name) > WRITER_ID_MAX
+            or not WRITER_ID_CHARS.issuperset(name)):
+        raise FormatError(f"invalid writer id {name!r}: use 1-{WRITER_ID_MAX} characters of "
+                          "A-Z a-z 0-9 . _ -")
+    return name
 
 
 def writer_dirs(backing: str) -> list[str]:

@@ -11,6 +11,9 @@ operations it names (whitespace separated; an empty file means "write fsync") fa
     create   create, mkdir, rename, unlink, rmdir, truncate (the metadata writes)
     read     read(2)
 
+A name prefixed with `hang-` (`hang-fsync`, `hang-write`) makes that operation wait instead, as
+a store that stopped answering would, until the control file no longer names it.
+
 `.fail` itself is never shown in the mirror. Reads, lookups and listings keep working unless
 `read` is named. The process runs in the foreground and prints "ready" once mounted; it exits
 after `fusermount3 -u MOUNTPOINT` or SIGTERM/SIGINT (which unmount).
@@ -78,6 +81,22 @@ class FailingFS(pyfuse3.Operations):
             if self.injected <= 20 or self.injected % 1000 == 0:
                 print(f"failing_fs: EIO #{self.injected} for {op}", file=sys.stderr, flush=True)
             raise pyfuse3.FUSEError(errno.EIO)
+
+    async def _hang(self, op: str) -> None:
+        """Wait while the control file names hang-OP (a store that stopped answering)."""
+        said = False
+        while True:
+            try:
+                with open(self.control, "rb") as f:
+                    names = f.read().decode(errors="replace").split()
+            except OSError:
+                return
+            if f"hang-{op}" not in names:
+                return
+            if not said:
+                print(f"failing_fs: {op} hangs", file=sys.stderr, flush=True)
+                said = True
+            await trio.sleep(0.05)
 
     # ------------------------------------------------------------ inode bookkeeping
     def _path(self, inode: int) -> bytes:
@@ -238,6 +257,7 @@ class FailingFS(pyfuse3.Operations):
         self.dir_paths.pop(fh, None)
 
     async def fsyncdir(self, fh, datasync):
+        await self._hang("fsync")
         self._check("fsync")
         try:
             fd = os.open(self.dir_paths[fh], os.O_RDONLY | os.O_DIRECTORY)
@@ -348,6 +368,7 @@ class FailingFS(pyfuse3.Operations):
             raise _oserr(exc) from None
 
     async def write(self, fh, off, buf):
+        await self._hang("write")
         self._check("write")
         try:
             return os.pwrite(fh, buf, off)
@@ -358,6 +379,7 @@ class FailingFS(pyfuse3.Operations):
         pass
 
     async def fsync(self, fh, datasync):
+        await self._hang("fsync")
         self._check("fsync")
         try:
             (os.fdatasync if datasync else os.fsync)(fh)

@@ -139,6 +139,11 @@ def test_already_mounted_and_second_writer(mounts, fresh_backing, tmp_path, mode
     (["--staging-size", "1M", "--segment-size", "1M"], "at least two segments"),
     pytest.param(["--io", "sideways"], "invalid choice"),
     (["--request-spin", "-5"], "--request-spin must be between"),
+    # writer ids name a directory: refused, never rewritten (a/b and a_b must not share one)
+    (["--writer-id", "a/b"], "invalid writer id 'a/b'"),
+    (["--writer-id", ".."], "invalid writer id '..'"),
+    (["--writer-id", "x" * 129], "invalid writer id"),
+    (["--writer-id", "caf\u00e9"], "invalid writer id"),
 ])
 def test_bad_options(fresh_backing, tmp_path, mode, args, expect):
     mnt = tmp_path / "mnt"
@@ -166,3 +171,13 @@ def test_verify_newer_index_version(fresh_backing):
     res = cli("verify", fresh_backing)
     assert "newer" in res.stderr
     assert res.returncode != 0, res.stdout
+
+
+def test_writer_ids():
+    assert layout.safe_writer_id("rank-0.host_1") == "rank-0.host_1"
+    assert layout.safe_writer_id("x" * 128) == "x" * 128
+    for bad in ("", ".", "..", "a/b", "a b", "x" * 129, "caf\u00e9", "n\u00b2"):
+        with pytest.raises(layout.FormatError):
+            layout.safe_writer_id(bad)
+    wid = layout.default_writer_id()  # the host name, made safe
+    assert layout.safe_writer_id(wid) == wid

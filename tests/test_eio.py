@@ -17,7 +17,8 @@ import pytest
 
 from ckptfs import api
 from ckptfs.io.buffers import probe_direct
-from helpers_reliability import MiB, content, read_all, sync_until_ok, verify_and_remount
+from helpers_reliability import (CLI, MiB, cli, content, read_all, sync_until_ok,
+                                  verify_and_remount)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -174,3 +175,42 @@ def test_eio_then_recovery(failing, mounts):
     # 4. remount: everything is there, and the backing store verifies
     verify_and_remount(mounts, m, backing, opts, sizes).stop()
     print(f"\nEIO scenario: {time.monotonic() - t0:.1f} s")
+
+
+def test_umount_timeout_when_the_store_hangs(failing, mounts):
+    """A backing store that stops answering (its fsync hangs): `ckptfs umount --timeout` gives
+    up after that long with a clear message and leaves the mount in place, nothing lost; once
+    the store answers again a plain umount completes and a remount has the data."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="8M", segment_size="1M")
+    m = mounts.mount(backing, **opts)
+    data = content("h", 3 * MiB + 4321)
+    with open(os.path.join(m.mountpoint, "h"), "wb") as f:
+        f.write(data)
+    failing.fail("hang-fsync")
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(CLI + ["umount", m.mountpoint, "--timeout", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            failing.heal()  # a process waiting in a FUSE request can only exit once answered
+            proc.kill()
+            proc.communicate()
+            raise AssertionError("umount --timeout 2 did not return within 30 s") from None
+        took = time.monotonic() - t0
+        assert proc.returncode != 0, (out, err)
+        assert "did not complete within 2 s" in err and "not unmounted" in err, err
+        assert took < 20, took
+        assert api.is_mounted(m.mountpoint) and m.proc.poll() is None
+        assert "fsync hangs" in failing.log_text()
+    finally:
+        failing.heal()  # (teardown unmounts through the store)
+    res = cli("umount", m.mountpoint, timeout=60)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert not api.is_mounted(m.mountpoint)
+    m2 = mounts.mount(backing, **opts)
+    assert read_all(os.path.join(m2.mountpoint, "h")) == data
+    m2.stop()
