@@ -21,7 +21,7 @@ EPILOG = """examples:
   ckptfs umount /ckpt                         flush, wait until durable, unmount
   ckptfs mount /lustre/proj/run42 /ckpt       later, anywhere: the same tree again
   ckptfs demo                                 save and restore a model through a temporary mount
-  ckptfs bench engine|micro|e2e --help        the benchmarks
+  ckptfs bench engine|micro|e2e|scaling --help  the benchmarks
 """
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -63,12 +63,23 @@ def _fail(msg: str, code: int = 1) -> int:
 
 
 # ---------------------------------------------------------------- mount
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown in the help, except where there is none to show (None, "", an off
+    switch) or the help text already says what it is."""
+
+    def _get_help_string(self, action):
+        d = action.default
+        if d is None or d is False or d == "" or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_mount(sub) -> None:
     from ckptfs.daemon import MountConfig
 
     d = MountConfig("", "")
     p = sub.add_parser("mount", help="mount a backing directory",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=_DefaultsHelp,
                        description="Mount BACKING (a directory on the real file system, created "
                        "on first use) at MOUNTPOINT (an empty directory). Returns once the "
                        "mount is live; the daemon keeps running in the background.",
@@ -113,8 +124,8 @@ def _add_mount(sub) -> None:
                    "(catches a busy writer's next request without a wake-up; 0: off)")
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=d.fast_path,
                    help="the daemon reads requests itself: WRITE payloads land straight in "
-                   "the staging segment, READ/WRITE/FLUSH/RELEASE skip pyfuse3 (off: pyfuse3 "
-                   "serves every request)")
+                   "the staging segment; READ, WRITE, FLUSH, RELEASE, LOOKUP, GETATTR, OPEN "
+                   "and CREATE skip pyfuse3 (off: pyfuse3 serves every request)")
     p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
                    default=d.writeback_cache,
                    help="kernel writeback cache: merges small writes into 1 MiB requests "
@@ -416,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="example: ckptfs gc /ckpt --keep 3 --pattern 'step_*'")
     p.add_argument("mountpoint")
     p.add_argument("--dir", default="/", help="directory inside the mount holding the steps")
-    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--keep", type=int, required=True, help="how many of the newest to keep")
     p.add_argument("--pattern", default="step_*", help="shell pattern of the entries")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
                        epilog="example: ckptfs demo --size 512M")
     p.add_argument("--size", type=parse_size, default="1G", help="model state size")
     p.add_argument("--dir", default=None, help="where to put the temporary backing directory "
-                   "(default: under the current directory's file system, /var/tmp)")
-    sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e --help")
+                   "(default: /var/tmp; a disk, not tmpfs)")
+    sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e|scaling --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,

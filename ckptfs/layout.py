@@ -8,8 +8,10 @@ BACKING/
   writers/<writer-id>/data-NNNNNN.log  4 KiB header block, then segments at aligned offsets
 
 Index record: <u32 body length> <u32 crc32c(type + body)> <u8 type> <body>, little endian.
-Replay applies complete commit groups (records up to a COMMIT record) and stops at the first
-record that is torn, fails its checksum or does not parse: nothing after it was acknowledged.
+Replay applies complete commit groups (records up to a COMMIT record). A torn record ends it
+(the tail of a commit a crash interrupted, never acknowledged); a record that fails its checksum
+with a valid COMMIT after it is damage in the middle: that commit group is skipped with a
+warning and replay goes on; a well-formed record that does not parse ends it (docs/format.md).
 """
 
 from __future__ import annotations
