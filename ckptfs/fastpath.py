@@ -5,7 +5,8 @@ a copy into a Python `bytes` (pyfuse3), a copy into the segment (staging.append)
 coroutine per request. Here the daemon reads /dev/fuse itself, with one `readv` into
 [80-byte header | the rest of the open segment | the next free segment buffer | an overflow
 buffer]: a WRITE's payload lands where it will be flushed from (also when it runs past the
-end of a segment), and the kernel's copy is the only one. The request is answered here, without pyfuse3 or libfuse.
+end of a segment), and the kernel's copy is the only one. The request is answered here,
+without pyfuse3 or libfuse.
 
 The requests of a checkpoint's save and restore are answered here too, by calling the same
 handlers pyfuse3 would call and encoding the replies libfuse would send: READ (one `writev`

@@ -129,8 +129,9 @@ def cmd_ls(a) -> int:
         print(f"warning: {w}", file=sys.stderr)
     if getattr(a, "conflicts", False):
         for c in sorted(snap.union.conflicts, key=lambda c: c.path):
-            versions = ", ".join(f"{w} @ {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t / 1e9))}"
-                                 f".{t % 1_000_000_000:09d}" for w, t in c.versions)
+            versions = ", ".join(
+                f"{w} @ {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t / 1e9))}"
+                f".{t % 1_000_000_000:09d}" for w, t in c.versions)
             print(f"{c.path}: {versions}  (winner: {c.versions[0][0]})")
         return 0
     top = snap.lookup(a.path)

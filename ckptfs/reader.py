@@ -3,9 +3,9 @@
 Bytes still in staging are copied from memory. Durable bytes are read through a cache of
 fixed-size chunks of the data logs (CHUNK_BYTES, aligned, so O_DIRECT reads work), in pre-faulted
 buffers allocated on first use (up to --read-cache) and then reused, consumed chunks first: this
-VM's memory is backed lazily, and reading into fresh buffers runs at first-touch speed. A run's CRC32C is checked the first time
-it is read from disk (over the chunks it spans); a mismatch makes reads of that file fail with
-EIO, other files are unaffected.
+VM's memory is backed lazily, and reading into fresh buffers runs at first-touch speed. A run's
+CRC32C is checked the first time it is read from disk (over the chunks it spans); a mismatch
+makes reads of that file fail with EIO, other files are unaffected.
 
 Files of a checkpoint are written one after another, so they lie one after another in the logs,
 and a restore reads them in about that order. A sequential reader therefore triggers readahead

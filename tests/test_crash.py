@@ -116,7 +116,8 @@ def check_tree(mnt: str, planned: dict[str, int], durable: set[str],
                seen: dict[str, tuple | None], full: bool) -> tuple[int, int, int]:
     """Check the remounted tree against what the writers did. `seen` keeps the state found
     at an earlier remount of files that are finished (their state must never change): their
-    contents are read again only when `full`, else their size is compared. Returns (exact, partial, absent) counts."""
+    contents are read again only when `full`, else their size is compared. Returns (exact,
+    partial, absent) counts."""
     found = list_files(mnt)
     dirs = {p for p, t in found.items() if t == "d"}
     files = {p for p, t in found.items() if t == "f"}

@@ -117,7 +117,8 @@ def test_enospc_then_recovery(small_fs, mounts):
     os.mkdir(backing)
     filler = os.path.join(small_fs, "filler")
     fill(filler, 24 * MiB)
-    # --log-size bounds the data log preallocation (a regression test above: preallocation on a nearly full store).
+    # --log-size bounds the data log preallocation (a regression test above: preallocation on
+    # a nearly full store).
     opts = dict(staging_size="8M", segment_size="1M", log_size="8M", idle_flush=0.2)
     m = mounts.mount(backing, **opts)
     mnt = m.mountpoint

@@ -93,7 +93,8 @@ def tensor_specs(arch: str = "gpt2", target_bytes: int = 2 << 30, optimizer: boo
     return specs
 
 
-def small_tensor_specs(count: int = 10_000, seed: int = 0) -> list[tuple[str, tuple[int, ...], str]]:
+def small_tensor_specs(count: int = 10_000,
+                       seed: int = 0) -> list[tuple[str, tuple[int, ...], str]]:
     """Many small tensors (biases, norms, scalars: 8 B .. 64 KiB): the pattern that hurts most
     on a parallel file system."""
     import random

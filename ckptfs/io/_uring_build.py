@@ -325,7 +325,8 @@ def _probe_liburing(cflags: list[str], libs: list[str]) -> str | None:
             return None
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["?"])[0]
-            return "built without io_uring: liburing headers/library not usable at build time (%s)" % first
+            return ("built without io_uring: liburing headers/library not usable at build "
+                    "time (%s)" % first)
     return None
 
 
