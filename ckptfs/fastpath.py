@@ -14,6 +14,9 @@ from the read cache), FLUSH, RELEASE, LOOKUP, GETATTR, OPEN, CREATE. Two differe
 read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for
 it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
 isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
+INTERRUPT is handled here for the requests that can wait long (WRITE and READ served here,
+forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is being killed they are answered at
+once (docs/reliability.md); pyfuse3 cannot act on interrupts.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
@@ -58,9 +61,13 @@ FUSE_OPEN = 14
 FUSE_READ = 15
 FUSE_WRITE = 16
 FUSE_RELEASE = 18
+FUSE_FSYNC = 20
+FUSE_GETXATTR = 22
 FUSE_FLUSH = 25
 FUSE_INIT = 26
+FUSE_FSYNCDIR = 30
 FUSE_CREATE = 35
+FUSE_INTERRUPT = 36
 FUSE_IOCTL = 39
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
@@ -71,6 +78,10 @@ FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36  # Linux 6.6+: MAP_SHARED mmap of FOPEN_DIRE
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen pad
 RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
 FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
+INTERRUPT_IN = struct.Struct("<Q")  # the unique of the interrupted request
+# Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
+# store) and whose effect does not depend on their answer: answered EINTR when interrupted.
+INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 WRITE_OUT = struct.Struct("<IiQII")  # out header + size pad
 INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
@@ -89,6 +100,22 @@ HEAD = IN_HEADER.size + RW_IN.size  # 80
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
+
+
+def _dying(pid: int) -> bool:
+    """Whether thread `pid` has SIGKILL pending (a fatal signal: the kernel marks every thread
+    of a process being killed so) or is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if (line.startswith((b"SigPnd:", b"ShdPnd:"))
+                        and int(line.split()[1], 16) & (1 << 8)):
+                    return True
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    return False
 
 
 class _Context:
@@ -158,6 +185,17 @@ class FastPath(RequestWait):
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.detached = False
+        # Interrupts. A signal that reaches a process waiting for an answer makes the kernel send
+        # FUSE_INTERRUPT; for a fatal one it then waits for the answer uninterruptibly, so a
+        # process blocked on a backing store that stopped answering could not even be killed.
+        # A request of a process that is being killed is answered here: a WRITE or READ
+        # suspended in its handler (waiting for staging space or the disk) and a forwarded
+        # barrier not answered yet. Other signals change nothing (reads and writes of a regular
+        # file do not fail with EINTR), but the request is watched, for a fatal signal after.
+        self.suspended: dict[int, tuple[trio.CancelScope, int]] = {}  # unique -> (scope, pid)
+        self.barriers: dict[int, int] = {}  # INTERRUPTIBLE_FORWARDED not answered yet -> pid
+        self.drop: set[int] = set()  # answered EINTR here: libfuse's late answer is dropped
+        self.interrupted = 0
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float) -> "FastPath":
@@ -189,7 +227,8 @@ class FastPath(RequestWait):
         c = super().counts()
         c.update(writes_in_place=self.writes_in_place, bytes_in_place=self.bytes_in_place,
                  bytes_copied_in=self.bytes_copied, reads_direct=self.reads_direct,
-                 requests_forwarded=self.forwarded, requests_answered_here=self.answered)
+                 requests_forwarded=self.forwarded, requests_answered_here=self.answered,
+                 requests_interrupted=self.interrupted)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         return c
 
@@ -238,11 +277,24 @@ class FastPath(RequestWait):
         if self.minor and not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE and n >= HEAD:
-                await self.write(unique, n, t1, t2)
+                with trio.CancelScope() as scope:
+                    self.suspended[unique] = (scope, pid)
+                    try:
+                        await self.write(unique, n, t1, t2)
+                    finally:
+                        del self.suspended[unique]
                 return False
             if opcode == FUSE_READ and n >= HEAD:
-                await self.read(unique)
+                with trio.CancelScope() as scope:
+                    self.suspended[unique] = (scope, pid)
+                    try:
+                        await self.read(unique)
+                    finally:
+                        del self.suspended[unique]
                 return False
+            if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
+                if self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0]):
+                    return False
             if opcode == FUSE_FLUSH:
                 await self.simple(unique, self.ops.flush)
                 return False
@@ -285,7 +337,22 @@ class FastPath(RequestWait):
                 # (other tasks read the next requests into a new one)
                 rest = memoryview(self.overflow)[:size - k]
                 self.overflow = None
-                await staging.append(rest, record, base=k)
+                done = [k]  # bytes of this write recorded so far
+
+                def counted(seg, dpos, soff, m):
+                    record(seg, dpos, soff, m)
+                    done[0] = dpos + m
+
+                try:
+                    await staging.append(rest, counted, base=k)
+                except trio.Cancelled:  # interrupted while waiting for staging space
+                    self.bytes_copied += done[0] - k
+                    if done[0]:  # a short write: what is recorded stays written
+                        ops.wrote(h, x, off + done[0], done[0])
+                        self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, done[0], 0))
+                    else:
+                        self.reply_error(unique, errno.EINTR)
+                    raise
                 self.bytes_copied += size - k
             ops.wrote(h, x, off + size, size)
         except pyfuse3.FUSEError as exc:
@@ -309,6 +376,9 @@ class FastPath(RequestWait):
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
+        except trio.Cancelled:  # interrupted while waiting for the disk
+            self.reply_error(unique, errno.EINTR)
+            raise
         self.reads_direct += 1
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
@@ -360,6 +430,41 @@ class FastPath(RequestWait):
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
+    def interrupt(self, unique: int) -> bool:
+        """FUSE_INTERRUPT for `unique`: True if it is one of ours (see __init__), else it goes
+        to libfuse, which keeps it (pyfuse3 cannot act on it)."""
+        got = self.suspended.get(unique)
+        pid = got[1] if got is not None else self.barriers.get(unique)
+        if pid is None:
+            return False
+        if not self.abort_if_dying(unique, pid):
+            trio.lowlevel.spawn_system_task(self.watch, unique, pid)
+        return True
+
+    def abort_if_dying(self, unique: int, pid: int) -> bool:
+        """Answer `unique` now if its caller is being killed (or gone); True if answered or
+        no longer waiting. A WRITE or READ is cancelled (it answers EINTR, or a short write);
+        a barrier is answered EINTR (it goes on in the daemon; libfuse's answer is dropped)."""
+        got = self.suspended.get(unique)
+        if got is None and unique not in self.barriers:
+            return True  # answered meanwhile
+        if not _dying(pid):
+            return False
+        if got is not None:
+            got[0].cancel()
+        else:
+            del self.barriers[unique]
+            self.drop.add(unique)
+            self.reply_error(unique, errno.EINTR)
+        self.interrupted += 1
+        return True
+
+    async def watch(self, unique: int, pid: int) -> None:
+        """An interrupted request whose caller was not being killed: look again until it is
+        answered or the caller is (the kernel sends one FUSE_INTERRUPT per request)."""
+        while not self.closed and not self.abort_if_dying(unique, pid):
+            await trio.sleep(0.2)
+
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
 
@@ -399,6 +504,8 @@ class FastPath(RequestWait):
                 self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
+        if opcode in INTERRUPTIBLE_FORWARDED:
+            self.barriers[unique] = IN_HEADER.unpack_from(self.head)[6]  # the caller's pid
         self.sock.sendmsg(self.pieces(n, bufs))
 
     def pump(self) -> None:
@@ -415,11 +522,16 @@ class FastPath(RequestWait):
             if k <= 0:
                 return
             msg = memoryview(buf)[:k]
-            if self.init_unique >= 0 and k >= OUT_HEADER.size:
+            if k >= OUT_HEADER.size:
                 _, err, unique = OUT_HEADER.unpack_from(msg)
                 if unique == self.init_unique:
                     self.init_unique = -1
                     self.negotiated(msg, err)
+                if self.barriers or self.drop:
+                    self.barriers.pop(unique, None)
+                    if unique in self.drop:  # answered EINTR here when it was interrupted
+                        self.drop.discard(unique)
+                        continue
             self.send(msg)
 
     def negotiated(self, msg, err: int) -> None:

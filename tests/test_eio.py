@@ -214,3 +214,75 @@ def test_umount_timeout_when_the_store_hangs(failing, mounts):
     m2 = mounts.mount(backing, **opts)
     assert read_all(os.path.join(m2.mountpoint, "h")) == data
     m2.stop()
+
+
+def _blocked_child(code: str) -> subprocess.Popen:
+    """A Python child that prints 'ready' and then blocks in a request to the mount."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    assert proc.poll() is None, "the child did not block"
+    return proc
+
+
+def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
+    """A process waiting in ckptfs for a backing store that stopped answering can be killed:
+    the kernel waits for the daemon's answer once a request reached it (even after SIGKILL),
+    so the daemon answers an interrupted fsync / sync barrier with EINTR, and a WRITE waiting
+    for staging space with what it recorded (EINTR if nothing). Nothing written is lost: once
+    the store answers again everything lands."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="4M", segment_size="1M")
+    m = mounts.mount(backing, **opts)
+    mnt = m.mountpoint
+    kids = []
+    try:
+        failing.fail("hang-fsync hang-write")
+        kids.append(("fsync", _blocked_child(
+            f"import os; fd = os.open({os.path.join(mnt, 'f')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "os.write(fd, b'f' * 100000); print('ready', flush=True); os.fsync(fd)")))
+        kids.append(("sync", _blocked_child(
+            f"from ckptfs import api; print('ready', flush=True); api.sync({mnt!r})")))
+        # a signal that does not kill changes nothing: the fsync neither fails nor returns
+        kids.append(("fsync after another signal", _blocked_child(
+            "import os, signal\n"
+            "def no(*a): raise SystemExit('fsync was interrupted by SIGUSR1')\n"
+            "signal.signal(signal.SIGUSR1, no)\n"
+            f"fd = os.open({os.path.join(mnt, 'g')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "os.write(fd, b'g' * 1000); print('ready', flush=True); os.fsync(fd)")))
+        kids[-1][1].send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert kids[-1][1].poll() is None, "a non-fatal signal made the fsync fail"
+        # staging (4 MiB) fills: the flusher's writes hang, so this writer waits for space
+        kids.append(("write", _blocked_child(
+            f"import os; fd = os.open({os.path.join(mnt, 'w')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "print('ready', flush=True)\n"
+            "for i in range(64): os.write(fd, bytes([i]) * (1 << 20))")))
+        for what, proc in kids:
+            proc.kill()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the process blocked in {what} could not be killed") \
+                    from None
+        st = m.status()
+        assert st["requests_interrupted"] >= 4, st
+    finally:
+        failing.heal()
+        for _, proc in kids:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+            proc.stdout.close()
+    m.sync()  # the store answers again: everything recorded lands
+    m.stop()
+    m2 = mounts.mount(backing, **opts)
+    assert read_all(os.path.join(m2.mountpoint, "f")) == b"f" * 100000
+    assert read_all(os.path.join(m2.mountpoint, "g")) == b"g" * 1000
+    w = read_all(os.path.join(m2.mountpoint, "w"))  # what the killed writer had written
+    assert 0 < len(w) < 64 << 20, len(w)
+    for at in range(0, len(w), 1 << 20):
+        piece = w[at:at + (1 << 20)]
+        assert piece == bytes([at >> 20]) * len(piece), at
+    m2.stop()
