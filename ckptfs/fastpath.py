@@ -14,9 +14,9 @@ from the read cache), FLUSH, RELEASE, LOOKUP, GETATTR, OPEN, CREATE. Two differe
 read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for
 it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
 isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
-INTERRUPT is handled here for the requests that can wait long (WRITE and READ served here,
-forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is being killed they are answered at
-once (docs/reliability.md); pyfuse3 cannot act on interrupts.
+INTERRUPT is handled here for the requests that can wait long (a WRITE waiting for staging
+space, forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is being killed they are answered
+at once (docs/reliability.md); pyfuse3 cannot act on interrupts.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
@@ -188,10 +188,11 @@ class FastPath(RequestWait):
         # Interrupts. A signal that reaches a process waiting for an answer makes the kernel send
         # FUSE_INTERRUPT; for a fatal one it then waits for the answer uninterruptibly, so a
         # process blocked on a backing store that stopped answering could not even be killed.
-        # A request of a process that is being killed is answered here: a WRITE or READ
-        # suspended in its handler (waiting for staging space or the disk) and a forwarded
-        # barrier not answered yet. Other signals change nothing (reads and writes of a regular
-        # file do not fail with EINTR), but the request is watched, for a fatal signal after.
+        # A request of a process that is being killed is answered here: a WRITE waiting for
+        # staging space and a forwarded barrier not answered yet (a READ ends when its disk
+        # read returns: worker threads cannot be abandoned). Other signals change nothing
+        # (reads and writes of a regular file do not fail with EINTR), but the request is
+        # watched, for a fatal signal after.
         self.suspended: dict[int, tuple[trio.CancelScope, int]] = {}  # unique -> (scope, pid)
         self.barriers: dict[int, int] = {}  # INTERRUPTIBLE_FORWARDED not answered yet -> pid
         self.drop: set[int] = set()  # answered EINTR here: libfuse's late answer is dropped
@@ -277,20 +278,10 @@ class FastPath(RequestWait):
         if self.minor and not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE and n >= HEAD:
-                with trio.CancelScope() as scope:
-                    self.suspended[unique] = (scope, pid)
-                    try:
-                        await self.write(unique, n, t1, t2)
-                    finally:
-                        del self.suspended[unique]
+                await self.write(unique, n, t1, t2, pid)
                 return False
             if opcode == FUSE_READ and n >= HEAD:
-                with trio.CancelScope() as scope:
-                    self.suspended[unique] = (scope, pid)
-                    try:
-                        await self.read(unique)
-                    finally:
-                        del self.suspended[unique]
+                await self.read(unique)
                 return False
             if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
                 if self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0]):
@@ -315,7 +306,7 @@ class FastPath(RequestWait):
         self.forward(n, bufs, opcode, unique)
         return True
 
-    async def write(self, unique: int, n: int, t1, t2) -> None:
+    async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
         fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
         if n != HEAD + size:
             self.reply_error(unique, errno.EIO)
@@ -343,16 +334,22 @@ class FastPath(RequestWait):
                     record(seg, dpos, soff, m)
                     done[0] = dpos + m
 
-                try:
-                    await staging.append(rest, counted, base=k)
-                except trio.Cancelled:  # interrupted while waiting for staging space
+                # the one place a WRITE waits (for staging space, so for the backing store):
+                # cancelled when its caller is being killed (interrupt())
+                with trio.CancelScope() as scope:
+                    self.suspended[unique] = (scope, pid)
+                    try:
+                        await staging.append(rest, counted, base=k)
+                    finally:
+                        del self.suspended[unique]
+                if scope.cancelled_caught:
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
                         ops.wrote(h, x, off + done[0], done[0])
                         self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, done[0], 0))
                     else:
                         self.reply_error(unique, errno.EINTR)
-                    raise
+                    return
                 self.bytes_copied += size - k
             ops.wrote(h, x, off + size, size)
         except pyfuse3.FUSEError as exc:
@@ -376,9 +373,6 @@ class FastPath(RequestWait):
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
-        except trio.Cancelled:  # interrupted while waiting for the disk
-            self.reply_error(unique, errno.EINTR)
-            raise
         self.reads_direct += 1
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
@@ -443,7 +437,7 @@ class FastPath(RequestWait):
 
     def abort_if_dying(self, unique: int, pid: int) -> bool:
         """Answer `unique` now if its caller is being killed (or gone); True if answered or
-        no longer waiting. A WRITE or READ is cancelled (it answers EINTR, or a short write);
+        no longer waiting. A WRITE is cancelled (it answers EINTR, or a short write);
         a barrier is answered EINTR (it goes on in the daemon; libfuse's answer is dropped)."""
         got = self.suspended.get(unique)
         if got is None and unique not in self.barriers:
