@@ -102,19 +102,27 @@ REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
 
 
+_PROC_WARNED = []
+
+
 def _dying(pid: int) -> bool:
-    """Whether thread `pid` has SIGKILL pending (a fatal signal: the kernel marks every thread
-    of a process being killed so) or is gone."""
+    """Whether thread `pid` has SIGKILL pending: the kernel marks every thread of a process
+    being killed so (kill -9, and fatal signals it turns into that). A caller we cannot see
+    (pid 0: another pid namespace; /proc hiding it) is not taken for dying: answering it early
+    would fail a live process's write."""
+    if pid <= 0:
+        return False
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if (line.startswith((b"SigPnd:", b"ShdPnd:"))
                         and int(line.split()[1], 16) & (1 << 8)):
                     return True
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    except OSError:
-        return False
+    except OSError as exc:
+        if not _PROC_WARNED:
+            _PROC_WARNED.append(pid)
+            log.warning("interrupted request: cannot read /proc/%d/status (%s); requests of "
+                        "killed processes wait for the backing store", pid, exc.strerror)
     return False
 
 
@@ -219,6 +227,7 @@ class FastPath(RequestWait):
         if self.detached:
             return
         self.detached = True
+        self.closed = True  # (interrupt watchers stop: the fd goes)
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
         os.close(self.fd)
@@ -343,6 +352,7 @@ class FastPath(RequestWait):
                     finally:
                         del self.suspended[unique]
                 if scope.cancelled_caught:
+                    self.interrupted += 1
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
                         ops.wrote(h, x, off + done[0], done[0])
@@ -445,12 +455,12 @@ class FastPath(RequestWait):
         if not _dying(pid):
             return False
         if got is not None:
-            got[0].cancel()
+            got[0].cancel()  # (counted in write() if it was still waiting)
         else:
             del self.barriers[unique]
             self.drop.add(unique)
             self.reply_error(unique, errno.EINTR)
-        self.interrupted += 1
+            self.interrupted += 1
         return True
 
     async def watch(self, unique: int, pid: int) -> None:

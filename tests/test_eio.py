@@ -220,8 +220,14 @@ def _blocked_child(code: str) -> subprocess.Popen:
     """A Python child that prints 'ready' and then blocks in a request to the mount."""
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
-    time.sleep(1.0)
-    assert proc.poll() is None, "the child did not block"
+    deadline = time.monotonic() + 20
+    while True:  # until it waits for an answer of the mount
+        with open(f"/proc/{proc.pid}/wchan") as f:
+            if f.read().strip() == "request_wait_answer":
+                break
+        assert proc.poll() is None and time.monotonic() < deadline, "the child did not block"
+        time.sleep(0.05)
+    time.sleep(0.2)
     return proc
 
 
