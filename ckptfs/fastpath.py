@@ -102,7 +102,7 @@ REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
 
 
-_PROC_WARNED = []
+_proc_warned = False
 
 
 def _dying(pid: int) -> bool:
@@ -110,6 +110,7 @@ def _dying(pid: int) -> bool:
     being killed so (kill -9, and fatal signals it turns into that). A caller we cannot see
     (pid 0: another pid namespace; /proc hiding it) is not taken for dying: answering it early
     would fail a live process's write."""
+    global _proc_warned
     if pid <= 0:
         return False
     try:
@@ -119,8 +120,8 @@ def _dying(pid: int) -> bool:
                         and int(line.split()[1], 16) & (1 << 8)):
                     return True
     except OSError as exc:
-        if not _PROC_WARNED:
-            _PROC_WARNED.append(pid)
+        if not _proc_warned:
+            _proc_warned = True
             log.warning("interrupted request: cannot read /proc/%d/status (%s); requests of "
                         "killed processes wait for the backing store", pid, exc.strerror)
     return False
@@ -312,7 +313,7 @@ class FastPath(RequestWait):
                                     self.body(n, bufs))
                 return False
             self.answered -= 1
-        self.forward(n, bufs, opcode, unique)
+        self.forward(n, bufs, opcode, unique, pid)
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
@@ -446,8 +447,8 @@ class FastPath(RequestWait):
         return True
 
     def abort_if_dying(self, unique: int, pid: int) -> bool:
-        """Answer `unique` now if its caller is being killed (or gone); True if answered or
-        no longer waiting. A WRITE is cancelled (it answers EINTR, or a short write);
+        """Answer `unique` now if its caller is being killed; True if answered or no longer
+        waiting. A WRITE is cancelled (it answers EINTR, or a short write);
         a barrier is answered EINTR (it goes on in the daemon; libfuse's answer is dropped)."""
         got = self.suspended.get(unique)
         if got is None and unique not in self.barriers:
@@ -499,7 +500,7 @@ class FastPath(RequestWait):
                 break
         return parts
 
-    def forward(self, n: int, bufs: list, opcode: int, unique: int) -> None:
+    def forward(self, n: int, bufs: list, opcode: int, unique: int, pid: int) -> None:
         """Hand the request just read (n bytes across `bufs`) to libfuse."""
         if opcode == FUSE_INIT:
             self.init_unique = unique
@@ -509,7 +510,7 @@ class FastPath(RequestWait):
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         if opcode in INTERRUPTIBLE_FORWARDED:
-            self.barriers[unique] = IN_HEADER.unpack_from(self.head)[6]  # the caller's pid
+            self.barriers[unique] = pid
         self.sock.sendmsg(self.pieces(n, bufs))
 
     def pump(self) -> None:
