@@ -16,7 +16,8 @@ it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's 
 isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
 INTERRUPT is handled here for the requests that can wait long (a WRITE waiting for staging
 space, forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is being killed they are answered
-at once (docs/reliability.md); pyfuse3 cannot act on interrupts.
+at once, and a sweep finds those whose interrupt nobody read (docs/reliability.md); pyfuse3
+cannot act on interrupts, so every other INTERRUPT is dropped here.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
@@ -103,28 +104,45 @@ SOCKET_BUFFER = 4 << 20
 
 
 _proc_warned = False
+SWEEP_S = 0.5  # how often held requests' callers are looked at (see FastPath.sweep)
+SIGKILL_BIT = 1 << (9 - 1)
+# signals whose default action dumps core: the kernel does not turn them into SIGKILL (it does
+# for the other fatal ones), so a thread waiting for our answer is not woken for them
+CORE_SIGNALS = sum(1 << (n - 1) for n in (3, 4, 5, 6, 7, 8, 11, 24, 25, 31))
 
 
 def _dying(pid: int) -> bool:
-    """Whether thread `pid` has SIGKILL pending: the kernel marks every thread of a process
-    being killed so (kill -9, and fatal signals it turns into that). A caller we cannot see
-    (pid 0: another pid namespace; /proc hiding it) is not taken for dying: answering it early
-    would fail a live process's write."""
+    """Whether thread `pid` is being killed: SIGKILL is pending (kill -9, and the fatal signals
+    the kernel turns into it), or a signal that dumps core is pending, not blocked, ignored,
+    caught or seen by a tracer (it kills the process as soon as its request returns). A caller
+    we cannot see (pid 0: another pid namespace; /proc hiding it) is not taken for dying:
+    answering it early would fail a live process's write."""
     global _proc_warned
     if pid <= 0:
         return False
+    fields = {}
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if (line.startswith((b"SigPnd:", b"ShdPnd:"))
-                        and int(line.split()[1], 16) & (1 << 8)):
-                    return True
-    except OSError as exc:
+                key, _, value = line.partition(b":")
+                if key in (b"SigPnd", b"ShdPnd", b"SigBlk", b"SigIgn", b"SigCgt"):
+                    fields[key] = int(value, 16)
+                elif key == b"TracerPid":
+                    fields[key] = int(value)
+    except (OSError, ValueError) as exc:
         if not _proc_warned:
             _proc_warned = True
             log.warning("interrupted request: cannot read /proc/%d/status (%s); requests of "
-                        "killed processes wait for the backing store", pid, exc.strerror)
-    return False
+                        "killed processes wait for the backing store", pid,
+                        getattr(exc, "strerror", None) or exc)
+        return False
+    pending = fields.get(b"SigPnd", 0) | fields.get(b"ShdPnd", 0)
+    if pending & SIGKILL_BIT:
+        return True
+    if fields.get(b"TracerPid", 1) != 0:
+        return False  # (a tracer may take the signal away)
+    live = ~(fields.get(b"SigBlk", -1) | fields.get(b"SigIgn", -1) | fields.get(b"SigCgt", -1))
+    return bool(pending & CORE_SIGNALS & live)
 
 
 class _Context:
@@ -194,18 +212,22 @@ class FastPath(RequestWait):
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.detached = False
-        # Interrupts. A signal that reaches a process waiting for an answer makes the kernel send
-        # FUSE_INTERRUPT; for a fatal one it then waits for the answer uninterruptibly, so a
-        # process blocked on a backing store that stopped answering could not even be killed.
-        # A request of a process that is being killed is answered here: a WRITE waiting for
-        # staging space and a forwarded barrier not answered yet (a READ ends when its disk
-        # read returns: worker threads cannot be abandoned). Other signals change nothing
-        # (reads and writes of a regular file do not fail with EINTR), but the request is
-        # watched, for a fatal signal after.
+        # Interrupts. Once a request reached the daemon the kernel waits for its answer, after
+        # a fatal signal too, so a process blocked on a backing store that stopped answering
+        # could not even be killed. The requests that can wait that long are held here: a
+        # WRITE waiting for staging space and a forwarded barrier not answered yet (a READ
+        # ends when its disk read returns: worker threads cannot be abandoned). When the caller
+        # of one is being killed it is answered at once: on FUSE_INTERRUPT (sent at the first
+        # signal), and by sweep(), which looks at held requests' callers while there are any
+        # (a fatal signal after a non-fatal one sends no second INTERRUPT, and nobody reads
+        # one while every request task is held). Other signals change nothing (reads and
+        # writes of a regular file do not fail with EINTR).
         self.suspended: dict[int, tuple[trio.CancelScope, int]] = {}  # unique -> (scope, pid)
-        self.barriers: dict[int, int] = {}  # INTERRUPTIBLE_FORWARDED not answered yet -> pid
+        # INTERRUPTIBLE_FORWARDED not answered yet -> (pid, the task pyfuse3 serves it in)
+        self.barriers: dict[int, tuple[int, trio.lowlevel.Task]] = {}
         self.drop: set[int] = set()  # answered EINTR here: libfuse's late answer is dropped
         self.interrupted = 0
+        self.sweeping = False
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float) -> "FastPath":
@@ -228,7 +250,7 @@ class FastPath(RequestWait):
         if self.detached:
             return
         self.detached = True
-        self.closed = True  # (interrupt watchers stop: the fd goes)
+        self.closed = True  # (sweep() stops: the fd goes)
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
         os.close(self.fd)
@@ -253,6 +275,7 @@ class FastPath(RequestWait):
         if task in self.forwarders:  # pyfuse3 served what this task forwarded: pass replies on
             self.forwarders.discard(task)
             self.pump()
+            self.ops.abandoned.discard(task)  # (marked after its handler had finished)
         while True:
             if not await super().__call__():
                 self.pump()
@@ -348,6 +371,7 @@ class FastPath(RequestWait):
                 # cancelled when its caller is being killed (interrupt())
                 with trio.CancelScope() as scope:
                     self.suspended[unique] = (scope, pid)
+                    self.hold()
                     try:
                         await staging.append(rest, counted, base=k)
                     finally:
@@ -436,20 +460,28 @@ class FastPath(RequestWait):
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
     def interrupt(self, unique: int) -> bool:
-        """FUSE_INTERRUPT for `unique`: True if it is one of ours (see __init__), else it goes
-        to libfuse, which keeps it (pyfuse3 cannot act on it)."""
-        got = self.suspended.get(unique)
-        pid = got[1] if got is not None else self.barriers.get(unique)
-        if pid is None:
-            return False
-        if not self.abort_if_dying(unique, pid):
-            trio.lowlevel.spawn_system_task(self.watch, unique, pid)
+        """FUSE_INTERRUPT for `unique`: a held request (see __init__) is answered if its caller
+        is being killed (if not, sweep() looks again). Always True: an INTERRUPT for any other
+        request is dropped here (pyfuse3 cannot act on one; libfuse would keep it and answer
+        it EAGAIN later, which makes the kernel send it again)."""
+        pid = self.caller(unique)
+        if pid is not None:
+            self.abort_if_dying(unique, pid)
         return True
+
+    def caller(self, unique: int) -> int | None:
+        """The pid of a held request's caller; None if `unique` is not held."""
+        got = self.suspended.get(unique)
+        if got is not None:
+            return got[1]
+        got = self.barriers.get(unique)
+        return got[0] if got is not None else None
 
     def abort_if_dying(self, unique: int, pid: int) -> bool:
         """Answer `unique` now if its caller is being killed; True if answered or no longer
         waiting. A WRITE is cancelled (it answers EINTR, or a short write);
-        a barrier is answered EINTR (it goes on in the daemon; libfuse's answer is dropped)."""
+        a barrier is answered EINTR (it goes on in the daemon; the handler's wait ends, and
+        libfuse's answer to it is dropped)."""
         got = self.suspended.get(unique)
         if got is None and unique not in self.barriers:
             return True  # answered meanwhile
@@ -458,17 +490,38 @@ class FastPath(RequestWait):
         if got is not None:
             got[0].cancel()  # (counted in write() if it was still waiting)
         else:
-            del self.barriers[unique]
+            _, task = self.barriers.pop(unique)
             self.drop.add(unique)
             self.reply_error(unique, errno.EINTR)
             self.interrupted += 1
+            self.ops.abandon_barrier(task)  # its task serves requests again
         return True
 
-    async def watch(self, unique: int, pid: int) -> None:
-        """An interrupted request whose caller was not being killed: look again until it is
-        answered or the caller is (the kernel sends one FUSE_INTERRUPT per request)."""
-        while not self.closed and not self.abort_if_dying(unique, pid):
-            await trio.sleep(0.2)
+    def hold(self) -> None:
+        """A request that may wait long was registered: make sure sweep() runs."""
+        if not self.sweeping and not self.closed:
+            self.sweeping = True
+            trio.lowlevel.spawn_system_task(self.sweep)
+
+    async def sweep(self) -> None:
+        """While requests are held, look every SWEEP_S at the callers of those held since the
+        last look, and answer the ones being killed; ends when none is held."""
+        seen: set[int] = set()
+        try:
+            while not self.closed:
+                await trio.sleep(SWEEP_S)
+                held = set(self.suspended).union(self.barriers)
+                if not held:
+                    break
+                for unique in held & seen:
+                    pid = self.caller(unique)
+                    if pid is not None:
+                        self.abort_if_dying(unique, pid)
+                seen = held
+        except Exception:  # a system task must not raise: it would end the daemon
+            log.exception("internal error looking at interrupted requests")
+        finally:
+            self.sweeping = False
 
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
@@ -510,7 +563,8 @@ class FastPath(RequestWait):
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         if opcode in INTERRUPTIBLE_FORWARDED:
-            self.barriers[unique] = pid
+            self.barriers[unique] = (pid, trio.lowlevel.current_task())
+            self.hold()
         self.sock.sendmsg(self.pieces(n, bufs))
 
     def pump(self) -> None:

@@ -105,6 +105,11 @@ class CkptOperations(pyfuse3.Operations):
         self.request_wait: fuseloop.RequestWait | None = None  # installed by the daemon
         self.started = time.time()
         self.fsyncs = 0
+        # barrier waits (fsync, fsyncdir, the sync xattr) by trio task, so that the fast path
+        # can end one whose caller is being killed (FastPath.abort_if_dying): the task then
+        # serves requests again instead of waiting for a backing store that may never answer
+        self.barrier_waits: dict = {}  # task -> CancelScope
+        self.abandoned: set = set()  # tasks whose barrier was answered before it started
 
     # ------------------------------------------------------------ helpers
     def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:
@@ -564,10 +569,29 @@ class CkptOperations(pyfuse3.Operations):
         await self._barrier()
 
     async def _barrier(self) -> None:
-        try:
-            await self.flusher.barrier()
-        except OSError as exc:
-            raise _err(exc.errno or errno.EIO) from None
+        task = trio.lowlevel.current_task()
+        if task in self.abandoned:
+            self.abandoned.discard(task)
+            raise _err(errno.EINTR)
+        with trio.CancelScope() as scope:
+            self.barrier_waits[task] = scope
+            try:
+                await self.flusher.barrier()
+            except OSError as exc:
+                raise _err(exc.errno or errno.EIO) from None
+            finally:
+                del self.barrier_waits[task]
+        if scope.cancelled_caught:  # the request was answered EINTR (its caller is gone)
+            raise _err(errno.EINTR)
+
+    def abandon_barrier(self, task) -> None:
+        """The request `task` serves was answered already (its caller is being killed): stop
+        its barrier wait (the barrier itself goes on), or skip it if it has not started."""
+        scope = self.barrier_waits.get(task)
+        if scope is not None:
+            scope.cancel()
+        else:
+            self.abandoned.add(task)
 
     # ------------------------------------------------------------ directories
     async def opendir(self, inode, ctx):

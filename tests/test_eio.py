@@ -292,3 +292,82 @@ def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
         piece = w[at:at + (1 << 20)]
         assert piece == bytes([at >> 20]) * len(piece), at
     m2.stop()
+
+
+def _blocked_threads(proc: subprocess.Popen, n: int) -> None:
+    """Wait until `n` threads of `proc` wait for an answer of a mount."""
+    deadline = time.monotonic() + 20
+    while True:
+        waiting = 0
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/wchan") as f:
+                    waiting += f.read().strip() == "request_wait_answer"
+            except OSError:
+                pass
+        if waiting >= n:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            f"only {waiting} of {n} threads blocked"
+        time.sleep(0.05)
+    time.sleep(0.2)
+
+
+def test_killing_processes_when_every_request_task_is_held(failing, mounts):
+    """More fsyncs wait for a hung store than the daemon has request tasks (32): nobody reads
+    the kernel's INTERRUPTs then, so the daemon looks at the callers of held requests itself.
+    A process with 40 threads in fsync is killed; a process blocked in fsync that gets a signal
+    which dumps core (SIGQUIT: the kernel does not turn it into SIGKILL) dies of it. What the
+    threads wrote before lands once the store answers again."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    m = mounts.mount(backing)
+    mnt = m.mountpoint
+    kids = []
+    try:
+        failing.fail("hang-fsync")
+        quit_kid = _blocked_child(
+            "import ctypes, os\n"
+            "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no core file\n"
+            f"fd = os.open({os.path.join(mnt, 'q')!r}, os.O_WRONLY | os.O_CREAT)\n"
+            "os.write(fd, b'q' * 1000); print('ready', flush=True); os.fsync(fd)")
+        kids.append(quit_kid)
+        many = subprocess.Popen([sys.executable, "-c", (
+            "import os, threading\n"
+            "fds = []\n"
+            "for i in range(40):\n"
+            f"    fd = os.open(os.path.join({mnt!r}, f't{{i}}'), os.O_WRONLY | os.O_CREAT)\n"
+            "    os.write(fd, bytes([i]) * 1000)\n"
+            "    fds.append(fd)\n"
+            "ts = [threading.Thread(target=os.fsync, args=(fd,)) for fd in fds]\n"
+            "for t in ts: t.start()\n"
+            "print('ready', flush=True)\n"
+            "for t in ts: t.join()\n")], stdout=subprocess.PIPE, text=True)
+        kids.append(many)
+        assert many.stdout.readline().strip() == "ready"
+        _blocked_threads(many, 40)
+        quit_kid.send_signal(signal.SIGQUIT)
+        many.kill()
+        for what, proc, sig in (("40 threads in fsync", many, signal.SIGKILL),
+                                ("fsync, SIGQUIT", quit_kid, signal.SIGQUIT)):
+            try:
+                rc = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the process blocked in {what} could not be killed") \
+                    from None
+            assert rc == -sig, (what, rc)
+    finally:
+        failing.heal()
+        for proc in kids:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+            proc.stdout.close()
+    m.sync()
+    assert m.status()["requests_interrupted"] >= 32  # (32 tasks: the rest were never read)
+    m.stop()
+    m2 = mounts.mount(backing)
+    for i in range(40):
+        assert read_all(os.path.join(m2.mountpoint, f"t{i}")) == bytes([i]) * 1000, i
+    assert read_all(os.path.join(m2.mountpoint, "q")) == b"q" * 1000
+    m2.stop()
