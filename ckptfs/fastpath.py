@@ -15,9 +15,10 @@ read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothin
 it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
 isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
 INTERRUPT is handled here for the requests that can wait long (a WRITE waiting for staging
-space, forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is being killed they are answered
-at once, and a sweep finds those whose interrupt nobody read (docs/reliability.md); pyfuse3
-cannot act on interrupts, so every other INTERRUPT is dropped here.
+space, a READ waiting for the disk, forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is
+being killed they are answered at once, and a sweep finds those whose interrupt nobody read
+(docs/reliability.md); pyfuse3 cannot act on interrupts, so every other INTERRUPT is dropped
+here.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
@@ -42,6 +43,7 @@ show the requests answered here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -52,6 +54,7 @@ import pyfuse3
 import trio
 
 from ckptfs.fuseloop import RequestWait
+from ckptfs.reader import REQUEST
 
 log = logging.getLogger("ckptfs")
 
@@ -215,8 +218,8 @@ class FastPath(RequestWait):
         # Interrupts. Once a request reached the daemon the kernel waits for its answer, after
         # a fatal signal too, so a process blocked on a backing store that stopped answering
         # could not even be killed. The requests that can wait that long are held here: a
-        # WRITE waiting for staging space and a forwarded barrier not answered yet (a READ
-        # ends when its disk read returns: worker threads cannot be abandoned). When the caller
+        # WRITE waiting for staging space, a READ waiting for the disk (the worker thread's
+        # read goes on without it) and a forwarded barrier not answered yet. When the caller
         # of one is being killed it is answered at once: on FUSE_INTERRUPT (sent at the first
         # signal), and by sweep(), which looks at held requests' callers while there are any
         # (a fatal signal after a non-fatal one sends no second INTERRUPT, and nobody reads
@@ -228,6 +231,9 @@ class FastPath(RequestWait):
         self.drop: set[int] = set()  # answered EINTR here: libfuse's late answer is dropped
         self.interrupted = 0
         self.sweeping = False
+        reader = getattr(ops, "reader", None)
+        if reader is not None:  # a READ waiting for the disk is held too
+            reader.interruptible = self.interruptible
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float) -> "FastPath":
@@ -251,6 +257,9 @@ class FastPath(RequestWait):
             return
         self.detached = True
         self.closed = True  # (sweep() stops: the fd goes)
+        reader = getattr(self.ops, "reader", None)
+        if reader is not None:
+            reader.interruptible = None
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
         os.close(self.fd)
@@ -314,7 +323,7 @@ class FastPath(RequestWait):
                 await self.write(unique, n, t1, t2, pid)
                 return False
             if opcode == FUSE_READ and n >= HEAD:
-                await self.read(unique)
+                await self.read(unique, pid)
                 return False
             if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
                 if self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0]):
@@ -400,14 +409,17 @@ class FastPath(RequestWait):
         self.writes_in_place += 1
         self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
 
-    async def read(self, unique: int) -> None:
+    async def read(self, unique: int, pid: int = 0) -> None:
         fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+        token = REQUEST.set((unique, pid))  # a wait for the disk is held (interruptible())
         try:
             # guarded: only FUSEError escapes
             parts = await self.ops.read(fh, off, size, gather=True)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
+        finally:
+            REQUEST.reset(token)
         self.reads_direct += 1
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
@@ -496,6 +508,20 @@ class FastPath(RequestWait):
             self.interrupted += 1
             self.ops.abandon_barrier(task)  # its task serves requests again
         return True
+
+    @contextlib.contextmanager
+    def interruptible(self, unique: int, pid: int):
+        """A READ waiting for the disk (reader.py): held like a WRITE waiting for staging, and
+        cancelled when its caller is being killed (the reader then raises EINTR)."""
+        with trio.CancelScope() as scope:
+            self.suspended[unique] = (scope, pid)
+            self.hold()
+            try:
+                yield scope
+            finally:
+                del self.suspended[unique]
+        if scope.cancelled_caught:
+            self.interrupted += 1
 
     def hold(self) -> None:
         """A request that may wait long was registered: make sure sweep() runs."""

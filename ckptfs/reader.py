@@ -16,6 +16,7 @@ way while the current one is being deserialised.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import os
@@ -37,6 +38,10 @@ SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 
 
+# The request a READ is served for, (unique, caller's pid), set by the fast path: a wait for
+# the disk is then registered with it (Reader.interruptible), so that a READ whose caller is
+# being killed can be answered while the worker thread's disk read goes on.
+REQUEST: contextvars.ContextVar = contextvars.ContextVar("ckptfs_request", default=None)
 GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
@@ -108,6 +113,9 @@ class Reader:
         self.verified_ahead = 0
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         self.nursery = None  # set by the daemon: where readahead runs
+        # set by the fast path: (unique, pid) -> a context manager around a wait that can be
+        # cancelled, yielding its CancelScope
+        self.interruptible = None
         self.disk_reads = 0
         self.disk_bytes = 0
         self.load_seconds = 0.0  # time spent in disk reads (worker threads)
@@ -281,9 +289,17 @@ class Reader:
                     missing = [k for k in keys if k not in self.chunks]
                     if missing:
                         t0 = time.perf_counter()
-                        async with trio.open_nursery() as nursery:
-                            for k in missing:
-                                nursery.start_soon(self._load, k)
+                        req = REQUEST.get()
+                        if (req is not None and self.interruptible is not None
+                                and self.nursery is not None):
+                            with self.interruptible(*req) as scope:
+                                await self._wait_loads(missing)
+                            if scope.cancelled_caught:
+                                raise InterruptedError(errno.EINTR, "the reader is being killed")
+                        else:
+                            async with trio.open_nursery() as nursery:
+                                for k in missing:
+                                    nursery.start_soon(self._load, k)
                         self.wait_seconds += time.perf_counter() - t0
                     if any(k not in self.chunks for k in keys):
                         continue  # invalidated while loading: look again
@@ -488,6 +504,28 @@ class Reader:
         finally:
             del self.loading[key]
             ev.set()
+
+    async def _wait_loads(self, keys) -> None:
+        """Load `keys` in the reader's nursery and wait for them here: this wait can be
+        cancelled (the READ's caller is being killed) while a worker thread's disk read
+        cannot; the loads go on without it. Raises the first load's error."""
+        left, errors, done = [len(keys)], [], trio.Event()
+
+        async def one(key) -> None:
+            try:
+                await self._load(key)
+            except Exception as exc:  # for the waiter (a task of this nursery must not raise)
+                errors.append(exc)
+            finally:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+        for k in keys:
+            self.nursery.start_soon(one, k)
+        await done.wait()
+        if errors:
+            raise errors[0]
 
     def _pread(self, layer: int, logno: int, idx: int, buf) -> int:
         """Worker thread: one chunk from the log (short at its end)."""

@@ -11,8 +11,9 @@ operations it names (whitespace separated; an empty file means "write fsync") fa
     create   create, mkdir, rename, unlink, rmdir, truncate (the metadata writes)
     read     read(2)
 
-A name prefixed with `hang-` (`hang-fsync`, `hang-write`) makes that operation wait instead, as
-a store that stopped answering would, until the control file no longer names it.
+A name prefixed with `hang-` (`hang-fsync`, `hang-write`, `hang-read`) makes that operation
+wait instead, as a store that stopped answering would, until the control file no longer names
+it.
 
 `.fail` itself is never shown in the mirror. Reads, lookups and listings keep working unless
 `read` is named. The process runs in the foreground and prints "ready" once mounted; it exits
@@ -361,6 +362,7 @@ class FailingFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fd), self._attr(st, inode)
 
     async def read(self, fh, off, size):
+        await self._hang("read")
         self._check("read")
         try:
             return os.pread(fh, size, off)

@@ -371,3 +371,45 @@ def test_killing_processes_when_every_request_task_is_held(failing, mounts):
         assert read_all(os.path.join(m2.mountpoint, f"t{i}")) == bytes([i]) * 1000, i
     assert read_all(os.path.join(m2.mountpoint, "q")) == b"q" * 1000
     m2.stop()
+
+
+def test_killing_a_process_blocked_in_a_read(failing, mounts):
+    """A read that waits for a disk read from a store that stopped answering can be killed: the
+    READ is answered EINTR while the daemon's worker thread goes on waiting for the store;
+    once the store answers, the same data reads back whole through the same mount."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    m = mounts.mount(backing)
+    data = os.urandom(3 * MiB)
+    path = os.path.join(m.mountpoint, "r")
+    with open(path, "wb") as f:
+        f.write(data)
+    m.sync()
+    m.stop()
+    m2 = mounts.mount(backing)  # nothing cached: a read goes to the store
+    path = os.path.join(m2.mountpoint, "r")
+    for d, _, names in os.walk(backing):  # nor in the page cache of the store's files
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    kid = None
+    try:
+        failing.fail("hang-read")
+        kid = _blocked_child(
+            f"f = open({path!r}, 'rb'); print('ready', flush=True); f.read()")
+        kid.kill()
+        try:
+            kid.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the process blocked in a read could not be killed") from None
+        assert m2.status()["requests_interrupted"] >= 1
+    finally:
+        failing.heal()
+        if kid is not None:
+            if kid.poll() is None:
+                kid.kill()
+            kid.wait(timeout=60)
+            kid.stdout.close()
+    assert read_all(path) == data
+    m2.stop()
