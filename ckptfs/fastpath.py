@@ -47,6 +47,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import struct
 
@@ -73,6 +74,7 @@ FUSE_FSYNCDIR = 30
 FUSE_CREATE = 35
 FUSE_INTERRUPT = 36
 FUSE_IOCTL = 39
+FUSE_WRITE_CACHE = 1 << 0  # write_flags: the kernel's writeback of page-cache pages
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NONSEEKABLE = 1 << 2
@@ -108,10 +110,12 @@ SOCKET_BUFFER = 4 << 20
 
 _proc_warned = False
 SWEEP_S = 0.5  # how often held requests' callers are looked at (see FastPath.sweep)
-SIGKILL_BIT = 1 << (9 - 1)
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 # signals whose default action dumps core: the kernel does not turn them into SIGKILL (it does
 # for the other fatal ones), so a thread waiting for our answer is not woken for them
-CORE_SIGNALS = sum(1 << (n - 1) for n in (3, 4, 5, 6, 7, 8, 11, 24, 25, 31))
+CORE_SIGNALS = sum(1 << (getattr(signal, name) - 1) for name in (
+    "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGSEGV", "SIGXCPU",
+    "SIGXFSZ", "SIGSYS") if hasattr(signal, name))
 
 
 def _dying(pid: int) -> bool:
@@ -119,7 +123,9 @@ def _dying(pid: int) -> bool:
     the kernel turns into it), or a signal that dumps core is pending, not blocked, ignored,
     caught or seen by a tracer (it kills the process as soon as its request returns). A caller
     we cannot see (pid 0: another pid namespace; /proc hiding it) is not taken for dying:
-    answering it early would fail a live process's write."""
+    answering it early would fail a live process's write. (A core-dumping signal pending for
+    the whole process could still be taken by another thread in sigwaitinfo/signalfd, which
+    must block it; then the early answer was not needed. Rare, and harmless but for EINTR.)"""
     global _proc_warned
     if pid <= 0:
         return False
@@ -349,7 +355,7 @@ class FastPath(RequestWait):
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
-        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+        fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
         if n != HEAD + size:
             self.reply_error(unique, errno.EIO)
             return
@@ -377,14 +383,19 @@ class FastPath(RequestWait):
                     done[0] = dpos + m
 
                 # the one place a WRITE waits (for staging space, so for the backing store):
-                # cancelled when its caller is being killed (interrupt())
+                # cancelled when its caller is being killed (interrupt(), sweep()). Not the
+                # kernel's writeback of page-cache pages: their write(2) returned long ago, and
+                # the pid is whoever made the kernel write them back
                 with trio.CancelScope() as scope:
-                    self.suspended[unique] = (scope, pid)
-                    self.hold()
+                    held = not write_flags & FUSE_WRITE_CACHE
+                    if held:
+                        self.suspended[unique] = (scope, pid)
+                        self.hold()
                     try:
                         await staging.append(rest, counted, base=k)
                     finally:
-                        del self.suspended[unique]
+                        if held:
+                            del self.suspended[unique]
                 if scope.cancelled_caught:
                     self.interrupted += 1
                     self.bytes_copied += done[0] - k
@@ -541,11 +552,12 @@ class FastPath(RequestWait):
                     break
                 for unique in held & seen:
                     pid = self.caller(unique)
-                    if pid is not None:
-                        self.abort_if_dying(unique, pid)
+                    try:
+                        if pid is not None:
+                            self.abort_if_dying(unique, pid)
+                    except Exception:  # a system task must not raise: it would end the daemon
+                        log.exception("internal error looking at request %d", unique)
                 seen = held
-        except Exception:  # a system task must not raise: it would end the daemon
-            log.exception("internal error looking at interrupted requests")
         finally:
             self.sweeping = False
 
@@ -588,10 +600,10 @@ class FastPath(RequestWait):
                 self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
+        self.sock.sendmsg(self.pieces(n, bufs))
         if opcode in INTERRUPTIBLE_FORWARDED:
             self.barriers[unique] = (pid, trio.lowlevel.current_task())
             self.hold()
-        self.sock.sendmsg(self.pieces(n, bufs))
 
     def pump(self) -> None:
         """Pass libfuse's replies (and notifications) on to /dev/fuse."""

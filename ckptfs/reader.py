@@ -290,16 +290,16 @@ class Reader:
                     if missing:
                         t0 = time.perf_counter()
                         req = REQUEST.get()
-                        if (req is not None and self.interruptible is not None
-                                and self.nursery is not None):
+                        if self.nursery is None:  # (no daemon: one load after the other)
+                            for k in missing:
+                                await self._load(k)
+                        elif req is not None and self.interruptible is not None:
                             with self.interruptible(*req) as scope:
                                 await self._wait_loads(missing)
                             if scope.cancelled_caught:
                                 raise InterruptedError(errno.EINTR, "the reader is being killed")
                         else:
-                            async with trio.open_nursery() as nursery:
-                                for k in missing:
-                                    nursery.start_soon(self._load, k)
+                            await self._wait_loads(missing)
                         self.wait_seconds += time.perf_counter() - t0
                     if any(k not in self.chunks for k in keys):
                         continue  # invalidated while loading: look again

@@ -386,13 +386,11 @@ def test_killing_a_process_blocked_in_a_read(failing, mounts):
         f.write(data)
     m.sync()
     m.stop()
-    m2 = mounts.mount(backing)  # nothing cached: a read goes to the store
+    # nothing cached: a read goes to the store (and the reader waits in the READ itself: direct
+    # reads, not the page cache's readahead)
+    m2 = mounts.mount(backing, direct_reads=True)
     path = os.path.join(m2.mountpoint, "r")
-    for d, _, names in os.walk(backing):  # nor in the page cache of the store's files
-        for name in names:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    _uncache(backing)
     kid = None
     try:
         failing.fail("hang-read")
@@ -413,3 +411,43 @@ def test_killing_a_process_blocked_in_a_read(failing, mounts):
             kid.stdout.close()
     assert read_all(path) == data
     m2.stop()
+
+
+def _uncache(tree: str) -> None:
+    """Drop the page cache of every file under `tree` (the store's own cache)."""
+    for d, _, names in os.walk(tree):
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
+def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
+    """A chunk read that the backing store fails (EIO) fails the application's read with EIO,
+    with and without the fast path, as an I/O error (not the handlers' guard against bugs,
+    which answers EIO too but logs an internal error); the daemon stays up, and once the store
+    heals the same file reads back whole through the same mount."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    m = mounts.mount(backing, fast_path=fast_path)
+    data = os.urandom(3 * MiB)
+    with open(os.path.join(m.mountpoint, "r"), "wb") as f:
+        f.write(data)
+    m.sync()
+    m.stop()
+    m2 = mounts.mount(backing, fast_path=fast_path, direct_reads=True)
+    path = os.path.join(m2.mountpoint, "r")
+    _uncache(backing)
+    failing.fail("read")
+    try:
+        with pytest.raises(OSError) as err:
+            read_all(path)
+        assert err.value.errno == errno.EIO, err.value
+        assert m2.proc.poll() is None, "the daemon died on a failing read:\n" + mounts.log(m2)
+        assert "internal error" not in mounts.log(m2), mounts.log(m2)  # an I/O error, not a bug
+    finally:
+        failing.heal()
+    assert read_all(path) == data
+    m2.stop()
+
