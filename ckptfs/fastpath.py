@@ -332,8 +332,8 @@ class FastPath(RequestWait):
                 await self.read(unique, pid)
                 return False
             if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
-                if self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0]):
-                    return False
+                self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0])
+                return False
             if opcode == FUSE_FLUSH:
                 await self.simple(unique, self.ops.flush)
                 return False
@@ -383,21 +383,13 @@ class FastPath(RequestWait):
                     done[0] = dpos + m
 
                 # the one place a WRITE waits (for staging space, so for the backing store):
-                # cancelled when its caller is being killed (interrupt(), sweep()). Not the
-                # kernel's writeback of page-cache pages: their write(2) returned long ago, and
-                # the pid is whoever made the kernel write them back
-                with trio.CancelScope() as scope:
-                    held = not write_flags & FUSE_WRITE_CACHE
-                    if held:
-                        self.suspended[unique] = (scope, pid)
-                        self.hold()
-                    try:
-                        await staging.append(rest, counted, base=k)
-                    finally:
-                        if held:
-                            del self.suspended[unique]
-                if scope.cancelled_caught:
-                    self.interrupted += 1
+                # held, so cancelled when its caller is being killed. Not the kernel's
+                # writeback of page-cache pages: their write(2) returned long ago, and the pid
+                # is whoever made the kernel write them back
+                with (self.interruptible(unique, pid) if not write_flags & FUSE_WRITE_CACHE
+                      else contextlib.nullcontext()) as scope:
+                    await staging.append(rest, counted, base=k)
+                if scope is not None and scope.cancelled_caught:
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
                         ops.wrote(h, x, off + done[0], done[0])
@@ -482,15 +474,14 @@ class FastPath(RequestWait):
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
-    def interrupt(self, unique: int) -> bool:
+    def interrupt(self, unique: int) -> None:
         """FUSE_INTERRUPT for `unique`: a held request (see __init__) is answered if its caller
-        is being killed (if not, sweep() looks again). Always True: an INTERRUPT for any other
-        request is dropped here (pyfuse3 cannot act on one; libfuse would keep it and answer
-        it EAGAIN later, which makes the kernel send it again)."""
+        is being killed (if not, sweep() looks again). An INTERRUPT for any other request is
+        dropped (pyfuse3 cannot act on one; libfuse would keep it and answer it EAGAIN later,
+        which makes the kernel send it again)."""
         pid = self.caller(unique)
         if pid is not None:
             self.abort_if_dying(unique, pid)
-        return True
 
     def caller(self, unique: int) -> int | None:
         """The pid of a held request's caller; None if `unique` is not held."""
@@ -511,7 +502,7 @@ class FastPath(RequestWait):
         if not _dying(pid):
             return False
         if got is not None:
-            got[0].cancel()  # (counted in write() if it was still waiting)
+            got[0].cancel()  # (counted in interruptible() if it was still waiting)
         else:
             _, task = self.barriers.pop(unique)
             self.drop.add(unique)
@@ -522,8 +513,9 @@ class FastPath(RequestWait):
 
     @contextlib.contextmanager
     def interruptible(self, unique: int, pid: int):
-        """A READ waiting for the disk (reader.py): held like a WRITE waiting for staging, and
-        cancelled when its caller is being killed (the reader then raises EINTR)."""
+        """A wait of request `unique` that may be long (a WRITE for staging space, a READ for
+        the disk: reader.py) is held: cancelled when its caller is being killed. The caller
+        answers what a cancelled wait means (scope.cancelled_caught)."""
         with trio.CancelScope() as scope:
             self.suspended[unique] = (scope, pid)
             self.hold()

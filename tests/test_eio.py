@@ -220,15 +220,27 @@ def _blocked_child(code: str) -> subprocess.Popen:
     """A Python child that prints 'ready' and then blocks in a request to the mount."""
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
+    _blocked_threads(proc, 1)
+    return proc
+
+
+def _blocked_threads(proc: subprocess.Popen, n: int) -> None:
+    """Wait until `n` threads of `proc` wait for an answer of a mount."""
     deadline = time.monotonic() + 20
-    while True:  # until it waits for an answer of the mount
-        with open(f"/proc/{proc.pid}/wchan") as f:
-            if f.read().strip() == "request_wait_answer":
-                break
-        assert proc.poll() is None and time.monotonic() < deadline, "the child did not block"
+    while True:
+        waiting = 0
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/wchan") as f:
+                    waiting += f.read().strip() == "request_wait_answer"
+            except OSError:
+                pass
+        if waiting >= n:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            f"the child did not block (only {waiting} of {n} threads)"
         time.sleep(0.05)
     time.sleep(0.2)
-    return proc
 
 
 def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
@@ -292,25 +304,6 @@ def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
         piece = w[at:at + (1 << 20)]
         assert piece == bytes([at >> 20]) * len(piece), at
     m2.stop()
-
-
-def _blocked_threads(proc: subprocess.Popen, n: int) -> None:
-    """Wait until `n` threads of `proc` wait for an answer of a mount."""
-    deadline = time.monotonic() + 20
-    while True:
-        waiting = 0
-        for tid in os.listdir(f"/proc/{proc.pid}/task"):
-            try:
-                with open(f"/proc/{proc.pid}/task/{tid}/wchan") as f:
-                    waiting += f.read().strip() == "request_wait_answer"
-            except OSError:
-                pass
-        if waiting >= n:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, \
-            f"only {waiting} of {n} threads blocked"
-        time.sleep(0.05)
-    time.sleep(0.2)
 
 
 def test_killing_processes_when_every_request_task_is_held(failing, mounts):
@@ -377,20 +370,7 @@ def test_killing_a_process_blocked_in_a_read(failing, mounts):
     """A read that waits for a disk read from a store that stopped answering can be killed: the
     READ is answered EINTR while the daemon's worker thread goes on waiting for the store;
     once the store answers, the same data reads back whole through the same mount."""
-    backing = os.path.join(failing.mountpoint, "b")
-    os.mkdir(backing)
-    m = mounts.mount(backing)
-    data = os.urandom(3 * MiB)
-    path = os.path.join(m.mountpoint, "r")
-    with open(path, "wb") as f:
-        f.write(data)
-    m.sync()
-    m.stop()
-    # nothing cached: a read goes to the store (and the reader waits in the READ itself: direct
-    # reads, not the page cache's readahead)
-    m2 = mounts.mount(backing, direct_reads=True)
-    path = os.path.join(m2.mountpoint, "r")
-    _uncache(backing)
+    m2, path, data = _stored_file(failing, mounts)
     kid = None
     try:
         failing.fail("hang-read")
@@ -413,13 +393,26 @@ def test_killing_a_process_blocked_in_a_read(failing, mounts):
     m2.stop()
 
 
-def _uncache(tree: str) -> None:
-    """Drop the page cache of every file under `tree` (the store's own cache)."""
-    for d, _, names in os.walk(tree):
+def _stored_file(failing, mounts, **opts):
+    """A 3 MiB file saved through one mount over the failing store, then a fresh mount of it
+    with nothing cached (neither in ckptfs nor in the store's page cache), reading directly
+    (the reader waits in the READ itself, not in the page cache's readahead):
+    (mount, path of the file in it, its data)."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    m = mounts.mount(backing, **opts)
+    data = os.urandom(3 * MiB)
+    with open(os.path.join(m.mountpoint, "r"), "wb") as f:
+        f.write(data)
+    m.sync()
+    m.stop()
+    m2 = mounts.mount(backing, direct_reads=True, **opts)
+    for d, _, names in os.walk(backing):
         for name in names:
             fd = os.open(os.path.join(d, name), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+    return m2, os.path.join(m2.mountpoint, "r"), data
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
@@ -428,17 +421,7 @@ def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
     with and without the fast path, as an I/O error (not the handlers' guard against bugs,
     which answers EIO too but logs an internal error); the daemon stays up, and once the store
     heals the same file reads back whole through the same mount."""
-    backing = os.path.join(failing.mountpoint, "b")
-    os.mkdir(backing)
-    m = mounts.mount(backing, fast_path=fast_path)
-    data = os.urandom(3 * MiB)
-    with open(os.path.join(m.mountpoint, "r"), "wb") as f:
-        f.write(data)
-    m.sync()
-    m.stop()
-    m2 = mounts.mount(backing, fast_path=fast_path, direct_reads=True)
-    path = os.path.join(m2.mountpoint, "r")
-    _uncache(backing)
+    m2, path, data = _stored_file(failing, mounts, fast_path=fast_path)
     failing.fail("read")
     try:
         with pytest.raises(OSError) as err:
