@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ckptfs.bench import models
+from ckptfs.bench import models, targets
 from ckptfs.bench.e2e import DEFAULT_CONTENDERS, QUICK_SIZE
 
 pytest.importorskip("torch")
@@ -72,6 +72,55 @@ def test_quick_run_is_complete_and_verified(tmp_path):
             assert "daemon_save_cpu_s_per_gb" not in m, key
     assert ck["status_bytes_durable"] >= payload
     assert res["summary"]["ckptfs"]["time_vs_ckptfs"]["durable_s"] == pytest.approx(1.0)
+    # issue 8's targets are judged from the same medians, every one of them (all contenders ran)
+    assert [v["target"] for v in res["targets"]] == [t.key for t in targets.TARGETS]
+    for v in res["targets"]:
+        if v["target"] != "flusher":
+            t = next(t for t in targets.TARGETS if t.key == v["target"])
+            assert v["ratio"] == pytest.approx(
+                res["summary"]["ckptfs"]["median"][t.field]
+                / res["summary"][t.contender]["median"][t.field])
+    assert res["floor"]["floor_s"] >= res["summary"]["tmpfs"]["median"]["durable_s"]
+    assert "targets held in this run" in proc.stdout
     # nothing left behind: no mount, no directory under --dir, no /dev/shm leftovers
     assert _our_mounts(str(tmp_path)) == []
     assert os.listdir(work) == []
+
+
+def _summary(**durable):
+    """A summary as e2e.summarize makes it: medians per contender (only what judge reads)."""
+    out = {k: {"bytes": 2_000_000_000, "median": {"durable_s": v, "blocked_s": v / 2,
+                                                  "restore_s": v}}
+           for k, v in durable.items()}
+    return out
+
+
+def test_targets_are_judged_against_the_runs_floor():
+    s = _summary(ckptfs=5.0, straight=10.0, straight_fsync=7.5, tmpfs=2.0, raw=6.0, fio=4.0)
+    runs = [{"contender": "ckptfs", "round": r, "ok": True, "status_flush_gbps": g}
+            for r, g in (("warmup", 9.0), ("1", 0.2), ("2", 0.4), ("3", 0.3))]
+    v = {x["target"]: x for x in targets.judge(s, runs)}
+    # only targets whose contender ran are judged (no DCP, TorchSnapshot, DataStates here)
+    assert set(v) == {"straight", "straight_fsync", "tmpfs", "blocked", "restore", "flusher"}
+    assert v["straight"]["ratio"] == pytest.approx(0.5) and v["straight"]["held"]
+    assert v["straight_fsync"]["ratio"] == pytest.approx(5 / 7.5)
+    assert not v["straight_fsync"]["held"]
+    assert v["straight_fsync"]["allows_s"] == pytest.approx(4.5)
+    # floor = max(tmpfs, the faster disk limit) = max(2.0, fio 4.0)
+    fl = targets.floor(s)
+    assert (fl["floor_s"], fl["disk_contender"], fl["bound"]) == (4.0, "fio", "disk")
+    assert fl["ckptfs_vs_floor"] == pytest.approx(1.25)
+    assert v["straight_fsync"]["allows_vs_floor"] == pytest.approx(4.5 / 4.0)
+    assert v["tmpfs"]["allows_vs_floor"] == pytest.approx(2.5 / 4.0)
+    # the flusher: the median of the measured rounds' own bandwidth (warm-up left out) against
+    # raw's bytes / durable time, and held when at least 0.9x
+    assert v["flusher"]["ckptfs"] == pytest.approx(0.3)
+    assert v["flusher"]["ratio"] == pytest.approx(0.3 / (2.0 / 6.0))
+    assert v["flusher"]["held"] and v["flusher"]["at_most"] is False
+    assert v["blocked"]["held"] and v["restore"]["held"]
+    text = targets.format_verdicts(list(v.values()), fl, default_state=True)
+    assert not v["tmpfs"]["held"]
+    assert "4 of 6 targets held" in text and "disk-bound" in text
+    # no tmpfs: no floor; no ckptfs: nothing to judge
+    assert targets.floor(_summary(ckptfs=1.0, raw=1.0)) is None
+    assert targets.judge(_summary(straight=1.0), []) == []

@@ -38,7 +38,7 @@ import traceback
 
 from ckptfs import bench
 from ckptfs import api
-from ckptfs.bench import models
+from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
 
 _libc = ctypes.CDLL(None)
@@ -546,6 +546,10 @@ def main(argv: list[str]) -> int:
     for key, s in summary.items():
         for e in s["errors"]:
             print(f"  {key}: {e}")
+    verdicts, fl = targets.judge(summary, runs), targets.floor(summary)
+    print()
+    print(targets.format_verdicts(verdicts, fl, default_state=not a.small and a.arch == "gpt2"
+                                  and a.size == 2 << 30))
     result = {"command": "ckptfs bench e2e " + " ".join(argv), "machine": machine_facts(a.dir),
               "arch": None if a.small else a.arch, "small": a.small, "size_arg": a.size,
               "payload_bytes": w.payload_bytes, "tensors": len(w.names),
@@ -553,7 +557,7 @@ def main(argv: list[str]) -> int:
               "mount_options": cfg.mount_options, "elapsed_s": time.time() - started,
               "ratio_definition": "time_vs_ckptfs = contender median time / ckptfs median "
               "time (> 1: ckptfs faster)",
-              "summary": summary, "runs": runs}
+              "summary": summary, "targets": verdicts, "floor": fl, "runs": runs}
     csv_path, plot_path = a.csv, a.plot
     if a.json:
         stem = os.path.splitext(a.json)[0]
