@@ -54,6 +54,7 @@ import struct
 import pyfuse3
 import trio
 
+from ckptfs.fs import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S
 from ckptfs.fuseloop import RequestWait
 from ckptfs.reader import REQUEST
 
@@ -171,19 +172,14 @@ def _valid(t: float) -> tuple[int, int]:
     return sec, int((t - sec) * 1e9)
 
 
-def _attr(a) -> tuple:
-    """pyfuse3.EntryAttributes as the fields of struct fuse_attr (libfuse's convert_stat)."""
-    at, an = divmod(a.st_atime_ns, 1_000_000_000)
-    mt, mn = divmod(a.st_mtime_ns, 1_000_000_000)
-    ct, cn = divmod(a.st_ctime_ns, 1_000_000_000)
-    return (a.st_ino, a.st_size, a.st_blocks, at, mt, ct, an, mn, cn, a.st_mode, a.st_nlink,
-            a.st_uid, a.st_gid, a.st_rdev & 0xFFFFFFFF, a.st_blksize, 0)
+ENTRY_VALID = _valid(ENTRY_TIMEOUT_S)
+ATTR_VALID = _valid(ATTR_TIMEOUT_S)
 
 
-def _entry(a) -> bytes:
-    ev, evn = _valid(a.entry_timeout)
-    av, avn = _valid(a.attr_timeout)
-    return ENTRY_OUT.pack(a.st_ino, a.generation, ev, av, evn, avn, *_attr(a))
+def _entry_of(x, fields: tuple) -> bytes:
+    """fuse_entry_out of inode x (generation 0, as fs._attr says) with its attribute fields."""
+    return ENTRY_OUT.pack(x.ino, 0, ENTRY_VALID[0], ATTR_VALID[0], ENTRY_VALID[1],
+                          ATTR_VALID[1], *fields)
 
 
 def _open_flags(fi, flags: int) -> int:
@@ -435,15 +431,23 @@ class FastPath(RequestWait):
     async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: _Context,
                        body: bytes) -> None:
         """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
-        reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for)."""
+        reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
+        attributes are packed straight from the inode (fs.attr_fields), and a LOOKUP of a
+        name that does not exist is answered without raising: a small file's save is six
+        requests, and on this path the interpreter runs cold (docs/benchmarks.md, attempt
+        43), so every object and exception per request shows."""
         ops = self.ops
         try:
             if opcode == FUSE_GETATTR:
-                a = await ops.getattr(nodeid, ctx)
-                av, avn = _valid(a.attr_timeout)
-                out = ATTR_OUT.pack(av, avn, 0, *_attr(a))
+                out = ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0,
+                                    *ops.attr_fields(ops.inode(nodeid)))
             elif opcode == FUSE_LOOKUP:
-                out = _entry(await ops.lookup(nodeid, body[:body.index(b"\0")], ctx))
+                x = ops.find(nodeid, body[:body.index(b"\0")])
+                if x is None:
+                    self.reply_error(unique, errno.ENOENT)
+                    return
+                x.lookups += 1
+                out = _entry_of(x, ops.attr_fields(x))
             elif opcode == FUSE_OPEN:
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
@@ -452,10 +456,15 @@ class FastPath(RequestWait):
                 flags, mode, umask, _ = CREATE_IN.unpack_from(body)
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
                 ctx.umask = umask
-                fi, a = await ops.create(nodeid, name, mode, flags, ctx)
-                out = _entry(a) + OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
+                fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
+                out = _entry_of(x, ops.attr_fields(x)) + OPEN_OUT.pack(
+                    fi.fh, _open_flags(fi, flags), 0)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
+            return
+        except Exception:  # (what fs._guard does for pyfuse3's calls)
+            log.exception("internal error in request %d", opcode)
+            self.reply_error(unique, errno.EIO)
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
 

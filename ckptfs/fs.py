@@ -131,6 +131,18 @@ class CkptOperations(pyfuse3.Operations):
         a.st_ctime_ns = x.ctime_ns
         return a
 
+    @staticmethod
+    def attr_fields(x: Inode) -> tuple:
+        """What _attr says, as the fields of the protocol's struct fuse_attr (ino size blocks,
+        atime mtime ctime in s, then their ns parts, mode nlink uid gid rdev blksize flags),
+        for the fast path, which packs them itself: no EntryAttributes per request."""
+        at, an = divmod(x.atime_ns, 1_000_000_000)
+        mt, mn = divmod(x.mtime_ns, 1_000_000_000)
+        ct, cn = divmod(x.ctime_ns, 1_000_000_000)
+        return (x.ino, x.size, (x.size + 511) // 512 if x.emap is not None else 0, at, mt, ct,
+                an, mn, cn, x.mode, x.nlink, x.uid, x.gid, x.rdev & 0xFFFFFFFF, IO_BLOCK_BYTES,
+                0)
+
     def _inode(self, ino: int) -> Inode:
         x = self.ns.inodes.get(ino)
         if x is None:
@@ -204,21 +216,27 @@ class CkptOperations(pyfuse3.Operations):
         return x
 
     # ------------------------------------------------------------ lookups and attributes
-    async def lookup(self, parent_inode, name, ctx):
+    def find(self, parent_inode: int, name: bytes) -> Inode | None:
+        """The entry `name` in directory `parent_inode`, None if there is none (raises for a
+        parent that is not a directory, or a name too long)."""
         parent = self._dir(parent_inode)
         if name == b".":
-            x = parent
-        elif name == b"..":
-            x = self.ns.inodes[parent.parent]
-        else:
-            if len(name) > NAME_MAX:
-                raise _err(errno.ENAMETOOLONG)
-            ino = parent.children.get(name)
-            if ino is None and name == CTL_NAME and parent.ino == ROOT_INO:
-                ino = CTL_DIR_INO
-            if ino is None:
-                raise _err(errno.ENOENT)
-            x = self.ns.inodes[ino]
+            return parent
+        if name == b"..":
+            return self.ns.inodes[parent.parent]
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        ino = parent.children.get(name)
+        if ino is None:
+            if name == CTL_NAME and parent.ino == ROOT_INO:
+                return self.ns.inodes[CTL_DIR_INO]
+            return None
+        return self.ns.inodes[ino]
+
+    async def lookup(self, parent_inode, name, ctx):
+        x = self.find(parent_inode, name)
+        if x is None:
+            raise _err(errno.ENOENT)
         x.lookups += 1
         return self._attr(x)
 
@@ -231,6 +249,10 @@ class CkptOperations(pyfuse3.Operations):
 
     async def getattr(self, inode, ctx):
         return self._attr(self._inode(inode))
+
+    def inode(self, ino: int) -> Inode:
+        """The live inode `ino` (ENOENT if there is none)."""
+        return self._inode(ino)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         x = self._writable(self._inode(inode))
@@ -306,10 +328,15 @@ class CkptOperations(pyfuse3.Operations):
         return self._attr(self._new(parent_inode, name, stat.S_IFLNK | 0o777, ctx, 0, target))
 
     async def create(self, parent_inode, name, mode, flags, ctx):
+        fi, x = self.create_open(parent_inode, name, mode, flags, ctx)
+        return fi, self._attr(x)
+
+    def create_open(self, parent_inode, name, mode, flags, ctx) -> tuple[pyfuse3.FileInfo, Inode]:
+        """CREATE: the new file, open (create() answers pyfuse3 with its attributes)."""
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx)
         fh = self._open_handle(x, flags)
-        return self._file_info(x, fh, flags), self._attr(x)
+        return self._file_info(x, fh, flags), x
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         x = self._writable(self._inode(inode))

@@ -33,6 +33,7 @@ def _write_files(root: str, n: int, size: int = 1000, tag: str = "f") -> dict[st
 def test_every_request_goes_through_the_wait(mounts):
     m = mounts.mount()
     files = _write_files(m.mountpoint, 200)
+    time.sleep(0.05)  # far longer than the spin: the next request finds the loop parked
     check_files(files, m.mountpoint, m.mountpoint)
     st = m.status()
     waited, queued = st["requests_waited_for"], st["requests_found_queued"]
