@@ -190,8 +190,9 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EINVAL)
 
     def _touch_dir(self, d: Inode, now: int) -> None:
-        # Directory mtime/ctime are not journaled separately: replay sets them from the
-        # records' own times (close enough for tools; documented in docs/format.md).
+        # Directory mtime/ctime are not journaled on their own: replay sets them from the
+        # INODE records created in the directory (Namespace._apply_inode); an unlink or a
+        # rename has no time in its record (docs/format.md).
         d.mtime_ns = d.ctime_ns = now
 
     def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,

@@ -206,6 +206,9 @@ class Namespace:
                   rec.ctime_ns, rec.target)
         self.inodes[rec.ino] = x
         parent.children[rec.name] = rec.ino
+        # a directory's times are not journaled on their own: an entry created in it is its
+        # last change that has a time (at run time fs._touch_dir sets the same)
+        parent.mtime_ns = parent.ctime_ns = rec.ctime_ns
         if x.is_dir:
             x.nlink = 2
             x.parent = parent.ino
