@@ -13,11 +13,13 @@ system never takes the caller down, and the caller can kill it by PID.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,8 +53,69 @@ def sync(mountpoint: str) -> None:
     os.getxattr(mountpoint, XATTR_SYNC)
 
 
-def status(mountpoint: str) -> dict:
+def status(mountpoint: str, timeout: float = 30.0) -> dict:
+    """The live figures of the ckptfs mount at `mountpoint`: from its daemon's status socket
+    when it has one (this touches nothing on the mount, so it answers while every request the
+    mount can serve is waiting for a hung backing store), else through the mount's status
+    xattr. Raises OSError (ETIMEDOUT when the daemon does not answer within `timeout`)."""
+    st = _status_socket(mountpoint, timeout)
+    if st is not None:
+        return st
     return json.loads(os.getxattr(mountpoint, XATTR_STATUS))
+
+
+def mount_device_of(mountpoint: str) -> str | None:
+    """'major:minor' of the ckptfs mount at `mountpoint` from /proc/self/mountinfo (the
+    topmost one), without a system call on the mount itself (its parent directory is resolved,
+    the mount point is not: that could wait for the daemon)."""
+    path = os.path.abspath(mountpoint)
+    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    dev = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                sep = parts.index("-")
+                mp = parts[4].replace("\\040", " ").replace("\\011", "\t").replace(
+                    "\\012", "\n").replace("\\134", "\\")
+                if mp == path:
+                    dev = parts[2] if parts[sep + 1] == "fuse.ckptfs" else None
+    except (OSError, IndexError, ValueError):
+        return None
+    return dev
+
+
+def status_socket_name(dev: str) -> bytes:
+    """The abstract AF_UNIX address where the daemon of the mount with device `dev`
+    ('major:minor', as in /proc/self/mountinfo) answers with its status (daemon.serve_status)."""
+    return b"\0ckptfs-status-" + dev.encode()
+
+
+def _status_socket(mountpoint: str, timeout: float) -> dict | None:
+    dev = mount_device_of(mountpoint)
+    if dev is None:
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        try:
+            s.connect(status_socket_name(dev))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None  # an older daemon, or another network namespace: use the mount
+        chunks = []
+        try:
+            while True:
+                b = s.recv(1 << 16)
+                if not b:
+                    break
+                chunks.append(b)
+        except socket.timeout:
+            raise OSError(errno.ETIMEDOUT, "the ckptfs daemon does not answer") from None
+    finally:
+        s.close()
+    if not chunks:
+        return None  # (refused: not our user)
+    return json.loads(b"".join(chunks))
 
 
 def fusermount(mountpoint: str, lazy: bool = False) -> subprocess.CompletedProcess:

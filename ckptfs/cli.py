@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import logging
@@ -329,6 +330,8 @@ def _status(a) -> int:
         try:
             st = api.status(a.mountpoint)
         except OSError as exc:
+            if exc.errno == errno.ETIMEDOUT:  # (its status socket took the call)
+                return _fail(f"{a.mountpoint}: {exc.strerror}")
             return _fail(f"{a.mountpoint}: not a live ckptfs mount ({exc.strerror or exc})")
         if a.json:
             print(json.dumps(st, indent=None if a.watch else 2), flush=True)

@@ -21,6 +21,7 @@ import pyfuse3
 import trio
 
 from ckptfs import fuseloop, layout
+from ckptfs.api import status_socket_name
 from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct, probe_direct_read
@@ -358,6 +359,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
             nursery.start_soon(_signals, nursery, ops.request_wait)
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
+            status_sock = open_status_socket(real_mountpoint)
+            if status_sock is not None:  # (bound before "ready": a client may ask at once)
+                nursery.start_soon(serve_status, ops, status_sock)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
             if ops.request_wait is not None:
@@ -383,6 +387,48 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         if index_fd >= 0:
             os.close(index_fd)
     return status
+
+
+def open_status_socket(mountpoint: str) -> socket.socket | None:
+    """The listening socket of serve_status: an abstract unix socket named after the mount's
+    device (api.status_socket_name; no file to clean up, it goes with the process)."""
+    dev = mount_device(mountpoint)
+    if dev is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(status_socket_name(dev))
+        sock.listen(8)
+    except OSError as exc:
+        log.info("status socket for %s: %s (status through the mount only)", dev,
+                 exc.strerror or exc)
+        sock.close()
+        return None
+    return sock
+
+
+async def serve_status(ops, listener: socket.socket) -> None:
+    """`ckptfs status` without the mount: the daemon's figures over its status socket.
+    Through the mount (the status xattr) they need a free request task, and when the backing
+    store hangs all of them can be waiting for it (docs/reliability.md) - which is when an
+    operator asks. Served on the trio thread, one client at a time, to the daemon's own user
+    and root only (SO_PEERCRED), as the mount itself is without allow_other."""
+    allowed = {0, os.getuid()}
+    with trio.socket.from_stdlib_socket(listener) as sock:
+        while True:
+            conn, _ = await sock.accept()
+            with conn, trio.move_on_after(5):
+                try:
+                    cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                    if int.from_bytes(cred[4:8], "little") not in allowed:
+                        continue
+                    data = memoryview(json.dumps(ops.status()).encode() + b"\n")
+                    while data:
+                        data = data[await conn.send(data):]
+                except OSError:
+                    pass
+                except Exception:
+                    log.exception("internal error serving the status socket")
 
 
 def mount_device(mountpoint: str) -> str | None:

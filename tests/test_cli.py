@@ -61,9 +61,16 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     assert st["errors"] == 0
     text = run("status", mnt).stdout
     assert "bytes_durable" in text and "engine" in text
+    # status comes from the daemon's socket (not through the mount), the same figures as the
+    # mount's status xattr, which is what a daemon without that socket is asked
+    via_socket = api._status_socket(str(mnt), 10)
+    via_mount = json.loads(os.getxattr(mnt, api.XATTR_STATUS))
+    assert via_socket is not None and sorted(via_socket) == sorted(via_mount)
+    assert via_socket["pid"] == st["pid"] and via_socket["bytes_durable"] >= len(data)
     out = run("umount", mnt).stdout
     assert "unmounted" in out
     assert not api.is_mounted(str(mnt))
+    assert api.mount_device_of(str(mnt)) is None and api._status_socket(str(mnt), 10) is None
     assert api.wait_pid_exit(st["pid"], 10)
     # the backing directory holds a few files, and ls/verify see the tree unmounted
     ls = run("ls", "-lR", backing).stdout

@@ -7,6 +7,7 @@ new checkpoints succeed, and a remount sees everything (and `ckptfs verify` pass
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 
 from ckptfs import api
 from ckptfs.io.buffers import probe_direct
-from helpers_reliability import (CLI, MiB, cli, content, read_all, sync_until_ok,
+from helpers_reliability import (CLI, NOBODY, MiB, cli, content, read_all, sync_until_ok,
                                   verify_and_remount)
 
 pytestmark = pytest.mark.timeout(90)
@@ -339,6 +340,17 @@ def test_killing_processes_when_every_request_task_is_held(failing, mounts):
         kids.append(many)
         assert many.stdout.readline().strip() == "ready"
         _blocked_threads(many, 40)
+        # Every request task waits for the store, so the mount answers nothing else now (its
+        # status xattr would wait too); `ckptfs status` asks the daemon's status socket. Not
+        # a user the mount is not open to: it gets no figures that way.
+        res = cli("status", "--json", mnt, timeout=30)
+        assert res.returncode == 0, res.stderr
+        st = json.loads(res.stdout)
+        assert st["fsyncs"] >= 32 and st["bytes_written"] >= 40_000, st
+        res = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                              "--clear-groups"] + CLI + ["status", mnt],
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode != 0 and "bytes_written" not in res.stdout, res.stdout
         quit_kid.send_signal(signal.SIGQUIT)
         many.kill()
         for what, proc, sig in (("40 threads in fsync", many, signal.SIGKILL),
