@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -420,7 +421,7 @@ async def serve_status(ops, listener: socket.socket) -> None:
             with conn, trio.move_on_after(5):
                 try:
                     cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                    if int.from_bytes(cred[4:8], "little") not in allowed:
+                    if int.from_bytes(cred[4:8], sys.byteorder) not in allowed:  # struct ucred
                         continue
                     data = memoryview(json.dumps(ops.status()).encode() + b"\n")
                     while data:
