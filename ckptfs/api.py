@@ -64,23 +64,40 @@ def status(mountpoint: str, timeout: float = 30.0) -> dict:
     return json.loads(os.getxattr(mountpoint, XATTR_STATUS))
 
 
+def _mount_path(path: str) -> str:
+    """`path` as /proc/self/mountinfo spells a mount point there, resolved without a system
+    call on `path` itself: if it is a mount point, an lstat of it asks that mount's daemon
+    (its root's attributes), and a stuck daemon would never answer."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _mountinfo() -> list[tuple[str, str, str]]:
+    """(mount point, 'major:minor', file system type) of every mount, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            try:
+                fstype = parts[parts.index("-") + 1]
+            except (ValueError, IndexError):
+                continue
+            mp = parts[4].replace("\\040", " ").replace("\\011", "\t").replace(
+                "\\012", "\n").replace("\\134", "\\")
+            out.append((mp, parts[2], fstype))
+    return out
+
+
 def mount_device_of(mountpoint: str) -> str | None:
-    """'major:minor' of the ckptfs mount at `mountpoint` from /proc/self/mountinfo (the
-    topmost one), without a system call on the mount itself (its parent directory is resolved,
-    the mount point is not: that could wait for the daemon)."""
-    path = os.path.abspath(mountpoint)
-    path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    """'major:minor' of the ckptfs mount at `mountpoint` (the topmost one there), from
+    /proc/self/mountinfo, without touching the mount (_mount_path)."""
+    path = _mount_path(mountpoint)
     dev = None
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                sep = parts.index("-")
-                mp = parts[4].replace("\\040", " ").replace("\\011", "\t").replace(
-                    "\\012", "\n").replace("\\134", "\\")
-                if mp == path:
-                    dev = parts[2] if parts[sep + 1] == "fuse.ckptfs" else None
-    except (OSError, IndexError, ValueError):
+        for mp, d, fstype in _mountinfo():
+            if mp == path:
+                dev = d if fstype == "fuse.ckptfs" else None
+    except OSError:
         return None
     return dev
 
@@ -277,6 +294,8 @@ class Mount:
 
 
 def is_mounted(path: str) -> bool:
-    real = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4].replace("\\040", " ") == real for line in f)
+    """Whether something is mounted at `path`; does not touch a mount found there, so it
+    answers while that mount's daemon is stuck (only a symlink to a mount point is followed,
+    which asks the mount)."""
+    points = {mp for mp, _, _ in _mountinfo()}
+    return _mount_path(path) in points or os.path.realpath(path) in points

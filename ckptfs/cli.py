@@ -238,8 +238,11 @@ def _umount(a) -> int:
     if not api.is_mounted(mp):
         return _fail(f"{mp} is not mounted")
     try:
-        st = api.status(mp)
+        st = api.status(mp, timeout=min(30.0, a.timeout))
     except OSError as exc:
+        if exc.errno == errno.ETIMEDOUT:  # alive (its status socket took the call) but stuck
+            return _fail(f"{mp}: {exc.strerror}; not unmounted (`fusermount3 -uz {mp}` "
+                         "detaches it, losing what is staged)")
         # A dead daemon leaves the mount behind (ENOTCONN): detach it lazily.
         res = api.fusermount(mp, lazy=True)
         if res.returncode == 0:
@@ -328,7 +331,7 @@ def _status(a) -> int:
 
     while True:
         try:
-            st = api.status(a.mountpoint)
+            st = api.status(a.mountpoint, timeout=a.timeout)
         except OSError as exc:
             if exc.errno == errno.ETIMEDOUT:  # (its status socket took the call)
                 return _fail(f"{a.mountpoint}: {exc.strerror}")
@@ -382,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="example: ckptfs status /ckpt --json")
     p.add_argument("mountpoint")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the daemon's answer (default: 30)")
     p.add_argument("--watch", action="store_true", help="repeat every --interval seconds")
     p.add_argument("--interval", type=float, default=1.0)
     p = sub.add_parser("ls", help="list the virtual tree of a backing directory, unmounted",

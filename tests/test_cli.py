@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -116,6 +117,29 @@ def test_umount_of_dead_daemon_detaches(mounts):
     assert "daemon is gone" in r.stderr
     assert not api.is_mounted(m.mountpoint)
     m.proc = None
+
+
+def test_a_stuck_daemon_is_reported_and_left_mounted(mounts):
+    """A daemon that is alive but does not answer (here: stopped) is reported as such by
+    `status` and `umount` within their timeouts, and its mount is left alone: not taken for a
+    dead daemon and detached, which would lose what is staged. Running again, all is well."""
+    m = mounts.mount()
+    with open(os.path.join(m.mountpoint, "f"), "wb") as f:
+        f.write(b"x" * 1000)
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        r = run("status", "--timeout", "2", m.mountpoint, check=False, timeout=60)
+        assert r.returncode != 0 and "does not answer" in r.stderr, r.stderr
+        r = run("umount", "--timeout", "2", m.mountpoint, check=False, timeout=60)
+        assert r.returncode != 0 and "not unmounted" in r.stderr, r.stderr
+        assert api.is_mounted(m.mountpoint)
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    assert json.loads(run("status", "--json", m.mountpoint).stdout)["pid"] == m.pid
+    m.stop()
+    m2 = mounts.mount(m.backing)
+    with open(os.path.join(m2.mountpoint, "f"), "rb") as f:
+        assert f.read() == b"x" * 1000
 
 
 def test_help_lists_commands_and_defaults():
