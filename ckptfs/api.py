@@ -72,8 +72,9 @@ def _mount_path(path: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
-def _mountinfo() -> list[tuple[str, str, str]]:
-    """(mount point, 'major:minor', file system type) of every mount, in mount order."""
+def mounts() -> list[tuple[str, str, str]]:
+    """(mount point, 'major:minor', file system type) of every mount in /proc/self/mountinfo,
+    in mount order (the last entry for a path is the topmost mount there)."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -94,7 +95,7 @@ def mount_device_of(mountpoint: str) -> str | None:
     path = _mount_path(mountpoint)
     dev = None
     try:
-        for mp, d, fstype in _mountinfo():
+        for mp, d, fstype in mounts():
             if mp == path:
                 dev = d if fstype == "fuse.ckptfs" else None
     except OSError:
@@ -297,5 +298,5 @@ def is_mounted(path: str) -> bool:
     """Whether something is mounted at `path`; does not touch a mount found there, so it
     answers while that mount's daemon is stuck (only a symlink to a mount point is followed,
     which asks the mount)."""
-    points = {mp for mp, _, _ in _mountinfo()}
+    points = {mp for mp, _, _ in mounts()}
     return _mount_path(path) in points or os.path.realpath(path) in points

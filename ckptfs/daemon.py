@@ -22,7 +22,7 @@ import pyfuse3
 import trio
 
 from ckptfs import fuseloop, layout
-from ckptfs.api import status_socket_name
+from ckptfs.api import mounts, status_socket_name
 from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct, probe_direct_read
@@ -99,14 +99,9 @@ class MountError(Exception):
 def is_mountpoint(path: str) -> bool:
     real = os.path.realpath(path)
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                mp = line.split()[4].replace("\\040", " ")
-                if mp == real:
-                    return True
+        return any(mp == real for mp, _, _ in mounts())
     except OSError:
         return os.path.ismount(path)
-    return False
 
 
 def check_mountpoint(mountpoint: str) -> None:
@@ -435,17 +430,14 @@ async def serve_status(ops, listener: socket.socket) -> None:
 def mount_device(mountpoint: str) -> str | None:
     """'major:minor' of the file system mounted at `mountpoint` (a path resolved BEFORE the
     mount: resolving it now would send a FUSE request to ourselves and deadlock)."""
-    real = mountpoint
     dev = None
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if parts[4].replace("\\040", " ") == real:
-                    dev = parts[2]
-        return dev
-    except (OSError, IndexError):
+        for mp, d, _ in mounts():
+            if mp == mountpoint:
+                dev = d
+    except OSError:
         return None
+    return dev
 
 
 def tune_readahead(mountpoint: str, readahead_kb: int) -> None:

@@ -243,12 +243,16 @@ class Reader:
             return None
         if ahead:
             self._readahead((key,), ahead)
+        return self._served(key, ch, lo % CHUNK_BYTES, n)
+
+    def _served(self, key: tuple[int, int, int], ch: _Chunk, a: int, n: int) -> memoryview:
+        """Bytes [a, a+n) of cached chunk `key`, about to be served: it becomes the most
+        recently used, and if it had been consumed, the last consumed one to be reused."""
         self.chunks.move_to_end(key)
         consumed = self.consumed
-        if key in consumed:  # read again: the last consumed chunk to be reused (as _copy)
+        if key in consumed:
             del consumed[key]
             consumed[key] = None
-        a = lo % CHUNK_BYTES
         return ch.view[a:a + n]
 
     def _account(self, emap: ExtentMap, off: int, hi: int, seen: list) -> None:
@@ -358,8 +362,6 @@ class Reader:
         runs, so no copy here), else a view of the scratch buffer. With `gather`, a list: the
         views of each piece in each chunk (zeros for holes), which the fast path's writev
         gathers (up to GATHER_MAX_PARTS of them, else [the scratch view])."""
-        consumed = self.consumed
-
         def source(run: Run, roff: int, n: int):
             mv = run.memory()
             if mv is not None:
@@ -367,14 +369,9 @@ class Reader:
             parts, lo = [], run.loff + roff
             while n > 0:
                 key = (run.layer, run.log, lo // CHUNK_BYTES)
-                ch = self.chunks[key]
-                self.chunks.move_to_end(key)
-                if key in consumed:  # read again: the last consumed chunk to be reused
-                    del consumed[key]
-                    consumed[key] = None
                 a = lo % CHUNK_BYTES
                 k = min(n, CHUNK_BYTES - a)
-                parts.append(ch.view[a:a + k])
+                parts.append(self._served(key, self.chunks[key], a, k))
                 lo += k
                 n -= k
             return parts
