@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 XATTR_STATUS = "user.ckptfs.status"
 XATTR_SYNC = "user.ckptfs.sync"
@@ -72,21 +73,50 @@ def _mount_path(path: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
-def mounts() -> list[tuple[str, str, str]]:
-    """(mount point, 'major:minor', file system type) of every mount in /proc/self/mountinfo,
-    in mount order (the last entry for a path is the topmost mount there)."""
+class MountEntry(NamedTuple):
+    mountpoint: str
+    dev: str  # 'major:minor'
+    fstype: str  # 'ext4', 'fuse.ckptfs', ...
+    source: str  # '/dev/vda', the backing path, ...
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace(
+        "\\134", "\\")
+
+
+def mounts() -> list[MountEntry]:
+    """Every mount in /proc/self/mountinfo, in mount order (the last entry for a path is the
+    topmost mount there)."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
             try:
-                fstype = parts[parts.index("-") + 1]
+                i = parts.index("-")
+                fstype, source = parts[i + 1], parts[i + 2]
             except (ValueError, IndexError):
                 continue
-            mp = parts[4].replace("\\040", " ").replace("\\011", "\t").replace(
-                "\\012", "\n").replace("\\134", "\\")
-            out.append((mp, parts[2], fstype))
+            out.append(MountEntry(_unescape(parts[4]), parts[2], fstype, _unescape(source)))
     return out
+
+
+def mount_holding(path: str) -> MountEntry | None:
+    """The mount that holds `path` (resolved; the deepest mount point on its way, the topmost
+    mount there), or None if /proc/self/mountinfo cannot be read. Resolving `path` touches
+    it: not for a mount whose daemon may be stuck (mount_device_of is for that)."""
+    real = os.path.realpath(path)
+    best = None
+    try:
+        entries = mounts()
+    except OSError:
+        return None
+    for e in entries:
+        mp = e.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and (
+                best is None or len(mp) >= len(best.mountpoint)):
+            best = e
+    return best
 
 
 def mount_device_of(mountpoint: str) -> str | None:
@@ -95,9 +125,9 @@ def mount_device_of(mountpoint: str) -> str | None:
     path = _mount_path(mountpoint)
     dev = None
     try:
-        for mp, d, fstype in mounts():
-            if mp == path:
-                dev = d if fstype == "fuse.ckptfs" else None
+        for e in mounts():
+            if e.mountpoint == path:
+                dev = e.dev if e.fstype == "fuse.ckptfs" else None
     except OSError:
         return None
     return dev
@@ -298,5 +328,5 @@ def is_mounted(path: str) -> bool:
     """Whether something is mounted at `path`; does not touch a mount found there, so it
     answers while that mount's daemon is stuck (only a symlink to a mount point is followed,
     which asks the mount)."""
-    points = {mp for mp, _, _ in mounts()}
+    points = {e.mountpoint for e in mounts()}
     return _mount_path(path) in points or os.path.realpath(path) in points

@@ -99,7 +99,7 @@ class MountError(Exception):
 def is_mountpoint(path: str) -> bool:
     real = os.path.realpath(path)
     try:
-        return any(mp == real for mp, _, _ in mounts())
+        return any(e.mountpoint == real for e in mounts())
     except OSError:
         return os.path.ismount(path)
 
@@ -432,9 +432,9 @@ def mount_device(mountpoint: str) -> str | None:
     mount: resolving it now would send a FUSE request to ourselves and deadlock)."""
     dev = None
     try:
-        for mp, d, _ in mounts():
-            if mp == mountpoint:
-                dev = d
+        for e in mounts():
+            if e.mountpoint == mountpoint:
+                dev = e.dev
     except OSError:
         return None
     return dev

@@ -290,3 +290,31 @@ def test_api_knows_every_negatable_mount_option():
     mount = sub.choices["mount"]
     negatable = {a.dest for a in mount._actions if isinstance(a, argparse.BooleanOptionalAction)}
     assert negatable == api.NEGATABLE
+
+
+@pytest.mark.timeout(120)
+def test_mount_table_lookups_with_a_space_in_the_path(tmp_path):
+    """api.mounts() / mount_holding() / mount_device_of() read /proc/self/mountinfo, which
+    escapes a space as \\040: a mount point with one is found, by the mount itself and for a
+    path under it, and the bench's file system description sees the same entry."""
+    from ckptfs.bench import e2e
+    base = tmp_path / "with space"
+    backing, mnt = base / "backing", base / "mnt"
+    backing.mkdir(parents=True)
+    mnt.mkdir()
+    holder = api.mount_holding(str(tmp_path))
+    assert holder is not None and holder.fstype != "fuse.ckptfs"
+    with api.Mount(str(backing), str(mnt), staging="32M") as m:
+        (mnt / "d").mkdir()
+        here = api.mount_holding(str(mnt / "d"))
+        assert here is not None and here.mountpoint == str(mnt), here
+        assert here.fstype == "fuse.ckptfs"
+        assert api.mount_device_of(str(mnt)) == here.dev
+        assert os.stat(mnt).st_dev == os.makedev(*map(int, here.dev.split(":")))
+        assert api.is_mounted(str(mnt)) and not api.is_mounted(str(base))
+        assert e2e.fs_type(str(mnt / "d"))[0] == "fuse.ckptfs"
+        # the backing directory is on the file system around it, not on the mount
+        assert api.mount_holding(str(backing)) == holder
+        assert m.status()["errors"] == 0
+    assert api.mount_holding(str(mnt)) == holder
+    assert api.mount_device_of(str(mnt)) is None

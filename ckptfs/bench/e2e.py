@@ -90,16 +90,8 @@ def peak_rss() -> int:
 
 def fs_type(path: str) -> tuple[str, str]:
     """(file system type, device) of the mount holding `path`, from mountinfo."""
-    real = os.path.realpath(path)
-    best = ("", "?", "?")
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            p = line.split()
-            mp = p[4].replace("\\040", " ")
-            if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) >= len(best[0]):
-                i = p.index("-")
-                best = (mp, p[i + 1], p[i + 2])
-    return best[1], best[2]
+    m = api.mount_holding(path)
+    return (m.fstype, m.source) if m is not None else ("?", "?")
 
 
 def count_tree(path: str) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from ckptfs import api
 from ckptfs.io import alloc_aligned, open_engine, open_file, probe_direct
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -101,17 +102,8 @@ def run_fio(path: str, size: int, bs: int, depth: int, direct: bool) -> dict:
 
 
 def machine_description(dirpath: str) -> str:
-    dev = "?"
-    try:
-        st = os.stat(dirpath)
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                p = line.split()
-                if p[2] == "%d:%d" % (os.major(st.st_dev), os.minor(st.st_dev)):
-                    dev = "%s %s" % (p[p.index("-") + 2], p[p.index("-") + 1])
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    m = api.mount_holding(dirpath)
+    dev = "%s %s" % (m.source, m.fstype) if m is not None else "?"
     return "%s, kernel %s, %d CPUs, fs %s" % (platform.machine(), platform.release(),
                                               os.cpu_count() or 0, dev)
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ckptfs import bench
+from ckptfs import api, bench
 from ckptfs.bench import models
 from ckptfs.io import EngineError, alloc_aligned, open_engine, open_file, probe_direct
 
@@ -79,19 +79,8 @@ def _machine(dirpath: str) -> dict[str, Any]:
         pass
     st = os.stat(dirpath)
     dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    fs, src = "?", "?"
-    try:
-        best = ""
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                mp = parts[4]
-                sep = parts.index("-")
-                if (dirpath == mp or dirpath.startswith(mp.rstrip("/") + "/")) \
-                        and len(mp) >= len(best):
-                    best, fs, src = mp, parts[sep + 1], parts[sep + 2]
-    except (OSError, ValueError, IndexError):
-        pass
+    m = api.mount_holding(dirpath)
+    fs, src = (m.fstype, m.source) if m is not None else ("?", "?")
     rota = "?"
     name = os.path.basename(src)
     try:
