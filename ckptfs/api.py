@@ -150,6 +150,11 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
             s.connect(status_socket_name(dev))
         except (ConnectionRefusedError, FileNotFoundError):
             return None  # an older daemon, or another network namespace: use the mount
+        try:  # struct ucred {pid, uid, gid}: who listens there, for the error below
+            cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            who = "the ckptfs daemon (pid %d)" % int.from_bytes(cred[:4], sys.byteorder)
+        except OSError:
+            who = "the ckptfs daemon"
         chunks = []
         try:
             while True:
@@ -158,7 +163,7 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
                     break
                 chunks.append(b)
         except socket.timeout:
-            raise OSError(errno.ETIMEDOUT, "the ckptfs daemon does not answer") from None
+            raise OSError(errno.ETIMEDOUT, f"{who} does not answer") from None
     finally:
         s.close()
     if not chunks:

@@ -7,6 +7,7 @@ child's first line (ready or error) to the user.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import json
@@ -396,8 +397,12 @@ def open_status_socket(mountpoint: str) -> socket.socket | None:
         sock.bind(status_socket_name(dev))
         sock.listen(8)
     except OSError as exc:
-        log.info("status socket for %s: %s (status through the mount only)", dev,
-                 exc.strerror or exc)
+        if exc.errno == errno.EADDRINUSE:
+            log.warning("status socket for %s is held by another process (a hung daemon of a "
+                        "detached mount?): status through the mount only", dev)
+        else:
+            log.info("status socket for %s: %s (status through the mount only)", dev,
+                     exc.strerror or exc)
         sock.close()
         return None
     return sock

@@ -130,6 +130,7 @@ def test_a_stuck_daemon_is_reported_and_left_mounted(mounts):
     try:
         r = run("status", "--timeout", "2", m.mountpoint, check=False, timeout=60)
         assert r.returncode != 0 and "does not answer" in r.stderr, r.stderr
+        assert f"(pid {m.pid})" in r.stderr, r.stderr  # which process holds the socket
         r = run("umount", "--timeout", "2", m.mountpoint, check=False, timeout=60)
         assert r.returncode != 0 and "not unmounted" in r.stderr, r.stderr
         assert api.is_mounted(m.mountpoint)
@@ -318,3 +319,16 @@ def test_mount_table_lookups_with_a_space_in_the_path(tmp_path):
         assert m.status()["errors"] == 0
     assert api.mount_holding(str(mnt)) == holder
     assert api.mount_device_of(str(mnt)) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_status_socket_name_is_reported(daemon_mount, caplog):
+    """The status socket's name belongs to the mount's device number; a second listener for
+    the same device (what a hung daemon of a detached mount would be, for a later mount with
+    a reused number) gets no socket and a warning that says why, and status keeps working."""
+    from ckptfs import daemon
+    _, mnt = daemon_mount
+    with caplog.at_level("WARNING", logger="ckptfs"):
+        assert daemon.open_status_socket(str(mnt)) is None  # the daemon holds the name
+    assert "held by another process" in caplog.text
+    assert api._status_socket(str(mnt), 10)["errors"] == 0
