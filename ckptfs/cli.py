@@ -96,6 +96,11 @@ def _add_mount(sub) -> None:
                    help="memory for staging segments; writers wait when it is full")
     p.add_argument("--segment-size", type=parse_size, default=f"{d.segment_bytes >> 20}M",
                    help="segment size: the unit of aggregation and of backing writes")
+    p.add_argument("--checksum-block", type=parse_size,
+                   default=f"{d.checksum_block_bytes >> 20}M",
+                   help="most bytes of a file under one CRC32C: a first read of a place loads "
+                   "and checks that much (smaller: less read amplification for readers that "
+                   "jump, e.g. DCP; more index records and daemon memory, ~380 B per block)")
     p.add_argument("--queue-depth", type=int, default=d.queue_depth,
                    help="io_uring queue depth of the flusher")
     p.add_argument("--io", choices=["auto", "direct", "buffered"], default=d.io_mode,
@@ -161,6 +166,7 @@ def _mount(a) -> int:
 
     cfg = MountConfig(a.backing, a.mountpoint, writer_id=a.writer_id,
                       staging_bytes=a.staging_size, segment_bytes=a.segment_size,
+                      checksum_block_bytes=a.checksum_block,
                       queue_depth=a.queue_depth, io_mode=a.io, engine=a.engine,
                       log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
                       read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,

@@ -45,6 +45,7 @@ class MountConfig:
     writer_id: str = ""
     staging_bytes: int = 512 * MiB
     segment_bytes: int = 8 * MiB
+    checksum_block_bytes: int = 2 * MiB
     queue_depth: int = 32
     io_mode: str = "auto"  # auto | direct | buffered
     engine: str = "auto"  # auto | io_uring | posix
@@ -70,6 +71,8 @@ class MountConfig:
     def check(self) -> None:
         if self.segment_bytes < 64 * 1024 or self.segment_bytes % 4096:
             raise ValueError("--segment-size must be a multiple of 4 KiB and at least 64 KiB")
+        if self.checksum_block_bytes < 64 * 1024 or self.checksum_block_bytes % 4096:
+            raise ValueError("--checksum-block must be a multiple of 4 KiB and at least 64 KiB")
         if self.staging_bytes < 2 * self.segment_bytes:
             raise ValueError("--staging-size must hold at least two segments")
         if not 1 <= self.queue_depth <= 4096:
@@ -312,6 +315,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
                          info)
     ops.readonly = wd is None
+    ops.checksum_block = cfg.checksum_block_bytes
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
     # With the writeback cache the kernel owns mtime and does not move it on direct writes:
     # the two do not mix (docs/tuning.md).

@@ -139,6 +139,7 @@ def test_already_mounted_and_second_writer(mounts, fresh_backing, tmp_path, mode
     (["--staging-size", "1M", "--segment-size", "1M"], "at least two segments"),
     pytest.param(["--io", "sideways"], "invalid choice"),
     (["--request-spin", "-5"], "--request-spin must be between"),
+    (["--checksum-block", "1000"], "--checksum-block must be a multiple of 4 KiB"),
     # writer ids name a directory: refused, never rewritten (a/b and a_b must not share one)
     (["--writer-id", "a/b"], "invalid writer id 'a/b'"),
     (["--writer-id", ".."], "invalid writer id '..'"),

@@ -405,3 +405,39 @@ def test_damage_found_by_readahead_is_eio_for_that_file_only(mounts, direct_read
             with open(p, "rb") as f:
                 assert f.read() == data, name
     assert m.status()["read_runs_verified_ahead"] > 0
+
+
+def test_checksum_blocks_bound_what_a_jump_loads(mounts):
+    """--checksum-block caps a run (the bytes one CRC32C covers, one index record): with
+    8 MiB segments and 1 MiB blocks no run of a file is longer than 1 MiB, whatever the
+    writes' sizes and alignment, and a reader that jumps into the file (DCP's first read of
+    an item) loads and checks the 4 MiB read chunks of one block, not of a segment's run."""
+    from ckptfs.offline import Snapshot
+
+    data = random.Random(5).randbytes(40 * MiB + 12345)
+    lengths, loaded = {}, {}
+    for block in ("1M", "8M"):
+        backing = mounts.backing(f"b{block}")
+        w = mounts.mount(backing, segment_size="8M", checksum_block=block)
+        with open(os.path.join(w.mountpoint, "big"), "wb", buffering=0) as f:
+            f.write(data[:1000])  # the rest lands unaligned in the segments
+            for pos in range(1000, len(data), 3 * MiB + 7):
+                f.write(data[pos:pos + 3 * MiB + 7])
+        w.stop()
+        runs = Snapshot(backing).lookup("/big").emap.runs()
+        lengths[block] = [r.length for r in runs]
+        assert sum(lengths[block]) == len(data)
+        m = mounts.mount(backing, direct_reads=True)
+        fd = os.open(os.path.join(m.mountpoint, "big"), os.O_RDONLY)
+        try:
+            lo = 21 * MiB + 333
+            assert os.pread(fd, 4096, lo) == data[lo:lo + 4096]
+            loaded[block] = _settled(m, "read_disk_bytes")
+            assert os.pread(fd, 8 * MiB, 30 * MiB) == data[30 * MiB:38 * MiB]
+        finally:
+            os.close(fd)
+        m.stop()
+    assert max(lengths["1M"]) == MiB, lengths["1M"]
+    assert max(lengths["8M"]) > 4 * MiB, lengths["8M"]  # whole segments without the cap
+    assert loaded["1M"] <= 2 * CHUNK, loaded
+    assert loaded["1M"] < loaded["8M"], loaded
