@@ -29,12 +29,15 @@ from crc32c import crc32c
 
 from ckptfs import layout
 from ckptfs.daemon import MountError, WriterDir
+from ckptfs.fs import CHECKSUM_BLOCK_BYTES
 from ckptfs.layout import CommitRec, ExtentRec, InodeRec, LinkRec, SetattrRec, SizeRec
 from ckptfs.merge import Union, load_foreign
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.offline import LogReader, Progress
 
-RUN_BYTES = 8 << 20  # longest extent written: the reader loads and checks a run whole
+# longest extent written: a reader loads and checks a run whole (fs.CHECKSUM_BLOCK_BYTES,
+# what a mount writes by default)
+RUN_BYTES = CHECKSUM_BLOCK_BYTES
 
 
 class _Out:

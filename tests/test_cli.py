@@ -234,6 +234,28 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     assert os.stat(f"{m3.mountpoint}/step_9/w").st_size == 2_000_000
 
 
+def test_compaction_cuts_long_runs_into_checksum_blocks(mounts):
+    """A backing directory written with runs as long as a segment (before --checksum-block,
+    or with a large one) comes out of `ckptfs compact` with runs of the default block size,
+    its content the same."""
+    from ckptfs.fs import CHECKSUM_BLOCK_BYTES
+    from ckptfs.offline import Snapshot
+
+    m = mounts.mount(segment_size="8M", checksum_block="8M")
+    data = os.urandom(7 << 20)
+    with open(f"{m.mountpoint}/big", "wb") as f:
+        f.write(data)
+    m.stop()
+    assert max(r.length for r in Snapshot(m.backing).lookup("/big").emap.runs()) > 4 << 20
+    run("compact", m.backing)
+    runs = Snapshot(m.backing).lookup("/big").emap.runs()
+    assert sum(r.length for r in runs) == len(data)
+    assert max(r.length for r in runs) == CHECKSUM_BLOCK_BYTES
+    m2 = mounts.mount(m.backing)
+    with open(f"{m2.mountpoint}/big", "rb") as f:
+        assert f.read() == data
+
+
 def test_stats_file_and_prometheus(mounts, tmp_path):
     prom = tmp_path / "ckptfs.prom"
     m = mounts.mount(prometheus=str(prom))
