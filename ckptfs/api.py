@@ -101,6 +101,17 @@ def mounts() -> list[MountEntry]:
     return out
 
 
+def mount_at(mountpoint: str) -> MountEntry | None:
+    """The topmost mount at exactly `mountpoint` (spelled as /proc/self/mountinfo does: an
+    absolute, resolved path), or None. Reads only mountinfo: safe while that mount is stuck.
+    Raises OSError if mountinfo cannot be read."""
+    found = None
+    for e in mounts():
+        if e.mountpoint == mountpoint:
+            found = e
+    return found
+
+
 def mount_holding(path: str) -> MountEntry | None:
     """The mount that holds `path` (resolved; the deepest mount point on its way, the topmost
     mount there), or None if /proc/self/mountinfo cannot be read. Resolving `path` touches
@@ -122,15 +133,11 @@ def mount_holding(path: str) -> MountEntry | None:
 def mount_device_of(mountpoint: str) -> str | None:
     """'major:minor' of the ckptfs mount at `mountpoint` (the topmost one there), from
     /proc/self/mountinfo, without touching the mount (_mount_path)."""
-    path = _mount_path(mountpoint)
-    dev = None
     try:
-        for e in mounts():
-            if e.mountpoint == path:
-                dev = e.dev if e.fstype == "fuse.ckptfs" else None
+        e = mount_at(_mount_path(mountpoint))
     except OSError:
         return None
-    return dev
+    return e.dev if e is not None and e.fstype == "fuse.ckptfs" else None
 
 
 def status_socket_name(dev: str) -> bytes:

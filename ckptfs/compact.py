@@ -35,10 +35,6 @@ from ckptfs.merge import Union, load_foreign
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.offline import LogReader, Progress
 
-# longest extent written: a reader loads and checks a run whole (fs.CHECKSUM_BLOCK_BYTES,
-# what a mount writes by default)
-RUN_BYTES = CHECKSUM_BLOCK_BYTES
-
 
 class _Out:
     """Fresh data logs + index records for a tree."""
@@ -114,8 +110,9 @@ def _copy_file(x: Inode, new: int, logs: LogReader, out: _Out, prog: Progress) -
         if run is not cached_run:
             cached_run, cached = run, logs.read_run(run)
         view = memoryview(cached)[roff:roff + length]
-        for k in range(0, length, RUN_BYTES):
-            out.extent(new, start + k, view[k:k + RUN_BYTES])
+        # extents of at most what a mount writes by default: a reader checks a run whole
+        for k in range(0, length, CHECKSUM_BLOCK_BYTES):
+            out.extent(new, start + k, view[k:k + CHECKSUM_BLOCK_BYTES])
         prog.add(length)
 
 

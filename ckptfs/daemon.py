@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 
 from ckptfs import fuseloop, layout
-from ckptfs.api import mounts, status_socket_name
+from ckptfs.api import mount_at, status_socket_name
 from ckptfs.flusher import Flusher, Journal
 from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct, probe_direct_read
@@ -103,7 +103,7 @@ class MountError(Exception):
 def is_mountpoint(path: str) -> bool:
     real = os.path.realpath(path)
     try:
-        return any(e.mountpoint == real for e in mounts())
+        return mount_at(real) is not None
     except OSError:
         return os.path.ismount(path)
 
@@ -439,14 +439,11 @@ async def serve_status(ops, listener: socket.socket) -> None:
 def mount_device(mountpoint: str) -> str | None:
     """'major:minor' of the file system mounted at `mountpoint` (a path resolved BEFORE the
     mount: resolving it now would send a FUSE request to ourselves and deadlock)."""
-    dev = None
     try:
-        for e in mounts():
-            if e.mountpoint == mountpoint:
-                dev = e.dev
+        e = mount_at(mountpoint)
     except OSError:
         return None
-    return dev
+    return e.dev if e is not None else None
 
 
 def tune_readahead(mountpoint: str, readahead_kb: int) -> None:
