@@ -7,7 +7,7 @@ DEB_PKGS := fuse3 libfuse3-dev liburing-dev pkg-config gcc python3-dev python3-v
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.ckptfs-installed
 
-.PHONY: setup deps demo test test-quick soak bench lint clean
+.PHONY: setup deps gluster-deps gluster-up gluster-down demo test test-quick soak bench lint clean
 
 setup: deps $(STAMP)
 
@@ -27,10 +27,22 @@ $(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# GlusterFS, loopback only (docs/glusterfs.md): the packages for the tests marked glusterfs,
+# and a volume mounted at /var/tmp/ckptfs-gluster/mnt to try ckptfs over.
+gluster-deps:
+	@dpkg -s glusterfs-server glusterfs-client >/dev/null 2>&1 || $(SUDO) mount_scripts/glusterfs.sh install \
+		|| echo "GlusterFS packages not installed: the tests marked glusterfs will be skipped"
+
+gluster-up:
+	$(SUDO) mount_scripts/glusterfs.sh up
+
+gluster-down:
+	$(SUDO) mount_scripts/glusterfs.sh down
+
 demo: setup
 	$(VENV)/bin/ckptfs demo
 
-test: setup
+test: setup gluster-deps
 	$(PY) -m pytest -q
 
 test-quick: setup
