@@ -1,9 +1,13 @@
 """ckptfs: a FUSE checkpoint file system.
 
-The data path, one module a step:
-  application write -> fs.py (FUSE handlers) -> staging.py (aligned segments, extents)
-  -> flusher.py (background thread, io engine) -> io/ (io_uring or POSIX)
-  -> layout.py (data logs + index in the backing directory) -> replay on mount -> reader.py
+The data path, one package a step:
+  application write -> fuse/ (request loop and fast path, POSIX handlers)
+  -> datapath/staging.py (aligned segments, runs, extent maps)
+  -> datapath/flusher.py (journal; background thread driving the io engine) -> io/ (io_uring, POSIX)
+  -> format/ (data logs + index in the backing directory)
+  -> replay.py on mount (records -> namespace.py) -> datapath/reader.py (the read path)
+Around it: daemon.py wires a mount, api.py and cli.py are the user's side, tools/ the offline
+commands, bench/ the study and the comparisons.
 """
 
 __version__ = "0.1.0"

@@ -162,7 +162,7 @@ def _add_mount(sub) -> None:
 
 def _mount(a) -> int:
     from ckptfs.daemon import MountConfig, MountError, open_writer, prepare, serve
-    from ckptfs.layout import FormatError
+    from ckptfs.format.records import FormatError
 
     cfg = MountConfig(a.backing, a.mountpoint, writer_id=a.writer_id,
                       staging_bytes=a.staging_size, segment_bytes=a.segment_size,
@@ -460,15 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     return handlers[a.command](a)
 
 
-def _offline(a) -> int:
-    from ckptfs import compact, offline
-    from ckptfs.layout import FormatError
+TOOLS = {"ls": "ls", "verify": "verify", "export": "export", "import": "importer",
+         "compact": "compact", "gc": "gc"}  # command -> module of ckptfs.tools
 
+
+def _offline(a) -> int:
+    from ckptfs.format.records import FormatError
+
+    tool = importlib.import_module(f"ckptfs.tools.{TOOLS[a.command]}")
     try:
-        return {"ls": offline.cmd_ls, "verify": offline.cmd_verify,
-                "export": offline.cmd_export, "import": offline.cmd_import,
-                "compact": compact.cmd_compact,
-                "gc": compact.cmd_gc}[a.command](a)
+        return getattr(tool, f"cmd_{a.command}")(a)
     except (FormatError, OSError) as exc:
         return _fail(str(exc))
 

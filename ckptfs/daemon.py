@@ -8,7 +8,6 @@ child's first line (ready or error) to the user.
 from __future__ import annotations
 
 import errno
-import fcntl
 import glob
 import json
 import logging
@@ -22,16 +21,19 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from ckptfs import fuseloop, layout
 from ckptfs.api import mount_at, status_socket_name
-from ckptfs.flusher import Flusher, Journal
-from ckptfs.fs import CkptOperations, idle_sealer, stats_exporter
+from ckptfs.datapath.flusher import Flusher, Journal
+from ckptfs.datapath.reader import Reader
+from ckptfs.datapath.staging import Staging, round_up
+from ckptfs.format import backingdir, records
+from ckptfs.format.backingdir import WriterDir, open_index
+from ckptfs.format.records import FormatError
+from ckptfs.fuse import loop
+from ckptfs.fuse.fastpath import FastPath
+from ckptfs.fuse.ops import CkptOperations, idle_sealer, stats_exporter
 from ckptfs.io import probe_direct, probe_direct_read
-from ckptfs.layout import FormatError
-from ckptfs.merge import Union, load_foreign, replay, validate_extents
 from ckptfs.namespace import Namespace
-from ckptfs.reader import Reader
-from ckptfs.staging import Staging, round_up
+from ckptfs.replay import Union, load_foreign, replay, validate_extents
 
 log = logging.getLogger("ckptfs")
 
@@ -81,7 +83,7 @@ class MountConfig:
             raise ValueError("--io must be auto, direct or buffered")
         if self.engine not in ("auto", "io_uring", "posix"):
             raise ValueError("--engine must be auto, io_uring or posix")
-        if self.log_bytes < self.segment_bytes + layout.DATA_HEADER_BYTES:
+        if self.log_bytes < self.segment_bytes + records.DATA_HEADER_BYTES:
             raise ValueError("--log-size must be larger than a segment")
         if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
             raise ValueError("--io-chunk must be a multiple of 4 KiB")
@@ -121,58 +123,6 @@ def check_mountpoint(mountpoint: str) -> None:
         raise MountError(f"mount point {mountpoint} is not empty")
 
 
-class WriterDir:
-    """This mount's own directory in the backing store, locked for the daemon's lifetime."""
-
-    def __init__(self, backing: str, writer_id: str) -> None:
-        self.backing = backing
-        self.writer_id = writer_id
-        self.path = os.path.join(backing, layout.WRITERS_DIR, writer_id)
-        self.lock_fd = -1
-
-    def open(self) -> None:
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        meta = os.path.join(self.path, "writer.json")
-        if not os.path.exists(meta):
-            layout.write_atomic(meta, json.dumps({
-                "writer": self.writer_id, "host": socket.gethostname(), "created": time.time(),
-                "version": layout.FORMAT_VERSION}).encode() + b"\n")
-        fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise MountError(
-                f"writer '{self.writer_id}' of {self.backing} is in use ({holder or 'locked'}); "
-                "mount with a distinct --writer-id to write from a second mount") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self.lock_fd = fd
-
-    def close(self) -> None:
-        if self.lock_fd >= 0:
-            os.ftruncate(self.lock_fd, 0)
-            os.close(self.lock_fd)
-            self.lock_fd = -1
-
-
-def open_index(path: str, valid_bytes: int) -> tuple[int, int]:
-    """Open the index for appending: create it with a header, or cut a torn tail off."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
-    size = os.fstat(fd).st_size
-    if size == 0 or valid_bytes == 0:
-        os.ftruncate(fd, 0)
-        os.write(fd, layout.index_header())
-        os.fsync(fd)
-        return fd, layout.INDEX_HEADER.size
-    if size > valid_bytes:
-        log.warning("%s: cutting %d bytes of torn or uncommitted tail", path, size - valid_bytes)
-        os.ftruncate(fd, valid_bytes)
-        os.fsync(fd)
-    return fd, valid_bytes
-
-
 def prepare(cfg: MountConfig) -> dict:
     """Everything that can fail on bad input, before anything is written. Returns facts."""
     cfg.check()
@@ -189,18 +139,18 @@ def prepare(cfg: MountConfig) -> dict:
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing (load the fuse module)")
     try:
-        layout.check_backing(cfg.backing, create=False)
+        backingdir.check_backing(cfg.backing, create=False)
     except FormatError as exc:
         if cfg.readonly:
             raise MountError(str(exc)) from None
-        if os.path.exists(os.path.join(cfg.backing, layout.BACKING_MARKER)) or \
-                os.path.isdir(os.path.join(cfg.backing, layout.WRITERS_DIR)):
+        if os.path.exists(os.path.join(cfg.backing, backingdir.BACKING_MARKER)) or \
+                os.path.isdir(os.path.join(cfg.backing, backingdir.WRITERS_DIR)):
             raise MountError(str(exc)) from None
         # A new backing directory: fine, initialised after all checks.
-    cfg.writer_id = layout.safe_writer_id(cfg.writer_id or layout.default_writer_id())
-    for wdir in layout.writer_dirs(cfg.backing):  # version checks before anything is written
+    cfg.writer_id = backingdir.safe_writer_id(cfg.writer_id or backingdir.default_writer_id())
+    for wdir in backingdir.writer_dirs(cfg.backing):  # version checks before anything is written
         try:
-            layout.check_index_header(os.path.join(wdir, layout.INDEX_NAME))
+            records.check_index_header(os.path.join(wdir, backingdir.INDEX_NAME))
         except FormatError as exc:
             raise MountError(str(exc)) from None
     facts: dict = {}
@@ -211,7 +161,8 @@ def prepare(cfg: MountConfig) -> dict:
     elif cfg.readonly:
         # A read-only mount writes nothing, not even a probe: O_DIRECT reads are tried on an
         # existing data log (the reader still falls back to buffered per log if refused).
-        logs = sorted(glob.glob(os.path.join(cfg.backing, layout.WRITERS_DIR, "*", "data-*.log")))
+        logs = sorted(glob.glob(os.path.join(cfg.backing, backingdir.WRITERS_DIR, "*",
+                                             "data-*.log")))
         info = probe_direct_read(logs[0]) if logs else None
         if cfg.io_mode == "direct" and info is not None and not info.supported:
             raise MountError(f"O_DIRECT reads are not available on {cfg.backing}: "
@@ -234,7 +185,7 @@ def open_writer(cfg: MountConfig) -> "WriterDir | None":
     (None for a read-only mount)."""
     if cfg.readonly:
         return None
-    layout.check_backing(cfg.backing, create=True)
+    backingdir.check_backing(cfg.backing, create=True)
     wd = WriterDir(cfg.backing, cfg.writer_id)
     wd.open()
     return wd
@@ -270,14 +221,14 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     union = Union()
     index_fd, index_size, next_log = -1, 0, 1
     if wd is not None:
-        index_path = os.path.join(wd.path, layout.INDEX_NAME)
+        index_path = os.path.join(wd.path, backingdir.INDEX_NAME)
         last_seq, valid = 0, 0
         if os.path.exists(index_path):
             last_seq, valid, union.warnings = replay(ns, index_path)
         union.warnings += validate_extents(ns, wd.path)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
         index_fd, index_size = open_index(index_path, valid)
-        next_log = max(layout.data_logs(wd.path), default=0) + 1
+        next_log = max(backingdir.data_logs(wd.path), default=0) + 1
         union.writer_dirs[0] = wd.path
         union.writer_ids[0] = cfg.writer_id
     load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
@@ -338,7 +289,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     if wd is None:
         options.add("ro")
     status = 0
-    fds_before = fuseloop.fuse_fds()
+    fds_before = loop.fuse_fds()
     try:
         pyfuse3.init(ops, cfg.mountpoint, options)
     except Exception as exc:
@@ -347,11 +298,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         if ready:
             ready(msg)
         raise MountError(msg[7:]) from None
-    # A cheaper wait for the next request than pyfuse3's (fuseloop.py); CKPTFS_PYFUSE3_WAIT=1
+    # A cheaper wait for the next request than pyfuse3's (loop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        ops.request_wait = fuseloop.install(cfg.request_spin_us / 1e6, fds_before,
-                                            ops if cfg.fast_path else None)
+        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s)) if cfg.fast_path \
+            else loop.RequestWait
+        ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
@@ -366,7 +318,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
             if ops.request_wait is not None:
-                await pyfuse3.main(max_tasks=fuseloop.MAX_TASKS)
+                await pyfuse3.main(max_tasks=loop.MAX_TASKS)
             else:
                 await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -382,7 +334,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         if ops.request_wait is not None:
             ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
-        fuseloop.uninstall()
+        loop.uninstall()
         reader.close()
         staging.close()
         if index_fd >= 0:
@@ -468,7 +420,7 @@ async def _tune_later(mountpoint: str, readahead_kb: int) -> None:
     tune_readahead(mountpoint, readahead_kb)
 
 
-async def _signals(nursery, request_wait: "fuseloop.RequestWait | None") -> None:
+async def _signals(nursery, request_wait: "loop.RequestWait | None") -> None:
     # SIGTERM/SIGINT: unmount cleanly (drain and commit), like `ckptfs umount`.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
         async for sig in sigs:

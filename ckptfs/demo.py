@@ -13,8 +13,7 @@ import shutil
 import tempfile
 import time
 
-from ckptfs import api
-from ckptfs import bench
+from ckptfs import api, bench
 from ckptfs.bench import models
 
 

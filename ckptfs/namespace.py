@@ -1,6 +1,6 @@
 """Inodes, directories and attributes, and the one function that changes them: `apply`.
 
-Every namespace change is an index record (layout.py). At run time a FUSE handler checks the
+Every namespace change is an index record (format/records.py). At run time a FUSE handler checks the
 request, builds the record and calls `Namespace.change(rec)`, which applies it and hands it to
 the journal; on mount, replay calls `apply` with the records read from the index. So the live
 tree and the replayed tree are built by the same code.
@@ -15,9 +15,18 @@ import stat
 import time
 from typing import Callable
 
-from ckptfs.layout import (ExtentRec, FormatError, InodeRec, LinkRec, Record, RenameRec,
-                           SetattrRec, SizeRec, UnlinkRec)
-from ckptfs.staging import ExtentMap, Run
+from ckptfs.datapath.staging import ExtentMap, Run
+from ckptfs.format.records import (
+    ExtentRec,
+    FormatError,
+    InodeRec,
+    LinkRec,
+    Record,
+    RenameRec,
+    SetattrRec,
+    SizeRec,
+    UnlinkRec,
+)
 
 ROOT_INO = 1
 
@@ -68,7 +77,7 @@ class Namespace:
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
-        self.layer = 0  # the writer layer that replayed records belong to (merge.py)
+        self.layer = 0  # the writer layer that replayed records belong to (replay.py)
 
     # ------------------------------------------------------------ lookups
     def get(self, ino: int) -> Inode:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
-
-from ckptfs import api, layout
 from helpers_reliability import cli, tree_snapshot
+
+from ckptfs import api
+from ckptfs.format import backingdir, records
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,9 +155,9 @@ def test_bad_options(fresh_backing, tmp_path, mode, args, expect):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_newer_index_version(fresh_backing, tmp_path, mode):
-    path = os.path.join(fresh_backing, "writers", "w", layout.INDEX_NAME)
+    path = os.path.join(fresh_backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "r+b") as f:
-        head = struct.pack("<8sI", layout.INDEX_MAGIC, layout.FORMAT_VERSION + 1)
+        head = struct.pack("<8sI", records.INDEX_MAGIC, records.FORMAT_VERSION + 1)
         f.write(head + struct.pack("<I", crc32c(head)))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -165,9 +166,9 @@ def test_newer_index_version(fresh_backing, tmp_path, mode):
 
 
 def test_verify_newer_index_version(fresh_backing):
-    path = os.path.join(fresh_backing, "writers", "w", layout.INDEX_NAME)
+    path = os.path.join(fresh_backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "r+b") as f:
-        head = struct.pack("<8sI", layout.INDEX_MAGIC, layout.FORMAT_VERSION + 1)
+        head = struct.pack("<8sI", records.INDEX_MAGIC, records.FORMAT_VERSION + 1)
         f.write(head + struct.pack("<I", crc32c(head)))
     res = cli("verify", fresh_backing)
     assert "newer" in res.stderr
@@ -175,10 +176,10 @@ def test_verify_newer_index_version(fresh_backing):
 
 
 def test_writer_ids():
-    assert layout.safe_writer_id("rank-0.host_1") == "rank-0.host_1"
-    assert layout.safe_writer_id("x" * 128) == "x" * 128
+    assert backingdir.safe_writer_id("rank-0.host_1") == "rank-0.host_1"
+    assert backingdir.safe_writer_id("x" * 128) == "x" * 128
     for bad in ("", ".", "..", "a/b", "a b", "x" * 129, "caf\u00e9", "n\u00b2"):
-        with pytest.raises(layout.FormatError):
-            layout.safe_writer_id(bad)
-    wid = layout.default_writer_id()  # the host name, made safe
-    assert layout.safe_writer_id(wid) == wid
+        with pytest.raises(records.FormatError):
+            backingdir.safe_writer_id(bad)
+    wid = backingdir.default_writer_id()  # the host name, made safe
+    assert backingdir.safe_writer_id(wid) == wid

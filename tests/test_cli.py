@@ -238,8 +238,8 @@ def test_compaction_cuts_long_runs_into_checksum_blocks(mounts):
     """A backing directory written with runs as long as a segment (before --checksum-block,
     or with a large one) comes out of `ckptfs compact` with runs of the default block size,
     its content the same."""
-    from ckptfs.fs import CHECKSUM_BLOCK_BYTES
-    from ckptfs.offline import Snapshot
+    from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
+    from ckptfs.tools.snapshot import Snapshot
 
     m = mounts.mount(segment_size="8M", checksum_block="8M")
     data = os.urandom(7 << 20)
@@ -290,7 +290,7 @@ def test_several_data_logs_and_stripe_alignment(mounts):
     wdir = os.path.join(m.backing, "writers", os.listdir(os.path.join(m.backing, "writers"))[0])
     logs = sorted(n for n in os.listdir(wdir) if n.startswith("data-"))
     assert len(logs) >= 3
-    from ckptfs.offline import Snapshot
+    from ckptfs.tools.snapshot import Snapshot
 
     snap = Snapshot(m.backing)
     runs = snap.lookup("/big").emap.runs()

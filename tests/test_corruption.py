@@ -3,7 +3,7 @@
 - A flipped byte in a data log: reads of that file fail with EIO, other files read fine,
   `ckptfs verify` names exactly the damaged file and exits non-zero.
 - A corrupt or truncated index record: skipped with a warning (daemon log, verify stderr).
-- Hostile indexes built by hand with ckptfs.layout: the mount refuses the bad records with a
+- Hostile indexes built by hand with ckptfs.format.records: the mount refuses the bad records with a
   warning, never crashes, never shows a name that is not a sane single path component."""
 
 from __future__ import annotations
@@ -14,14 +14,23 @@ import stat
 import struct
 
 import pytest
-
-from ckptfs import layout
-from ckptfs.layout import (CommitRec, ExtentRec, InodeRec, LinkRec, RenameRec, SetattrRec,
-                           SizeRec, UnlinkRec, encode)
-from ckptfs.daemon import replay
-from ckptfs.namespace import Namespace
-from ckptfs.offline import Snapshot
 from helpers_reliability import KiB, MiB, cli, content, read_all
+
+from ckptfs.daemon import replay
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import (
+    CommitRec,
+    ExtentRec,
+    InodeRec,
+    LinkRec,
+    RenameRec,
+    SetattrRec,
+    SizeRec,
+    UnlinkRec,
+    encode,
+)
+from ckptfs.namespace import Namespace
+from ckptfs.tools.snapshot import Snapshot
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +51,7 @@ def test_flipped_byte_in_data_log(mounts):
     m.stop()
     snap = Snapshot(backing)
     run = snap.lookup("/c").emap.runs()[1]  # the second extent of c
-    path = os.path.join(snap.writer_dir, layout.data_log_name(run.log))
+    path = os.path.join(snap.writer_dir, backingdir.data_log_name(run.log))
     with open(path, "r+b") as f:
         f.seek(run.loff + run.length // 2)
         b = f.read(1)
@@ -76,11 +85,11 @@ def test_flipped_byte_in_data_log(mounts):
 def _commit_offsets(index: bytes) -> list[tuple[int, int, int]]:
     """(offset, type, total length) of every record of an index."""
     out = []
-    pos = layout.INDEX_HEADER.size
+    pos = records.INDEX_HEADER.size
     while pos < len(index):
-        blen, _, rtype = layout.REC_HEADER.unpack_from(index, pos)
-        out.append((pos, rtype, layout.REC_HEADER.size + blen))
-        pos += layout.REC_HEADER.size + blen
+        blen, _, rtype = records.REC_HEADER.unpack_from(index, pos)
+        out.append((pos, rtype, records.REC_HEADER.size + blen))
+        pos += records.REC_HEADER.size + blen
     return out
 
 
@@ -93,7 +102,7 @@ def _synced_groups(mounts, backing: str, names: list[str]):
             m.sync()
         _files(m, {name: 100 * KiB})
     m.stop()
-    index_path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
+    index_path = os.path.join(backing, "writers", "w", backingdir.INDEX_NAME)
     index = bytearray(read_all(index_path))
     return index_path, index, _commit_offsets(bytes(index))
 
@@ -102,7 +111,7 @@ def _synced_groups(mounts, backing: str, names: list[str]):
 def test_corrupt_index_record(mounts, damage):
     backing = mounts.backing()
     index_path, index, recs = _synced_groups(mounts, backing, ["early", "late"])
-    first_commit = next(i for i, r in enumerate(recs) if r[1] == layout.R_COMMIT)
+    first_commit = next(i for i, r in enumerate(recs) if r[1] == records.R_COMMIT)
     pos, rtype, n = recs[first_commit + 1]  # the first record of the second group
     if damage == "flip":
         index[pos + n - 1] ^= 0xFF
@@ -134,12 +143,12 @@ def raw(rtype: int, body: bytes, blen: int | None = None, crc: int | None = None
     """A record framed by hand (any length field, any checksum)."""
     from crc32c import crc32c
     c = crc32c(body, crc32c(bytes((rtype,)))) if crc is None else crc
-    return layout.REC_HEADER.pack(len(body) if blen is None else blen, c, rtype) + body
+    return records.REC_HEADER.pack(len(body) if blen is None else blen, c, rtype) + body
 
 
 def bad_inode_name(name: bytes) -> bytes:
     body = struct.pack("<QQIIIIqqqH", 50, 1, F, 0, 0, 0, T0, T0, T0, len(name)) + name
-    return raw(layout.R_INODE, body)
+    return raw(records.R_INODE, body)
 
 
 # name -> (records after the good prefix (bytes), what the warning says)
@@ -150,7 +159,7 @@ HOSTILE = {
     "nul": (bad_inode_name(b"x\0y"), "invalid entry name"),
     "long": (bad_inode_name(b"n" * 256), "max 255"),
     "empty": (bad_inode_name(b""), "invalid entry name"),
-    "name_len_past_body": (raw(layout.R_INODE, struct.pack(
+    "name_len_past_body": (raw(records.R_INODE, struct.pack(
         "<QQIIIIqqqH", 50, 1, F, 0, 0, 0, T0, T0, T0, 200) + b"abc"), "bad record"),
     "rename_to_slash": (encode(RenameRec(1, b"ok", 1, b"../x")), "invalid entry name"),
     "unlink_dotdot": (encode(UnlinkRec(1, b"..")), "invalid entry name"),
@@ -160,10 +169,10 @@ HOSTILE = {
     "size_absurd": (encode(SizeRec(2, 1 << 62, T0, T0)), "absurd"),
     "size_negative": (encode(SizeRec(2, -5, T0, T0)), "absurd"),
     "unknown_type": (raw(99, b"\0" * 20), "unknown record type"),
-    "short_body": (raw(layout.R_EXTENT, b"\0" * 7), "bad record"),
-    "huge_length": (raw(layout.R_INODE, b"\0" * 60, blen=0xFFFFFFFF), "oversized"),
-    "length_past_end": (raw(layout.R_INODE, b"\0" * 60, blen=5000), "oversized"),
-    "bad_crc": (raw(layout.R_INODE, encode(ino(50, 1, b"evil"))[9:], crc=1234), "checksum"),
+    "short_body": (raw(records.R_EXTENT, b"\0" * 7), "bad record"),
+    "huge_length": (raw(records.R_INODE, b"\0" * 60, blen=0xFFFFFFFF), "oversized"),
+    "length_past_end": (raw(records.R_INODE, b"\0" * 60, blen=5000), "oversized"),
+    "bad_crc": (raw(records.R_INODE, encode(ino(50, 1, b"evil"))[9:], crc=1234), "checksum"),
 }
 
 # records that parse but do not fit the tree: skipped one by one, replay goes on
@@ -193,7 +202,7 @@ def _good_prefix(log: int, loff: int, crc: int) -> bytes:
     (an empty file, 5)."""
     recs = [ino(2, 1, b"ok"), ExtentRec(2, 0, 4096, log, loff, crc), ino(3, 1, b"d", D),
             ino(4, 3, b"e", D), ino(5, 1, b"v"), CommitRec(5, T0)]
-    return layout.index_header() + b"".join(encode(r) for r in recs)
+    return records.index_header() + b"".join(encode(r) for r in recs)
 
 
 @pytest.fixture
@@ -223,7 +232,7 @@ def _sane_walk(mnt: str) -> list[str]:
 
 
 def _mount_hostile(mounts, backing, index: bytes):
-    path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
+    path = os.path.join(backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "wb") as f:
         f.write(index)
     return mounts.mount(backing, **OPTS)
@@ -307,7 +316,7 @@ def test_exchange_cycle_then_rename_does_not_hang(mounts, hostile_backing):
     backing, prefix = hostile_backing
     rec = (encode(RenameRec(3, b"e", 1, b"d", 2)) + encode(CommitRec(10, T0))
            + encode(RenameRec(1, b"d", 3, b"x")) + encode(CommitRec(11, T0)))
-    path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
+    path = os.path.join(backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "wb") as f:
         f.write(prefix + rec)
     # `ckptfs verify` runs the same replay as the mount; (api.Mount.start cannot time out a
@@ -333,7 +342,7 @@ def test_damage_in_the_middle_keeps_later_commits(mounts):
     after it, and a read-write mount does not cut them off."""
     backing = mounts.backing()
     index_path, index, recs = _synced_groups(mounts, backing, ["early", "middle", "late"])
-    commits = [i for i, r in enumerate(recs) if r[1] == layout.R_COMMIT]
+    commits = [i for i, r in enumerate(recs) if r[1] == records.R_COMMIT]
     pos, _, n = recs[commits[0] + 1]  # a record of the second group ("middle")
     index[pos + n - 1] ^= 0xFF
     with open(index_path, "wb") as f:

@@ -18,11 +18,12 @@ import stat
 import time
 
 import pytest
-
-from ckptfs import api, layout
-from ckptfs.daemon import replay
-from ckptfs.namespace import Namespace
 from helpers_reliability import KiB, MiB, cli, content, first_mismatch, read_all, wait_unmounted
+
+from ckptfs import api
+from ckptfs.daemon import replay
+from ckptfs.format import backingdir, records
+from ckptfs.namespace import Namespace
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -254,7 +255,7 @@ def test_torn_index_tail_and_garbage(mounts, tmp_path):
             f.write(content(name, sizes[name]))
         m.sync()  # many commit groups
     m.stop()
-    index_path = os.path.join(backing, "writers", "w", layout.INDEX_NAME)
+    index_path = os.path.join(backing, "writers", "w", backingdir.INDEX_NAME)
     orig = read_all(index_path)
     assert len(orig) > 2000
     full = tree_of_index(orig, tmp_path)
@@ -263,7 +264,7 @@ def test_torn_index_tail_and_garbage(mounts, tmp_path):
     for i, cut in enumerate(cuts):
         garbage = b"" if cut < 16 else (
             rng.randbytes(rng.randint(1, 300)) if i % 3 else
-            layout.REC_HEADER.pack(0xFFFFFFF0, 0, 1) + rng.randbytes(40))  # huge length field
+            records.REC_HEADER.pack(0xFFFFFFF0, 0, 1) + rng.randbytes(40))  # huge length field
         with open(index_path, "wb") as f:
             f.write(orig[:cut] + garbage)
         want = tree_of_index(orig[:max(cut, 16)], tmp_path) if cut >= 16 else {}

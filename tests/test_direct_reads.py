@@ -18,8 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ckptfs.bench import models  # noqa: E402
-from ckptfs.fs import IO_BLOCK_BYTES  # noqa: E402
-from ckptfs.reader import CHUNK_BYTES as CHUNK  # noqa: E402
+from ckptfs.datapath.reader import CHUNK_BYTES as CHUNK  # noqa: E402
+from ckptfs.fuse.ops import IO_BLOCK_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -315,7 +315,7 @@ def test_readahead_grows_with_the_streak(mounts):
 def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_path):
     """The window bookkeeping of Reader._readahead, without a mount: its nursery replaced by a
     recorder of the chunk loads it starts (the loads themselves are what the mount tests do)."""
-    from ckptfs.reader import Reader
+    from ckptfs.datapath.reader import Reader
 
     r = Reader({0: str(tmp_path)}, cache_bytes=64 * MiB, prefetch_bytes=16 * MiB)
     started: list[int] = []
@@ -412,7 +412,7 @@ def test_checksum_blocks_bound_what_a_jump_loads(mounts):
     8 MiB segments and 1 MiB blocks no run of a file is longer than 1 MiB, whatever the
     writes' sizes and alignment, and a reader that jumps into the file (DCP's first read of
     an item) loads and checks the 4 MiB read chunks of one block, not of a segment's run."""
-    from ckptfs.offline import Snapshot
+    from ckptfs.tools.snapshot import Snapshot
 
     data = random.Random(5).randbytes(40 * MiB + 12345)
     lengths, loaded = {}, {}

@@ -15,11 +15,19 @@ import sys
 import time
 
 import pytest
+from helpers_reliability import (
+    CLI,
+    NOBODY,
+    MiB,
+    cli,
+    content,
+    read_all,
+    sync_until_ok,
+    verify_and_remount,
+)
 
 from ckptfs import api
 from ckptfs.io.buffers import probe_direct
-from helpers_reliability import (CLI, NOBODY, MiB, cli, content, read_all, sync_until_ok,
-                                  verify_and_remount)
 
 pytestmark = pytest.mark.timeout(90)
 

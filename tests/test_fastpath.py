@@ -1,4 +1,4 @@
-"""The request loop's fast path (ckptfs/fastpath.py), on real mounts: WRITE payloads are read
+"""The request loop's fast path (ckptfs/fuse/fastpath.py), on real mounts: WRITE payloads are read
 straight into staging segments (the part past a segment's end is copied into the next one),
 READ/WRITE/FLUSH/RELEASE/LOOKUP/GETATTR/OPEN/CREATE are answered without pyfuse3, everything
 else still goes through pyfuse3 and works, backpressure and ioctls behave, and the data is the
@@ -13,7 +13,6 @@ import os
 import termios
 
 import pytest
-
 from helpers_reliability import check_files, cli
 
 pytestmark = pytest.mark.timeout(180)

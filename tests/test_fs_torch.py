@@ -136,8 +136,13 @@ def test_torch_overwrite_same_names(mounts):
 
 
 def test_dcp_save_load(mounts):
+    dcp_save_load(mounts, mounts.backing())
+
+
+def dcp_save_load(mounts, backing: str) -> None:
+    """DCP save into a mount over `backing`, load back; unmount, remount, load again."""
     dcp = pytest.importorskip("torch.distributed.checkpoint")
-    m = mounts.mount()
+    m = mounts.mount(backing=backing)
     g = torch.Generator().manual_seed(9)
     sd = {
         "model": {f"layer{i}.weight": torch.randn(256, 64 * (i + 1), generator=g).to(

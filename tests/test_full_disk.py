@@ -11,10 +11,9 @@ import subprocess
 import time
 
 import pytest
+from helpers_reliability import MiB, cli, content, read_all, sync_until_ok, verify_and_remount
 
 from ckptfs import api
-from helpers_reliability import (MiB, cli, content, read_all, sync_until_ok,
-                                 verify_and_remount)
 
 pytestmark = pytest.mark.timeout(120)
 

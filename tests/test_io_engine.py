@@ -14,8 +14,16 @@ import tempfile
 import pytest
 
 import ckptfs.io as cio
-from ckptfs.io import (DirectInfo, EngineError, alloc_aligned, open_engine, open_file,
-                       probe_direct, probe_direct_read, uring_unavailable_reason)
+from ckptfs.io import (
+    DirectInfo,
+    EngineError,
+    alloc_aligned,
+    open_engine,
+    open_file,
+    probe_direct,
+    probe_direct_read,
+    uring_unavailable_reason,
+)
 from ckptfs.io.base import _reset_log_once
 
 KiB, MiB = 1 << 10, 1 << 20

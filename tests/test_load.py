@@ -13,9 +13,7 @@ import threading
 import time
 
 import pytest
-
-from helpers_reliability import (KiB, MiB, cli, content, proc_status, read_all,
-                                 verify_and_remount)
+from helpers_reliability import KiB, MiB, cli, content, proc_status, read_all, verify_and_remount
 
 SOAK_S = float(os.environ.get("CKPTFS_SOAK_S", "8"))
 pytestmark = pytest.mark.timeout(max(180, int(SOAK_S * 3 + 120)))

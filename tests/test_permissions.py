@@ -10,7 +10,6 @@ import stat
 import tempfile
 
 import pytest
-
 from helpers_reliability import NOBODY, cli, py_as_user
 
 pytestmark = pytest.mark.timeout(120)

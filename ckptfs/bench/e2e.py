@@ -36,8 +36,7 @@ import tempfile
 import time
 import traceback
 
-from ckptfs import bench
-from ckptfs import api
+from ckptfs import api, bench
 from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
 

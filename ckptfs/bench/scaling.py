@@ -37,8 +37,7 @@ import tempfile
 import threading
 import time
 
-from ckptfs import bench
-from ckptfs import api
+from ckptfs import api, bench
 from ckptfs.bench import models
 
 QUICK_TOTAL = 16 << 20  # with --quick: weights only (no Adam state), the smallest GPT-2 state

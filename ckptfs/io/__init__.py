@@ -16,8 +16,14 @@ An engine is used from ONE thread only (see :class:`Engine`).  Details: docs/eng
 from __future__ import annotations
 
 from .base import Engine, EngineError, log_once
-from .buffers import (PAGE_SIZE, DirectInfo, alloc_aligned, open_file, probe_direct,
-                      probe_direct_read)
+from .buffers import (
+    PAGE_SIZE,
+    DirectInfo,
+    alloc_aligned,
+    open_file,
+    probe_direct,
+    probe_direct_read,
+)
 from .posix import PosixEngine
 from .uring import DISABLE_ENV, UringEngine, uring_unavailable_reason
 

@@ -7,8 +7,15 @@ import errno
 import os
 from typing import Any, Iterable
 
-from .base import (MAX_IO, DirectCache, Engine, _ffi, buffer_address, check_direct_alignment,
-                   io_error)
+from .base import (
+    MAX_IO,
+    DirectCache,
+    Engine,
+    _ffi,
+    buffer_address,
+    check_direct_alignment,
+    io_error,
+)
 
 __all__ = ["PosixEngine"]
 

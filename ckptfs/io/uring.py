@@ -15,8 +15,16 @@ import os
 from collections import deque
 from typing import Any, Iterable, Sequence
 
-from .base import (MAX_IO, DirectCache, Engine, EngineError, check_direct_alignment, io_error,
-                   is_direct, log_once)
+from .base import (
+    MAX_IO,
+    DirectCache,
+    Engine,
+    EngineError,
+    check_direct_alignment,
+    io_error,
+    is_direct,
+    log_once,
+)
 
 try:
     from ._uring_cffi import ffi, lib  # type: ignore[import-not-found]

@@ -1,4 +1,4 @@
-"""The daemon's own wait for the next FUSE request (ckptfs/fuseloop.py), on real mounts: it
+"""The daemon's own wait for the next FUSE request (ckptfs/loop.py), on real mounts: it
 serves every request (counts add up), takes queued requests without parking, catches a busy
 client's next request by spinning (--request-spin), ends the loop on SIGTERM (idle and under
 load) and on unmount, and pyfuse3's own wait still works when asked for.
@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
+from helpers_reliability import check_files
 
 from ckptfs import api
-from helpers_reliability import check_files
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -165,7 +165,7 @@ def test_pyfuse3_own_wait_still_works(mounts):
 def test_spin_backs_off_after_misses_and_resets_on_a_catch():
     """The spin itself, on a pipe instead of /dev/fuse: a miss polls for the whole spin time
     and makes the next waits skip spinning (1, 3, 7 ... at most 255 of them); a catch resets."""
-    from ckptfs.fuseloop import RequestWait
+    from ckptfs.fuse.loop import RequestWait
 
     r, w = os.pipe()
     try:
@@ -195,12 +195,12 @@ def test_spin_backs_off_after_misses_and_resets_on_a_catch():
 
 
 def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
-    """More clients blocked in fsync at once than the loop has tasks (fuseloop.MAX_TASKS):
+    """More clients blocked in fsync at once than the loop has tasks (loop.MAX_TASKS):
     the others queue, nothing deadlocks, everything is durable and intact."""
-    from ckptfs import fuseloop
+    from ckptfs.fuse import loop
 
     m = mounts.mount()
-    n = fuseloop.MAX_TASKS + 16
+    n = loop.MAX_TASKS + 16
     data = {os.path.join(m.mountpoint, f"s{i}"): os.urandom(50_000 + i) for i in range(n)}
     errors = []
     barrier = threading.Barrier(n)
@@ -233,20 +233,20 @@ def test_install_takes_only_a_session_fd_it_can_be_sure_of():
     a guess; uninstall puts pyfuse3's own wait back."""
     import pyfuse3
 
-    from ckptfs import fuseloop
+    from ckptfs.fuse import loop
 
     own = pyfuse3._wait_fuse_readable
-    assert fuseloop.install(0.0, fuseloop.fuse_fds()) is None  # nothing new
-    before = fuseloop.fuse_fds()
+    assert loop.install(0.0, loop.fuse_fds()) is None  # nothing new
+    before = loop.fuse_fds()
     a = os.open("/dev/fuse", os.O_RDWR)
     b = os.open("/dev/fuse", os.O_RDWR)
     try:
-        assert fuseloop.install(0.0, before) is None  # two candidates: not sure, not installed
+        assert loop.install(0.0, before) is None  # two candidates: not sure, not installed
         assert pyfuse3._wait_fuse_readable is own
-        w = fuseloop.install(0.0, before | {b})
+        w = loop.install(0.0, before | {b})
         assert w is not None and w.fd == a and pyfuse3._wait_fuse_readable is w
     finally:
-        fuseloop.uninstall()
+        loop.uninstall()
         os.close(a)
         os.close(b)
     assert pyfuse3._wait_fuse_readable is own

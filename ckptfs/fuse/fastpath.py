@@ -54,9 +54,9 @@ import struct
 import pyfuse3
 import trio
 
-from ckptfs.fs import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S
-from ckptfs.fuseloop import RequestWait
-from ckptfs.reader import REQUEST
+from ckptfs.datapath.reader import REQUEST
+from ckptfs.fuse.loop import RequestWait
+from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S
 
 log = logging.getLogger("ckptfs")
 

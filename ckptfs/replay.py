@@ -21,9 +21,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ckptfs import layout
-from ckptfs.layout import (ExtentRec, FormatError, InodeRec, LinkRec, RenameRec, SetattrRec,
-                           SizeRec)
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import (
+    ExtentRec,
+    FormatError,
+    InodeRec,
+    LinkRec,
+    RenameRec,
+    SetattrRec,
+    SizeRec,
+)
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 
 LAYER_SHIFT = 44  # foreign inode number = layer << LAYER_SHIFT | the writer's own number
@@ -33,7 +40,7 @@ def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
     """Apply an index to `ns`. Returns (last commit sequence, valid bytes, warnings). Records
     that do not fit the tree (a hostile or damaged index) are skipped with a warning. Each
     inode's `commit_ns` is set to the time of the last commit that changed it."""
-    scan = layout.read_index(index_path)
+    scan = records.read_index(index_path)
     warnings = list(scan.warnings)
     for group, when in zip(scan.groups, scan.group_times):
         for rec in group:
@@ -57,7 +64,7 @@ def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
 def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str]:
     """Extents that point past the end of their data log (or at a missing log) are dropped so
     the index never points at garbage; each is reported."""
-    sizes = {n: os.path.getsize(p) for n, p in layout.data_logs(writer_dir).items()}
+    sizes = {n: os.path.getsize(p) for n, p in backingdir.data_logs(writer_dir).items()}
     warnings = []
     for x in list(ns.inodes.values()):
         if x.emap is None:
@@ -91,11 +98,11 @@ def load_foreign(ns: Namespace, backing: str, own_writer: str | None, union: Uni
                  first_layer: int = 1, only: str | None = None) -> None:
     """Replay every writer except `own_writer` (or just `only`) and graft it onto `ns`."""
     layer = first_layer
-    for wdir in layout.writer_dirs(backing):
+    for wdir in backingdir.writer_dirs(backing):
         wid = os.path.basename(wdir)
         if wid == own_writer or (only is not None and wid != only):
             continue
-        index = os.path.join(wdir, layout.INDEX_NAME)
+        index = os.path.join(wdir, backingdir.INDEX_NAME)
         fns = Namespace(now_ns=0)
         fns.layer = layer
         try:

@@ -22,6 +22,15 @@ import trio
 
 from ckptfs.io import alloc_aligned
 
+# The longest run of a file's bytes under one CRC32C (--checksum-block). A read of a place not
+# yet read loads and checks its whole run (and the 4 MiB read chunks it spans); a reader
+# jumping from item to item (DCP loads the items of its one file in state-dict order, laid
+# out by size) loads 2-3 chunks per jump with runs of a whole 8 MiB segment, 1-2 with 2 MiB
+# runs: a 2.1 GB DCP restore read 5.40 -> 5.09 GB from disk and took 8.24 -> 7.47 s
+# (docs/benchmarks.md, attempt 48). Each run costs an index record and ~380 bytes of daemon
+# memory (~200 MB per TB held in a mount at 2 MiB).
+CHECKSUM_BLOCK_BYTES = 2 << 20
+
 
 class Segment:
     """One fill of a pool buffer. Lives on (tiny, without its buffer) while runs point at it."""

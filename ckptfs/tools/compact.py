@@ -27,13 +27,14 @@ import time
 
 from crc32c import crc32c
 
-from ckptfs import layout
-from ckptfs.daemon import MountError, WriterDir
-from ckptfs.fs import CHECKSUM_BLOCK_BYTES
-from ckptfs.layout import CommitRec, ExtentRec, InodeRec, LinkRec, SetattrRec, SizeRec
-from ckptfs.merge import Union, load_foreign
+from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
+from ckptfs.format import backingdir, records
+from ckptfs.format.backingdir import WriterDir, WriterInUse
+from ckptfs.format.logs import LogReader
+from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, LinkRec, SetattrRec, SizeRec
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
-from ckptfs.offline import LogReader, Progress
+from ckptfs.replay import Union, load_foreign
+from ckptfs.tools.snapshot import Progress
 
 
 class _Out:
@@ -53,10 +54,10 @@ class _Out:
     def _roll(self) -> None:
         self._close()
         self.log += 1
-        path = os.path.join(self.dir, layout.data_log_name(self.log))
+        path = os.path.join(self.dir, backingdir.data_log_name(self.log))
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(self.fd, layout.data_log_header(self.writer, self.log))
-        self.off = layout.DATA_HEADER_BYTES
+        os.write(self.fd, records.data_log_header(self.writer, self.log))
+        self.off = records.DATA_HEADER_BYTES
         self.logs.append(self.log)
 
     def _close(self) -> None:
@@ -69,7 +70,7 @@ class _Out:
         if self.fd < 0 or self.off + len(data) > self.log_bytes:
             self._roll()
         os.pwrite(self.fd, data, self.off)
-        self.records.append(layout.encode(ExtentRec(ino, foff, len(data), self.log, self.off,
+        self.records.append(records.encode(ExtentRec(ino, foff, len(data), self.log, self.off,
                                                     crc32c(data))))
         self.off += len(data)
         self.bytes += len(data)
@@ -83,7 +84,7 @@ def _write_tree(ns: Namespace, logs: LogReader, out: _Out, prog: Progress) -> No
     numbers: dict[int, int] = {ROOT_INO: ROOT_INO}
     rec = out.records
     root = ns.inodes[ROOT_INO]
-    rec.append(layout.encode(SetattrRec(ROOT_INO, root.mode, root.uid, root.gid, root.atime_ns,
+    rec.append(records.encode(SetattrRec(ROOT_INO, root.mode, root.uid, root.gid, root.atime_ns,
                                         root.mtime_ns, root.ctime_ns)))
     stack = [root]
     while stack:
@@ -92,16 +93,16 @@ def _write_tree(ns: Namespace, logs: LogReader, out: _Out, prog: Progress) -> No
             x = ns.inodes[d.children[name]]
             parent = numbers[d.ino]
             if x.ino in numbers:  # another name of a hard-linked file
-                rec.append(layout.encode(LinkRec(numbers[x.ino], parent, name)))
+                rec.append(records.encode(LinkRec(numbers[x.ino], parent, name)))
                 continue
             new = numbers[x.ino] = len(numbers) + 1
-            rec.append(layout.encode(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
+            rec.append(records.encode(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
                                               x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
             if x.children is not None:
                 stack.append(x)
             elif x.emap is not None:
                 _copy_file(x, new, logs, out, prog)
-                rec.append(layout.encode(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
+                rec.append(records.encode(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
 
 
 def _copy_file(x: Inode, new: int, logs: LogReader, out: _Out, prog: Progress) -> None:
@@ -116,11 +117,11 @@ def _copy_file(x: Inode, new: int, logs: LogReader, out: _Out, prog: Progress) -
         prog.add(length)
 
 
-def _write_index(path: str, records: list[bytes], seq: int) -> None:
+def _write_index(path: str, blobs: list[bytes], seq: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, layout.index_header())
-        blob = b"".join(records) + layout.encode(CommitRec(seq, time.time_ns()))
+        os.write(fd, records.index_header())
+        blob = b"".join(blobs) + records.encode(CommitRec(seq, time.time_ns()))
         view = memoryview(blob)
         while view:
             view = view[os.write(fd, view):]
@@ -138,7 +139,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _sizes(d: str) -> int:
-    return sum(os.path.getsize(p) for p in layout.data_logs(d).values())
+    return sum(os.path.getsize(p) for p in backingdir.data_logs(d).values())
 
 
 def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) -> dict:
@@ -149,9 +150,9 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         union = Union()
         load_foreign(ns, backing, None, union, only=writer)
         before = _sizes(wd.path)
-        old_logs = set(layout.data_logs(wd.path))
-        index = os.path.join(wd.path, layout.INDEX_NAME)
-        seq = layout.read_index(index).last_seq if os.path.exists(index) else 0
+        old_logs = set(backingdir.data_logs(wd.path))
+        index = os.path.join(wd.path, backingdir.INDEX_NAME)
+        seq = records.read_index(index).last_seq if os.path.exists(index) else 0
         logs = LogReader(union)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, f"compact {writer}", force=progress)
@@ -162,7 +163,7 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         except BaseException:
             out.finish()
             for n in out.logs:  # nothing references them: the old index is still in place
-                os.unlink(os.path.join(wd.path, layout.data_log_name(n)))
+                os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
             raise
         finally:
             logs.close()
@@ -172,7 +173,7 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         os.rename(tmp, index)
         _fsync_dir(wd.path)
         for n in old_logs:
-            os.unlink(os.path.join(wd.path, layout.data_log_name(n)))
+            os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
         _fsync_dir(wd.path)
         return {"writer": writer, "log_bytes_before": before, "log_bytes_after":
                 _sizes(wd.path), "live_bytes": out.bytes, "warnings": union.warnings}
@@ -181,8 +182,8 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
 
 
 def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> dict:
-    into = layout.safe_writer_id(into)
-    dirs = layout.writer_dirs(backing)
+    into = backingdir.safe_writer_id(into)
+    dirs = backingdir.writer_dirs(backing)
     locks = []
     try:
         for d in dirs:
@@ -193,12 +194,12 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         union = Union()
         load_foreign(ns, backing, None, union)
         before = sum(_sizes(d) for d in dirs)
-        root = os.path.join(backing, layout.WRITERS_DIR)
+        root = os.path.join(backing, backingdir.WRITERS_DIR)
         tmp_dir = os.path.join(root, f".compact-{into}-{os.getpid()}")
         os.makedirs(tmp_dir, mode=0o700)
-        layout.write_atomic(os.path.join(tmp_dir, "writer.json"), json.dumps({
+        backingdir.write_atomic(os.path.join(tmp_dir, "writer.json"), json.dumps({
             "writer": into, "host": socket.gethostname(), "created": time.time(),
-            "version": layout.FORMAT_VERSION, "merged_from": [os.path.basename(d) for d in dirs],
+            "version": records.FORMAT_VERSION, "merged_from": [os.path.basename(d) for d in dirs],
         }).encode() + b"\n")
         logs = LogReader(union)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
@@ -207,7 +208,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         try:
             _write_tree(ns, logs, out, prog)
             out.finish()
-            _write_index(os.path.join(tmp_dir, layout.INDEX_NAME), out.records, 1)
+            _write_index(os.path.join(tmp_dir, backingdir.INDEX_NAME), out.records, 1)
         except BaseException:
             out.finish()
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -238,8 +239,8 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
 
 
 def cmd_compact(a) -> int:
-    layout.check_backing(a.backing, create=False)
-    ids = [os.path.basename(d) for d in layout.writer_dirs(a.backing)]
+    backingdir.check_backing(a.backing, create=False)
+    ids = [os.path.basename(d) for d in backingdir.writer_dirs(a.backing)]
     if not ids:
         print(f"{a.backing}: nothing to compact (no writer)")
         return 0
@@ -249,9 +250,9 @@ def cmd_compact(a) -> int:
         else:
             chosen = [a.writer] if a.writer else ids
             if a.writer and a.writer not in ids:
-                raise layout.FormatError(f"no writer '{a.writer}' in {a.backing}")
+                raise records.FormatError(f"no writer '{a.writer}' in {a.backing}")
             reports = [compact_writer(a.backing, w, a.log_size, a.progress) for w in chosen]
-    except MountError as exc:
+    except WriterInUse as exc:
         print(f"ckptfs: {exc}; unmount it before compacting", file=sys.stderr)
         return 1
     for r in reports:
@@ -262,47 +263,3 @@ def cmd_compact(a) -> int:
         print(f"{what}: data logs {r['log_bytes_before'] / 1e6:.1f} MB -> "
               f"{r['log_bytes_after'] / 1e6:.1f} MB ({r['live_bytes'] / 1e6:.1f} MB live)")
     return 0
-
-
-def _natural(name: str) -> list:
-    import re
-
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def cmd_gc(a) -> int:
-    """Keep the newest N entries matching a pattern in a directory of a MOUNTED ckptfs
-    (numbers in names sort numerically: step_900 < step_1000); delete the rest through the
-    mount, so it is recorded like any rm -r. `ckptfs compact` then reclaims the space."""
-    import fnmatch
-
-    from ckptfs import api
-
-    top = os.path.join(a.mountpoint, a.dir.lstrip("/"))
-    try:
-        api.status(a.mountpoint)
-    except OSError:
-        print(f"ckptfs: {a.mountpoint} is not a live ckptfs mount", file=sys.stderr)
-        return 1
-    if a.keep < 0:
-        print("ckptfs: --keep must be >= 0", file=sys.stderr)
-        return 2
-    names = sorted((n for n in os.listdir(top) if fnmatch.fnmatch(n, a.pattern)), key=_natural)
-    doomed = names[:-a.keep] if a.keep else names
-    for n in doomed:
-        p = os.path.join(top, n)
-        if a.dry_run:
-            print(f"would remove {p}")
-            continue
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
-        print(f"removed {p}")
-    kept = names[len(doomed):]
-    print(f"kept {len(kept)}: {', '.join(kept) if kept else '-'}")
-    if doomed and not a.dry_run:
-        api.sync(a.mountpoint)
-        print("space is reclaimed by `ckptfs compact BACKING` once unmounted")
-    return 0
-

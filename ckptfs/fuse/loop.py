@@ -49,6 +49,7 @@ import logging
 import os
 import select
 import time
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -175,26 +176,40 @@ class RequestWait:
 _PYFUSE3_WAIT = getattr(pyfuse3, "_wait_fuse_readable", None)
 
 
-def install(spin_s: float, fds_before: set[int], ops=None) -> RequestWait | None:
+# The pyfuse3 releases whose private request wait (`_wait_fuse_readable`, called with no
+# arguments, awaited, returning once /dev/fuse is readable) this module replaces; any other
+# release keeps its own wait.
+PYFUSE3_HOOKED = ((3, 3), (3, 4), (3, 5))
+
+
+def pyfuse3_hookable() -> str | None:
+    """None when this pyfuse3's request wait can be replaced, else the reason why not."""
+    version = tuple(int(p) for p in pyfuse3.__version__.split(".")[:2] if p.isdigit())
+    if version not in PYFUSE3_HOOKED:
+        return f"pyfuse3 {pyfuse3.__version__} is not a release the request wait was built for"
+    if not callable(_PYFUSE3_WAIT):
+        return "pyfuse3 has no _wait_fuse_readable"
+    return None
+
+
+def install(spin_s: float, fds_before: set[int],
+            attach: Callable[[int, float], RequestWait] = RequestWait) -> RequestWait | None:
     """Replace pyfuse3's wait, right after pyfuse3.init(); `fds_before`: fuse_fds() before
     pyfuse3.init() (the session's fd is the one that is new). `spin_s`: how long to poll for
-    the next request before parking. `ops`: the file system, for the fast path (fastpath.py:
-    the wait reads requests itself and serves READ/WRITE/FLUSH/RELEASE); None: only wait.
-    Returns the installed wait, or None (pyfuse3's own wait stays) when this pyfuse3 has no
-    such hook or the session's fd is not known for sure."""
-    if not callable(_PYFUSE3_WAIT):
-        log.info("pyfuse3 has no _wait_fuse_readable: its own request wait is used")
+    the next request before parking. `attach(fd, spin_s)` makes the wait: RequestWait only
+    waits; the daemon passes the fast path's (fastpath.py: it reads requests itself and
+    serves the common ones). Returns the installed wait, or None (pyfuse3's own wait stays)
+    when this pyfuse3 cannot be hooked or the session's fd is not known for sure."""
+    reason = pyfuse3_hookable()
+    if reason:
+        log.info("%s: its own request wait is used", reason)
         return None
     new = fuse_fds() - fds_before
     if len(new) != 1:
         log.info("/dev/fuse descriptor of the session not found (%d new): pyfuse3's own "
                  "request wait is used", len(new))
         return None
-    if ops is not None:
-        from ckptfs.fastpath import FastPath
-        wait = FastPath.attach(new.pop(), ops, spin_s)
-    else:
-        wait = RequestWait(new.pop(), spin_s)
+    wait = attach(new.pop(), spin_s)
     pyfuse3._wait_fuse_readable = wait
     return wait
 

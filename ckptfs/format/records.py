@@ -1,11 +1,5 @@
-"""The on-disk format: the one place that knows it (docs/format.md describes it for people).
-
-BACKING/
-  ckptfs.json                       format marker and version, written once, atomically
-  writers/<writer-id>/writer.json   who this writer is (host, created)
-  writers/<writer-id>/writer.lock   flock held by the mounted daemon that owns the writer
-  writers/<writer-id>/index.log     16-byte header, then checksummed records
-  writers/<writer-id>/data-NNNNNN.log  4 KiB header block, then segments at aligned offsets
+"""The on-disk format's bytes: index records, the index header and scan, the data log header
+(docs/format.md describes them for people; backingdir.py names the files that hold them).
 
 Index record: <u32 body length> <u32 crc32c(type + body)> <u8 type> <body>, little endian.
 Replay applies complete commit groups (records up to a COMMIT record). A torn record ends it
@@ -17,19 +11,13 @@ warning and replay goes on; a well-formed record that does not parse ends it (do
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import struct
-import time
 from dataclasses import dataclass, field
 
 from crc32c import crc32c
 
 FORMAT_VERSION = 1
-BACKING_MARKER = "ckptfs.json"
-WRITERS_DIR = "writers"
-INDEX_NAME = "index.log"
 INDEX_MAGIC = b"CKPTIDX\0"
 DATA_MAGIC = b"CKPTDAT\0"
 DATA_HEADER_BYTES = 4096
@@ -341,104 +329,7 @@ def read_index(path: str) -> IndexScan:
     return scan
 
 
-# ---------------------------------------------------------------- directories
-def data_log_name(log: int) -> str:
-    return f"data-{log:06d}.log"
-
-
 def data_log_header(writer: str, log: int) -> bytes:
     meta = json.dumps({"writer": writer, "log": log, "version": FORMAT_VERSION}).encode()
     head = DATA_MAGIC + struct.pack("<II", FORMAT_VERSION, len(meta)) + meta
     return head.ljust(DATA_HEADER_BYTES, b"\0")
-
-
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def check_backing(backing: str, create: bool) -> None:
-    """Validate (and with `create`, initialise) a backing directory. Raises FormatError or
-    OSError with a message fit for a one-line error."""
-    if not os.path.exists(backing):
-        raise FormatError(f"backing directory {backing} does not exist")
-    if not os.path.isdir(backing):
-        raise FormatError(f"backing path {backing} is not a directory")
-    marker = os.path.join(backing, BACKING_MARKER)
-    if os.path.exists(marker):
-        try:
-            with open(marker) as f:
-                meta = json.load(f)
-            version = int(meta["version"])
-            fmt = meta["format"]
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            raise FormatError(f"{marker} is unreadable: {exc}") from None
-        if fmt != "ckptfs":
-            raise FormatError(f"{marker} does not describe a ckptfs backing directory")
-        if version > FORMAT_VERSION:
-            raise FormatError(f"{backing} has format version {version}, newer than this ckptfs "
-                              f"(supports {FORMAT_VERSION}); upgrade ckptfs")
-        return
-    if not create:
-        if os.path.isdir(os.path.join(backing, WRITERS_DIR)):
-            return
-        raise FormatError(f"{backing} is not a ckptfs backing directory (no {BACKING_MARKER})")
-    if not os.access(backing, os.W_OK | os.X_OK):
-        raise FormatError(f"backing directory {backing} is not writable")
-    os.makedirs(os.path.join(backing, WRITERS_DIR), mode=0o700, exist_ok=True)
-    write_atomic(marker, json.dumps({"format": "ckptfs", "version": FORMAT_VERSION,
-                                     "created": time.time(),
-                                     "host": socket.gethostname()}).encode() + b"\n", 0o644)
-
-
-WRITER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-WRITER_ID_MAX = 128
-
-
-def default_writer_id() -> str:
-    """The host name, with characters outside [A-Za-z0-9._-] replaced by '_'."""
-    name = socket.gethostname() or "localhost"
-    return safe_writer_id("".join(c if c in WRITER_ID_CHARS else "_" for c in name)[:WRITER_ID_MAX])
-
-
-def safe_writer_id(name: str) -> str:
-    """`name` if it is a valid writer id (the name of a directory under writers/): 1 to 128
-    characters of [A-Za-z0-9._-], not '.' or '..'. Anything else is refused, not rewritten:
-    two different ids must never end up in the same directory."""
-    if (not name or name in (".", "..") or len(name) > WRITER_ID_MAX
-            or not WRITER_ID_CHARS.issuperset(name)):
-        raise FormatError(f"invalid writer id {name!r}: use 1-{WRITER_ID_MAX} characters of "
-                          "A-Z a-z 0-9 . _ -")
-    return name
-
-
-def writer_dirs(backing: str) -> list[str]:
-    root = os.path.join(backing, WRITERS_DIR)
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return []
-    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
-
-
-def data_logs(writer_dir: str) -> dict[int, str]:
-    out = {}
-    for name in os.listdir(writer_dir):
-        if name.startswith("data-") and name.endswith(".log"):
-            try:
-                out[int(name[5:-4])] = os.path.join(writer_dir, name)
-            except ValueError:
-                continue
-    return out
-

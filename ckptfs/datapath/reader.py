@@ -27,9 +27,9 @@ from collections import OrderedDict
 import trio
 from crc32c import crc32c
 
-from ckptfs import layout
+from ckptfs.datapath.staging import ExtentMap, Run
+from ckptfs.format import backingdir
 from ckptfs.io import alloc_aligned
-from ckptfs.staging import ExtentMap, Run
 
 log = logging.getLogger("ckptfs.reader")
 
@@ -173,7 +173,7 @@ class Reader:
         with self.fd_lock:  # worker threads
             fd = self.fds.get((layer, number))
             if fd is None:
-                path = os.path.join(self.writer_dirs[layer], layout.data_log_name(number))
+                path = os.path.join(self.writer_dirs[layer], backingdir.data_log_name(number))
                 flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
                 try:
                     fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
@@ -188,7 +188,7 @@ class Reader:
         with self.fd_lock:
             fd = self.fds.get((layer, number))
             if fd == bad:
-                path = os.path.join(self.writer_dirs[layer], layout.data_log_name(number))
+                path = os.path.join(self.writer_dirs[layer], backingdir.data_log_name(number))
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 self.fds[(layer, number)] = fd
                 self.stale_fds.append(bad)  # another worker may still be reading through it

@@ -30,10 +30,10 @@ from collections import deque
 
 import trio
 
-from ckptfs import layout
+from ckptfs.datapath.staging import Run, Segment, Staging, round_up
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import CommitRec, ExtentRec, Record
 from ckptfs.io import alloc_aligned, open_engine
-from ckptfs.layout import CommitRec, ExtentRec, Record
-from ckptfs.staging import Run, Segment, Staging, round_up
 
 log = logging.getLogger("ckptfs.flusher")
 
@@ -104,7 +104,7 @@ class Journal:
         parts = [self.unsent] if self.unsent else []
         upto = self.unsent_upto if self.unsent else self.committed_seq
         entries = self.entries
-        encode = layout.encode
+        encode = records.encode
         while entries:
             seq, item = entries[0]
             if type(item) is ExtentEntry:
@@ -371,14 +371,14 @@ class Flusher:
 
     def _open_log(self) -> _OpenLog:
         number = self.next_log
-        path = os.path.join(self.writer_dir, layout.data_log_name(number))
+        path = os.path.join(self.writer_dir, backingdir.data_log_name(number))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if self.direct:
             flags |= os.O_DIRECT
         fd = os.open(path, flags, 0o600)
         try:
-            head = layout.data_log_header(self.writer_id, number)
-            hbuf = alloc_aligned(layout.DATA_HEADER_BYTES, populate=False)
+            head = records.data_log_header(self.writer_id, number)
+            hbuf = alloc_aligned(records.DATA_HEADER_BYTES, populate=False)
             hbuf[:] = head
             self.engine.write_all([(fd, hbuf, 0)])
             hbuf.close()
@@ -392,7 +392,7 @@ class Flusher:
             os.unlink(path)
             raise
         self.next_log = number + 1
-        start = round_up(layout.DATA_HEADER_BYTES, self.stripe)
+        start = round_up(records.DATA_HEADER_BYTES, self.stripe)
         return _OpenLog(number, fd, start)
 
     def _close_log(self, lg: _OpenLog) -> None:
@@ -513,7 +513,7 @@ class Flusher:
                 lg.dirty = False
 
     def _fd_for_retry(self, number: int) -> int:
-        path = os.path.join(self.writer_dir, layout.data_log_name(number))
+        path = os.path.join(self.writer_dir, backingdir.data_log_name(number))
         return os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
 
     def _commit(self) -> None:

@@ -19,15 +19,22 @@ import pyfuse3
 import trio
 from crc32c import crc32c
 
-from ckptfs import fuseloop
-from ckptfs.flusher import ExtentEntry, Flusher, Journal
-from ckptfs.layout import (NAME_MAX, InodeRec, LinkRec, RenameRec, SetattrRec, SizeRec,
-                           UnlinkRec)
+from ckptfs.datapath.flusher import ExtentEntry, Flusher, Journal
+from ckptfs.datapath.reader import CHUNK_BYTES, Reader
+from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, Run, Staging
+from ckptfs.format.records import (
+    NAME_MAX,
+    InodeRec,
+    LinkRec,
+    RenameRec,
+    SetattrRec,
+    SizeRec,
+    UnlinkRec,
+)
+from ckptfs.fuse import loop
 from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
-from ckptfs.reader import CHUNK_BYTES, Reader
-from ckptfs.staging import Run, Staging
 
-log = logging.getLogger("ckptfs.fs")
+log = logging.getLogger("ckptfs.ops")
 
 ENTRY_TIMEOUT_S = 300.0
 ATTR_TIMEOUT_S = 300.0
@@ -41,14 +48,6 @@ BLOCK_BYTES = 4096
 IO_BLOCK_BYTES = 512 << 10
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
-# The longest run of a file's bytes under one CRC32C (--checksum-block). A read of a place not
-# yet read loads and checks its whole run (and the 4 MiB read chunks it spans); a reader
-# jumping from item to item (DCP loads the items of its one file in state-dict order, laid
-# out by size) loads 2-3 chunks per jump with runs of a whole 8 MiB segment, 1-2 with 2 MiB
-# runs: a 2.1 GB DCP restore read 5.40 -> 5.09 GB from disk and took 8.24 -> 7.47 s
-# (docs/benchmarks.md, attempt 48). Each run costs an index record and ~380 bytes of daemon
-# memory (~200 MB per TB held in a mount at 2 MiB).
-CHECKSUM_BLOCK_BYTES = 2 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
@@ -111,7 +110,7 @@ class CkptOperations(pyfuse3.Operations):
         self.write_requests = 0
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
-        self.request_wait: fuseloop.RequestWait | None = None  # installed by the daemon
+        self.request_wait: loop.RequestWait | None = None  # installed by the daemon
         self.started = time.time()
         self.fsyncs = 0
         # barrier waits (fsync, fsyncdir, the sync xattr) by trio task, so that the fast path
@@ -713,7 +712,7 @@ class CkptOperations(pyfuse3.Operations):
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
             "direct_reads": self.direct_reads,
             "shared_mmap_of_direct_files": self.shared_mmap_direct,
-            **(self.request_wait.counts() if self.request_wait else fuseloop.NO_COUNTS),
+            **(self.request_wait.counts() if self.request_wait else loop.NO_COUNTS),
         }
 
     async def getxattr(self, inode, name, ctx):
@@ -753,7 +752,7 @@ def prometheus_text(st: dict) -> str:
 
 COUNTERS = {"bytes_written", "write_requests", "read_requests", "bytes_read", "segments_flushed",
             "bytes_durable", "log_bytes_written", "index_bytes", "index_commits", "data_syncs",
-            "fsyncs", "errors", "read_disk_bytes", "flush_seconds", *fuseloop.NO_COUNTS}
+            "fsyncs", "errors", "read_disk_bytes", "flush_seconds", *loop.NO_COUNTS}
 
 
 async def stats_exporter(ops: "CkptOperations", path: str, interval_s: float) -> None:

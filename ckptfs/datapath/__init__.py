@@ -1,0 +1,2 @@
+"""The data path inside a mount: staging segments and extent maps (staging.py), the
+journal and flusher (flusher.py), the read path with its chunk cache and readahead (reader.py)."""

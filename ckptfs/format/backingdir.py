@@ -1,0 +1,178 @@
+"""The backing directory: its marker, the writers' directories and their locks.
+
+BACKING/
+  ckptfs.json                       format marker and version, written once, atomically
+  writers/<writer-id>/writer.json   who this writer is (host, created)
+  writers/<writer-id>/writer.lock   flock held by the process that owns the writer (a mount,
+                                    or an offline compaction)
+  writers/<writer-id>/index.log     the index (records.py)
+  writers/<writer-id>/data-NNNNNN.log  the data logs (records.py: header block)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+
+from ckptfs.format.records import FORMAT_VERSION, INDEX_HEADER, FormatError, index_header
+
+log = logging.getLogger("ckptfs")
+
+BACKING_MARKER = "ckptfs.json"
+WRITERS_DIR = "writers"
+INDEX_NAME = "index.log"
+
+
+class WriterInUse(FormatError):
+    """Another process holds the writer's lock."""
+
+
+def data_log_name(log: int) -> str:
+    return f"data-{log:06d}.log"
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def check_backing(backing: str, create: bool) -> None:
+    """Validate (and with `create`, initialise) a backing directory. Raises FormatError or
+    OSError with a message fit for a one-line error."""
+    if not os.path.exists(backing):
+        raise FormatError(f"backing directory {backing} does not exist")
+    if not os.path.isdir(backing):
+        raise FormatError(f"backing path {backing} is not a directory")
+    marker = os.path.join(backing, BACKING_MARKER)
+    if os.path.exists(marker):
+        try:
+            with open(marker) as f:
+                meta = json.load(f)
+            version = int(meta["version"])
+            fmt = meta["format"]
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            raise FormatError(f"{marker} is unreadable: {exc}") from None
+        if fmt != "ckptfs":
+            raise FormatError(f"{marker} does not describe a ckptfs backing directory")
+        if version > FORMAT_VERSION:
+            raise FormatError(f"{backing} has format version {version}, newer than this ckptfs "
+                              f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+        return
+    if not create:
+        if os.path.isdir(os.path.join(backing, WRITERS_DIR)):
+            return
+        raise FormatError(f"{backing} is not a ckptfs backing directory (no {BACKING_MARKER})")
+    if not os.access(backing, os.W_OK | os.X_OK):
+        raise FormatError(f"backing directory {backing} is not writable")
+    os.makedirs(os.path.join(backing, WRITERS_DIR), mode=0o700, exist_ok=True)
+    write_atomic(marker, json.dumps({"format": "ckptfs", "version": FORMAT_VERSION,
+                                     "created": time.time(),
+                                     "host": socket.gethostname()}).encode() + b"\n", 0o644)
+
+
+WRITER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+WRITER_ID_MAX = 128
+
+
+def default_writer_id() -> str:
+    """The host name, with characters outside [A-Za-z0-9._-] replaced by '_'."""
+    name = socket.gethostname() or "localhost"
+    return safe_writer_id("".join(c if c in WRITER_ID_CHARS else "_" for c in name)[:WRITER_ID_MAX])
+
+
+def safe_writer_id(name: str) -> str:
+    """`name` if it is a valid writer id (the name of a directory under writers/): 1 to 128
+    characters of [A-Za-z0-9._-], not '.' or '..'. Anything else is refused, not rewritten:
+    two different ids must never end up in the same directory."""
+    if (not name or name in (".", "..") or len(name) > WRITER_ID_MAX
+            or not WRITER_ID_CHARS.issuperset(name)):
+        raise FormatError(f"invalid writer id {name!r}: use 1-{WRITER_ID_MAX} characters of "
+                          "A-Z a-z 0-9 . _ -")
+    return name
+
+
+def writer_dirs(backing: str) -> list[str]:
+    root = os.path.join(backing, WRITERS_DIR)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+
+def data_logs(writer_dir: str) -> dict[int, str]:
+    out = {}
+    for name in os.listdir(writer_dir):
+        if name.startswith("data-") and name.endswith(".log"):
+            try:
+                out[int(name[5:-4])] = os.path.join(writer_dir, name)
+            except ValueError:
+                continue
+    return out
+
+
+class WriterDir:
+    """This mount's own directory in the backing store, locked for the daemon's lifetime."""
+
+    def __init__(self, backing: str, writer_id: str) -> None:
+        self.backing = backing
+        self.writer_id = writer_id
+        self.path = os.path.join(backing, WRITERS_DIR, writer_id)
+        self.lock_fd = -1
+
+    def open(self) -> None:
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        meta = os.path.join(self.path, "writer.json")
+        if not os.path.exists(meta):
+            write_atomic(meta, json.dumps({
+                "writer": self.writer_id, "host": socket.gethostname(), "created": time.time(),
+                "version": FORMAT_VERSION}).encode() + b"\n")
+        fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise WriterInUse(
+                f"writer '{self.writer_id}' of {self.backing} is in use ({holder or 'locked'}); "
+                "mount with a distinct --writer-id to write from a second mount") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.lock_fd = fd
+
+    def close(self) -> None:
+        if self.lock_fd >= 0:
+            os.ftruncate(self.lock_fd, 0)
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def open_index(path: str, valid_bytes: int) -> tuple[int, int]:
+    """Open the index for appending: create it with a header, or cut a torn tail off."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    size = os.fstat(fd).st_size
+    if size == 0 or valid_bytes == 0:
+        os.ftruncate(fd, 0)
+        os.write(fd, index_header())
+        os.fsync(fd)
+        return fd, INDEX_HEADER.size
+    if size > valid_bytes:
+        log.warning("%s: cutting %d bytes of torn or uncommitted tail", path, size - valid_bytes)
+        os.ftruncate(fd, valid_bytes)
+        os.fsync(fd)
+    return fd, valid_bytes

@@ -1,0 +1,1 @@
+"""The offline commands, one module each: ls, verify, export, import, compact, gc."""

@@ -1,0 +1,357 @@
+"""ckptfs over a real parallel file system: a GlusterFS volume (two bricks on this machine,
+loopback only) stood up by mount_scripts/glusterfs.sh, with the backing directories on it.
+
+The session fixture uses a volume that is already up (and leaves it up), else brings one up
+and tears it down at the end, whatever happened (the script's `down`; after a timeout, a lazy
+unmount and the recorded PIDs killed). Skipped when not root or when the packages cannot be
+installed. Run just these: `pytest -m glusterfs`."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from ckptfs import api
+from helpers_reliability import MiB, cli, content, read_all, sync_until_ok, verify_and_remount
+
+torch = pytest.importorskip("torch")
+
+import test_crash  # noqa: E402  (its writer process and tree checks)
+import test_multiwriter as mw  # noqa: E402
+from test_cli import _md5_tree  # noqa: E402
+from test_fs_torch import backing_files, check_all, dcp_save_load, gpt_state_dict, save_all  # noqa: E402
+from test_full_disk import fill, read_fd, write_ckpt  # noqa: E402
+
+pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(os.path.dirname(HERE), "mount_scripts", "glusterfs.sh")
+UP_TIMEOUT = 1200   # the first `up` on a fresh machine installs the packages
+DOWN_TIMEOUT = 300
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+
+
+class Volume:
+    """One volume of the script: its environment, mount point, and whether this run started it."""
+
+    def __init__(self, **env: str) -> None:
+        self.env = dict(os.environ, GLUSTER_TIMEOUT="60", **env)
+        self.dir = self.env.get("GLUSTER_DIR", "/var/tmp/ckptfs-gluster")
+        self.name = self.env.get("GLUSTER_VOLUME", "ckptfs")
+        self.mount = self.env.get("GLUSTER_MOUNT", os.path.join(self.dir, "mnt"))
+        self.started = False
+
+    def script(self, cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", SCRIPT, cmd], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def up(self) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("GlusterFS needs root (glusterd, mount -t glusterfs, apt-get)")
+        if self.script("status", 60).returncode == 0:
+            return  # already up: used as it is, left up
+        self.started = True
+        res = self.script("up", UP_TIMEOUT)
+        if res.returncode == 3:
+            self.down()
+            pytest.skip(f"GlusterFS packages cannot be installed: {res.stderr.strip()}")
+        if res.returncode != 0:
+            self.down()
+            pytest.fail(f"glusterfs.sh up failed ({res.returncode}):\n{res.stdout}{res.stderr}")
+        assert os.path.ismount(self.mount), res.stdout
+
+    def down(self) -> None:
+        try:
+            res = self.script("down", DOWN_TIMEOUT)
+            if res.returncode == 0:
+                return
+            print(f"glusterfs.sh down failed:\n{res.stdout}{res.stderr}")
+        except subprocess.TimeoutExpired:
+            print(f"glusterfs.sh down did not finish in {DOWN_TIMEOUT} s")
+        # last resort: detach the mounts (volume, small bricks), kill what the script recorded
+        bricks = os.path.join(self.dir, "bricks")
+        paths = [self.mount] + ([os.path.join(bricks, b) for b in os.listdir(bricks)
+                                 if b.endswith(".fs")] if os.path.isdir(bricks) else [])
+        for d in paths:
+            if os.path.ismount(d):
+                subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
+        for f in ("client.pid", "bricks.pids"):
+            for pid in _pids(os.path.join(self.dir, "state", f)):
+                _kill(pid)
+
+    def subdir(self, name: str) -> str:
+        path = os.path.join(self.mount, f"tests-{os.getpid()}", name)
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        return path
+
+
+def _pids(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def gluster():
+    vol = Volume()
+    try:
+        vol.up()
+        yield vol
+    finally:
+        if vol.started:
+            vol.down()
+        elif os.path.isdir(os.path.join(vol.mount, f"tests-{os.getpid()}")):
+            shutil.rmtree(os.path.join(vol.mount, f"tests-{os.getpid()}"), ignore_errors=True)
+
+
+@pytest.fixture
+def gdir(gluster, request):
+    """A fresh directory on the volume for this test (removed afterwards)."""
+    path = gluster.subdir(request.node.name)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- loopback only
+def _listening(proc: str) -> set[str]:
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[3].rsplit(":", 1)[0].strip("[]") for line in out.splitlines()
+            if f'(("{proc}"' in line}
+
+
+def _gluster_sockets() -> list[tuple[str, str, str]]:
+    """(process, local address, peer address) of every TCP socket of gluster's processes."""
+    out = subprocess.run(["ss", "-Htanp"], capture_output=True, text=True, timeout=30).stdout
+    socks = []
+    for line in out.splitlines():
+        for proc in ("glusterd", "glusterfsd", "glusterfs"):
+            if f'(("{proc}"' in line:
+                f = line.split()
+                socks.append((proc, f[3], f[4]))
+    return socks
+
+
+def _is_loopback(addr: str) -> bool:
+    """'127.0.0.1:24007', '[::ffff:127.0.0.1]:49152' ... (a wildcard '0.0.0.0:N' is not)."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    if host.startswith("::ffff:"):
+        host = host[len("::ffff:"):]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def test_everything_gluster_uses_is_loopback(gluster):
+    info = subprocess.run(["gluster", "--mode=script", "volume", "info", gluster.name],
+                          capture_output=True, text=True, timeout=60)
+    assert info.returncode == 0, info.stderr
+    hosts = {m.group(1) for m in re.finditer(r"^Brick\d+: ([^:\s]+):/", info.stdout, re.M)}
+    assert hosts, info.stdout
+    entry = api.mount_at(os.path.realpath(gluster.mount))
+    assert entry is not None and entry.fstype == "fuse.glusterfs", entry
+    hosts.add(entry.source.split(":", 1)[0])  # HOST:/VOLUME: where the client gets its volfile
+    addrs = set()
+    for h in hosts:
+        for *_, sa in socket.getaddrinfo(h, 24007, proto=socket.IPPROTO_TCP):
+            assert ipaddress.ip_address(sa[0]).is_loopback, f"{h} resolves to {sa[0]}"
+            addrs.add(sa[0])
+    v4 = {a for a in addrs if ipaddress.ip_address(a).version == 4}
+    assert all(ipaddress.ip_address(a) in LOOPBACK for a in v4), v4
+    # glusterd listens on the brick host's loopback address only (127.0.0.1 where the host
+    # name resolves there), not on 0.0.0.0
+    listen = _listening("glusterd")
+    assert listen and listen <= v4, f"glusterd listens on {listen}, brick host is {v4}"
+    if socket.gethostbyname(socket.gethostname()) == "127.0.0.1":
+        assert listen == {"127.0.0.1"}, listen
+    with open("/etc/glusterfs/glusterd.vol") as f:
+        assert f"transport.socket.bind-address {sorted(listen)[0]}" in f.read()
+    # and every socket of glusterd, the bricks and the client: both ends on loopback
+    socks = _gluster_sockets()
+    assert any(p == "glusterfsd" for p, _, _ in socks), socks
+    assert any(p == "glusterfs" for p, _, _ in socks), socks
+    for proc, local, peer in socks:
+        assert _is_loopback(local), (proc, local, peer)
+        assert peer.endswith(":*") or _is_loopback(peer), (proc, local, peer)
+
+
+# ---------------------------------------------------------------- torch save / restore
+def test_gpt_state_save_remount_restore(gdir, mounts):
+    sd = gpt_state_dict()  # ~80 MB: GPT-2-shaped weights + Adam state, 300 small tensors
+    m = mounts.mount(backing=gdir, staging_size="256M")
+    save_all(m.mountpoint, sd)
+    check_all(m.mountpoint, sd)
+    m.sync()
+    st = m.status()
+    assert st["bytes_durable"] >= sum(t.numel() * t.element_size() for t in sd.values())
+    assert st["uncommitted_changes"] == 0 and st["errors"] == 0
+    check_all(m.mountpoint, sd)
+    assert m.stop() == 0
+    assert "NOT everything" not in mounts.log(m)
+    files = backing_files(gdir)
+    assert len(files) <= 12, files  # a handful of files on the volume, not one per tensor
+    m2 = mounts.mount(backing=gdir)
+    check_all(m2.mountpoint, sd)
+    n = sum(len(fns) for _, _, fns in os.walk(os.path.join(m2.mountpoint, "step_100")))
+    assert n == len(sd)
+    assert m2.stop() == 0
+
+
+def test_dcp_save_load(gdir, mounts):
+    dcp_save_load(mounts, gdir)
+
+
+# ---------------------------------------------------------------- crash
+def test_kill_9_fsynced_files_exact_after_remount(gdir, mounts, tmp_path):
+    """The local crash test's writer and checks (tests/test_crash.py), 3 kills, the backing
+    directory on the volume."""
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    rng = random.Random(4321)
+    planned, durable, seen = {}, set(), {}
+    ctx = multiprocessing.get_context("fork")
+    m = mounts.mount(gdir, mnt, **test_crash.OPTS)
+    iters = 3
+    for it in range(iters):
+        jpath = str(tmp_path / f"journal{it}")
+        w = ctx.Process(target=test_crash.writer_main,
+                        args=(mnt, it, rng.randrange(1 << 30), jpath))
+        w.start()
+        time.sleep(rng.uniform(0.5, 1.5))
+        os.kill(m.pid, signal.SIGKILL)
+        w.join(30)
+        assert not w.is_alive(), "writer hung on the dead mount"
+        res = cli("umount", mnt)
+        assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
+        m._reap(kill=False)
+        p, d = test_crash.read_journal(jpath)
+        planned.update(p)
+        durable |= d
+        res = cli("verify", gdir)
+        assert res.returncode == 0, f"verify after kill {it}: {res.stdout}{res.stderr}"
+        m = mounts.mount(gdir, mnt, **test_crash.OPTS)
+        test_crash.check_tree(mnt, planned, durable, seen, full=True)
+        assert "Traceback" not in mounts.log(m)
+    m.stop()
+    assert cli("verify", gdir).returncode == 0
+    assert durable and len(planned) > len(durable)
+
+
+# ---------------------------------------------------------------- full backing store
+@pytest.fixture
+def small_gluster(gluster):
+    """A second volume, one brick on a 64 MiB loop-mounted ext4 image."""
+    vol = Volume(GLUSTER_DIR="/var/tmp/ckptfs-gluster-small", GLUSTER_VOLUME="ckptfs-small",
+                 GLUSTER_BRICKS="1", GLUSTER_BRICK_SIZE="64M")
+    try:
+        vol.up()
+        yield vol
+    finally:
+        if vol.started:
+            vol.down()
+
+
+def test_full_volume_enospc_then_recovery(small_gluster, mounts):
+    store = small_gluster.mount
+    backing = small_gluster.subdir("b")
+    filler = os.path.join(store, "filler")
+    opts = dict(staging_size="8M", segment_size="1M", log_size="8M", idle_flush=0.2)
+    m = mounts.mount(backing, **opts)
+    mnt = m.mountpoint
+    durable = {"a": 6 * MiB}
+    assert write_ckpt(os.path.join(mnt, "a"), content("a", durable["a"])) == ""
+    st = os.statvfs(store)
+    try:
+        fill(filler, st.f_bavail * st.f_frsize - 2 * MiB)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc  # gluster keeps a reserve: full before the end
+    failed_at = ""
+    for i in range(20):
+        name = f"b{i}"
+        step = write_ckpt(os.path.join(mnt, name), content(name, 4 * MiB))
+        if step:
+            failed_at = step
+            break
+        durable[name] = 4 * MiB
+    assert failed_at, "the small volume never ran full"
+    assert m.proc.poll() is None, "daemon died on ENOSPC"
+    with pytest.raises(OSError) as ei:
+        m.sync()
+    assert ei.value.errno == errno.ENOSPC
+    for name, size in durable.items():
+        assert read_fd(os.path.join(mnt, name))[0] == content(name, size), name
+    os.unlink(filler)
+    sync_until_ok(m, errno.ENOSPC, 60, "staged data never landed after space was freed")
+    assert write_ckpt(os.path.join(mnt, "c"), content("c", 4 * MiB)) == ""
+    durable["c"] = 4 * MiB
+    m = verify_and_remount(mounts, m, backing, opts, durable)
+    print(f"\nENOSPC on the volume reported at {failed_at}; {len(durable)} checkpoints durable")
+    m.stop()
+
+
+# ---------------------------------------------------------------- several writers
+def test_four_writers_one_backing_directory(gdir, mounts):
+    ms = mw.four_writers(mounts, gdir)
+    mw.save_step(ms, 1)
+    for m in ms:
+        assert m.stop() == 0
+    assert sorted(os.listdir(os.path.join(gdir, "writers"))) == [f"w{i}" for i in range(4)]
+    ro = mounts.mount(gdir, ro=True)
+    assert ro.status()["writers"] == mw.DAEMONS
+    for r in range(mw.RANKS):
+        mw.check_rank(ro.mountpoint, 1, r)
+    mw.verify_ok(gdir)
+    names = mw.listed(gdir)
+    for r in range(mw.RANKS):
+        assert mw.rank_paths(1, r) <= names, r
+
+
+# ---------------------------------------------------------------- verify / export / compact
+def test_verify_export_compact(gdir, mounts, tmp_path):
+    m = mounts.mount(backing=gdir)
+    mp = m.mountpoint
+    for s in (1, 2, 3):
+        os.makedirs(f"{mp}/step_{s}")
+        for k in range(5):
+            with open(f"{mp}/step_{s}/t{k}.pt", "wb") as f:
+                f.write(content(f"{s}/{k}", 300_000 * (k + 1)))
+    with open(f"{mp}/step_3/t0.pt", "r+b") as f:  # an overwrite leaves dead bytes
+        f.seek(1000)
+        f.write(os.urandom(5000))
+    before = _md5_tree(mp)
+    assert m.stop() == 0
+    r = cli("verify", gdir)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+    exp = os.path.join(gdir, "..", "export")  # onto the volume too
+    shutil.rmtree(exp, ignore_errors=True)
+    r = cli("export", gdir, exp)
+    assert r.returncode == 0, r.stderr
+    assert _md5_tree(exp) == before
+    r = cli("compact", gdir)
+    assert r.returncode == 0 and "MB live" in r.stdout, r.stdout + r.stderr
+    assert cli("verify", gdir).returncode == 0
+    m2 = mounts.mount(backing=gdir)
+    assert _md5_tree(m2.mountpoint) == before
+    assert m2.stop() == 0
+    shutil.rmtree(exp, ignore_errors=True)
