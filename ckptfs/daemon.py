@@ -252,7 +252,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
                       stripe_bytes=cfg.stripe_bytes)
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
-                    direct=facts["direct"])  # buffers on first use: see benchmarks.md
+                    direct=facts["direct"])  # buffers on first use: performance-notes.md
     reader.note_runs(run for x in ns.inodes.values() if x.emap is not None
                      for run in x.emap.runs())
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,

@@ -72,7 +72,8 @@ def test_quick_run_is_complete_and_verified(tmp_path):
             assert "daemon_save_cpu_s_per_gb" not in m, key
     assert ck["status_bytes_durable"] >= payload
     assert res["summary"]["ckptfs"]["time_vs_ckptfs"]["durable_s"] == pytest.approx(1.0)
-    # issue 8's targets are judged from the same medians, every one of them (all contenders ran)
+    # the performance targets are judged from the same medians, every one of them (all
+    # contenders ran)
     assert [v["target"] for v in res["targets"]] == [t.key for t in targets.TARGETS]
     for v in res["targets"]:
         if v["target"] != "flusher":

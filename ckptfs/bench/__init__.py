@@ -1,4 +1,4 @@
-"""Benchmarks: `ckptfs bench engine|micro|e2e`. Each module has `main(argv) -> int`."""
+"""Benchmarks: `ckptfs bench engine|micro|e2e|scaling`. Each module has `main(argv) -> int`."""
 
 import os
 
@@ -6,7 +6,7 @@ import os
 def drop_caches(level: int = 1) -> bool:
     """`sync; echo LEVEL > /proc/sys/vm/drop_caches` (1: page cache, 3: also dentries and
     inodes). False when not permitted (not root). This VM's memory is backed lazily: a benchmark
-    that inherits a full page cache measures that, not the code (FIELD.md)."""
+    that inherits a full page cache measures that, not the code (docs/benchmarks.md)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:

@@ -1,4 +1,4 @@
-"""The performance targets (issue 8), judged from one `ckptfs bench e2e` run.
+"""The performance targets, judged from one `ckptfs bench e2e` run.
 
 Every target is a ratio of two medians of the same run (ckptfs against one contender, which ran
 alternating with it), so the machine's drift cancels. A run also gives a floor: no file system
@@ -102,7 +102,7 @@ def judge(summary: dict, runs: list[dict]) -> list[dict]:
 def format_verdicts(verdicts: list[dict], fl: dict | None, default_state: bool) -> str:
     if not verdicts:
         return "targets: not judged (ckptfs or the contenders they compare with did not run)"
-    hdr = ("target (issue 8)", "limit", "ckptfs / contender", "held", "allows ckptfs s",
+    hdr = ("target", "limit", "ckptfs / contender", "held", "allows ckptfs s",
            "allows / floor")
     rows = []
     for v in verdicts:

@@ -224,7 +224,7 @@ class Reader:
         inside one piece of one checked run whose bytes sit in one cached chunk. Its view, with
         the readahead _read would start, and nothing else _read does (pins, checks, waits:
         none are needed); None for every other READ (_read). Per READ of a small file the
-        interpreter runs cold, so this is ~2x less of it (docs/benchmarks.md, attempt 44)."""
+        interpreter runs cold, so this is ~2x less of it (docs/performance-notes.md)."""
         pieces = emap.find(off, hi)
         if len(pieces) != 1:
             return None

@@ -27,7 +27,7 @@ from ckptfs.io import alloc_aligned
 # jumping from item to item (DCP loads the items of its one file in state-dict order, laid
 # out by size) loads 2-3 chunks per jump with runs of a whole 8 MiB segment, 1-2 with 2 MiB
 # runs: a 2.1 GB DCP restore read 5.40 -> 5.09 GB from disk and took 8.24 -> 7.47 s
-# (docs/benchmarks.md, attempt 48). Each run costs an index record and ~380 bytes of daemon
+# (docs/performance-notes.md). Each run costs an index record and ~380 bytes of daemon
 # memory (~200 MB per TB held in a mount at 2 MiB).
 CHECKSUM_BLOCK_BYTES = 2 << 20
 

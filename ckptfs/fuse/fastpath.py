@@ -434,8 +434,8 @@ class FastPath(RequestWait):
         reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
         attributes are packed straight from the inode (fs.attr_fields), and a LOOKUP of a
         name that does not exist is answered without raising: a small file's save is six
-        requests, and on this path the interpreter runs cold (docs/benchmarks.md, attempt
-        43), so every object and exception per request shows."""
+        requests, and on this path the interpreter runs cold (docs/performance-notes.md), so
+        every object and exception per request shows."""
         ops = self.ops
         try:
             if opcode == FUSE_GETATTR:

@@ -4,8 +4,8 @@ pyfuse3's request loop (one trio task per request being served, up to `max_tasks
 module-level coroutine `pyfuse3._wait_fuse_readable` before every `read()` of /dev/fuse. Its
 version takes a `trio.Lock` (two scheduler passes even when free), then registers the fd with
 epoll and parks until it is readable, for every request, also when the next request is already
-queued. With small files (~6 requests per `torch.save`) that wait was ~35-40% of the daemon's
-main thread (docs/benchmarks.md).
+queued. With small files (~6 requests per `torch.save`) that wait is ~35-40% of the daemon's
+main thread (measured with py-spy).
 
 `RequestWait` replaces it:
 - fast path: if /dev/fuse already has a request (a zero-timeout `poll`), return at once, with
@@ -13,15 +13,15 @@ main thread (docs/benchmarks.md).
   thread reads the fd, so the request is still there). After `FAST_STREAK` fast returns in a row
   the task passes through the scheduler once (a checkpoint: the other tasks that can run, run,
   so a stream of requests cannot starve flusher completions, timers, signals), and then looks
-  again. (Until attempt 43 it took the slow path there: a park in epoll, i.e. a sleep and a
-  wake-up, for one in 16 requests even while the client kept sending them.)
+  again. (It does not take the slow path there: that would be a park in epoll, i.e. a sleep
+  and a wake-up, for one in 16 requests even while the client keeps sending them.)
 - spin (`--request-spin`, default 250 us): if nothing is queued yet, keep polling for a short
   while before parking. A client in the middle of a `torch.save` / `torch.load` sends its next
   request tens of microseconds after our reply; catching it here saves the park, the epoll
   wait and the wake-ups on both sides, which dominate a small request's round trip on a VM
-  (tiny WRITE 41-59 -> 23-41 us; 3,000 small files saved 2.38 -> 1.69 s; docs/benchmarks.md,
-  attempt 28). The price is at most that long of one CPU per request while requests come;
-  an idle mount does not spin, and spins that keep missing back off.
+  (tiny WRITE 41-59 -> 23-41 us; 3,000 small files saved 2.38 -> 1.69 s;
+  docs/performance-notes.md). The price is at most that long of one CPU per request while
+  requests come; an idle mount does not spin, and spins that keep missing back off.
 - slow path: one task at a time parks in `wait_readable` (trio allows one waiter per fd); the
   others wait in a ParkingLot. After waking it checks again, because a task on the fast path may
   have taken the request meanwhile (a blocking read on an empty /dev/fuse would stall the loop).

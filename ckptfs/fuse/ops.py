@@ -541,10 +541,10 @@ class CkptOperations(pyfuse3.Operations):
 
         The run's CRC32C is carried along piece by piece, here, while the bytes are still in
         the CPU cache (the kernel or staging.append has just written them: crc32c runs at
-        ~25 GB/s over them). At flush time they are cold (~7.7 GB/s): the flusher's pass cost
-        ~130 us of CPU and memory bandwidth per MiB, which on a 2-CPU machine came out of
-        the writer's time (~15% of a stream of 1 MiB writes; docs/benchmarks.md, attempt
-        36). The GIL is kept (a release would let the flusher thread in mid-request)."""
+        ~25 GB/s over them). At flush time they are cold (~7.7 GB/s): a pass by the flusher
+        would cost ~130 us of CPU and memory bandwidth per MiB, which on a 2-CPU machine comes
+        out of the writer's time (~15% of a stream of 1 MiB writes; docs/performance-notes.md).
+        The GIL is kept (a release would let the flusher thread in mid-request)."""
         journal = self.journal
         emap = x.emap
         block = self.checksum_block

@@ -38,7 +38,7 @@ def alloc_aligned(nbytes: int, populate: bool = True, huge: bool = False) -> mma
     or drop it to unmap; it cannot be closed while the engine still holds it (BufferError).
     ``huge``: ask for transparent huge pages (MADV_HUGEPAGE) before the memory is touched:
     one fault per 2 MiB instead of 512, cheaper page pinning for O_DIRECT and FUSE replies
-    (docs/benchmarks.md, "Performance work"); ignored where THP is off.
+    (docs/performance-notes.md); ignored where THP is off.
     """
     if nbytes <= 0:
         raise ValueError("alloc_aligned: nbytes must be > 0, got %r" % (nbytes,))
