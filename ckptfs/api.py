@@ -1,6 +1,6 @@
 """The Python face of ckptfs for scripts and tests.
 
-    with ckptfs.api.Mount("/lustre/run42", "/ckpt", staging="256M") as m:
+    with ckptfs.api.Mount("/lustre/run42", "/ckpt", staging_size="256M") as m:
         torch.save(t, "/ckpt/step_1/w.pt")
         m.sync()                  # everything durable
         print(m.status()["bytes_durable"])
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 from typing import NamedTuple
+
+from ckptfs.options import command_line
 
 XATTR_STATUS = "user.ckptfs.status"
 XATTR_SYNC = "user.ckptfs.sync"
@@ -202,18 +204,13 @@ def wait_pid_exit(pid: int, timeout: float) -> bool:
     return False
 
 
-def _size_arg(v) -> str:
-    return str(v)
-
-
-# options whose default may be on (or automatic): False asks for --no-<option>
-NEGATABLE = {"direct_reads", "direct_writes", "writeback_cache", "fast_path"}
-
 class Mount:
     """Mount `backing` at `mountpoint` for the duration of a `with` block (or start()/stop()).
 
-    Options are `ckptfs mount` options with underscores: staging="256M", segment="8M",
-    queue_depth=32, io="buffered", engine="posix", writer_id="w1", idle_flush=0.5 ...
+    Options are `ckptfs mount` options with underscores (ckptfs/options.py):
+    staging_size="256M", segment_size="8M", queue_depth=32, io="buffered", engine="posix",
+    writer_id="w1", idle_flush=0.5, fast_path=False (or no_fast_path=True) ... An unknown
+    option is a TypeError here, before anything starts.
     """
 
     def __init__(self, backing: str, mountpoint: str, *, timeout: float = 60.0,
@@ -222,24 +219,15 @@ class Mount:
         self.mountpoint = mountpoint
         self.timeout = timeout
         self.options = options
+        self.flags = command_line(options)
         self.log_file = log_file
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "ckptfs", "mount", "-f", self.backing, self.mountpoint]
-        for k, v in self.options.items():
-            flag = "--" + k.replace("_", "-")
-            if v is True:
-                cmd.append(flag)
-            elif v is False and k in NEGATABLE:
-                cmd.append("--no-" + k.replace("_", "-"))
-            elif v is False or v is None:
-                continue
-            else:
-                cmd += [flag, _size_arg(v)]
-        return cmd
+        return [sys.executable, "-m", "ckptfs", "mount", "-f", self.backing, self.mountpoint,
+                *self.flags]
 
     def start(self) -> "Mount":
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL

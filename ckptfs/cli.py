@@ -12,6 +12,9 @@ import select
 import sys
 import time
 
+from ckptfs import options
+from ckptfs.options import parse_size
+
 BENCHES = ("engine", "micro", "e2e", "scaling")
 
 EPILOG = """examples:
@@ -24,25 +27,6 @@ EPILOG = """examples:
   ckptfs demo                                 save and restore a model through a temporary mount
   ckptfs bench engine|micro|e2e|scaling --help  the benchmarks
 """
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
-          "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'8M' -> 8 MiB (binary units; 'K', 'M', 'G', 'T', optionally followed by 'B' or 'iB')."""
-    t = str(text).strip().upper()
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8M, 1G)") from None
-    if unit not in _UNITS or value < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8M, 1G)")
-    return int(value * _UNITS[unit])
-
 
 class _Parser(argparse.ArgumentParser):
     """Bad command lines get one line (and the exit status 2), not the usage block."""
@@ -76,108 +60,27 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_mount(sub) -> None:
-    from ckptfs.daemon import MountConfig
-
-    d = MountConfig("", "")
     p = sub.add_parser("mount", help="mount a backing directory",
                        formatter_class=_DefaultsHelp,
-                       description="Mount BACKING (a directory on the real file system, created "
-                       "on first use) at MOUNTPOINT (an empty directory). Returns once the "
-                       "mount is live; the daemon keeps running in the background.",
+                       description="Mount BACKING (an existing directory on the real file "
+                       "system, initialised on first use) at MOUNTPOINT (an empty directory). "
+                       "Returns once the mount is live; the daemon keeps running in the "
+                       "background.",
                        epilog="example: ckptfs mount /lustre/proj/run42 /ckpt --staging-size 2G")
     p.add_argument("backing")
     p.add_argument("mountpoint")
     p.add_argument("-f", "--foreground", action="store_true", help="do not daemonize")
-    p.add_argument("--debug", action="store_true", help="debug logging (and FUSE debug)")
-    p.add_argument("--writer-id", default="", help="writer identity in the backing directory "
-                   "(default: the host name); distinct mounts writing the same backing "
-                   "directory need distinct ids")
-    p.add_argument("--staging-size", type=parse_size, default="512M",
-                   help="memory for staging segments; writers wait when it is full")
-    p.add_argument("--segment-size", type=parse_size, default=f"{d.segment_bytes >> 20}M",
-                   help="segment size: the unit of aggregation and of backing writes")
-    p.add_argument("--checksum-block", type=parse_size,
-                   default=f"{d.checksum_block_bytes >> 20}M",
-                   help="most bytes of a file under one CRC32C: a first read of a place loads "
-                   "and checks that much (smaller: less read amplification for readers that "
-                   "jump, e.g. DCP; more index records and daemon memory, ~380 B per block)")
-    p.add_argument("--queue-depth", type=int, default=d.queue_depth,
-                   help="io_uring queue depth of the flusher")
-    p.add_argument("--io", choices=["auto", "direct", "buffered"], default=d.io_mode,
-                   help="O_DIRECT (auto: where the backing file system allows it) or buffered")
-    p.add_argument("--engine", choices=["auto", "io_uring", "posix"], default=d.engine,
-                   help="io engine (auto: io_uring when the kernel allows it)")
-    p.add_argument("--log-size", type=parse_size, default="1G",
-                   help="roll over to a new data log past this size")
-    p.add_argument("--data-logs", type=int, default=d.data_logs,
-                   help="data logs written at once, segments round robin (parallel file "
-                   "systems: one per storage target to spread over)")
-    p.add_argument("--stripe-size", type=parse_size, default="0",
-                   help="start every segment on a multiple of this (the parallel file "
-                   "system's stripe size; make --segment-size a multiple of it); 0: 4 KiB")
-    p.add_argument("--io-chunk", type=parse_size, default=f"{d.io_chunk_bytes >> 20}M",
-                   help="largest single write request")
-    p.add_argument("--read-cache", type=parse_size, default="256M",
-                   help="memory for verified data read back from the logs")
-    p.add_argument("--prefetch", type=parse_size, default="64M",
-                   help="on the first read of a file, load up to this much of it at once")
-    p.add_argument("--readahead", type=parse_size, default="4M",
-                   help="kernel readahead of the mount (sequential readers get 1 MiB READs)")
-    p.add_argument("--idle-flush", type=float, default=d.idle_flush_s,
-                   help="seconds without writes after which a partial segment is flushed")
-    p.add_argument("--request-spin", type=int, default=d.request_spin_us, metavar="US",
-                   help="microseconds the daemon polls for the next request before it sleeps "
-                   "(catches a busy writer's next request without a wake-up; 0: off)")
-    p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=d.fast_path,
-                   help="the daemon reads requests itself: WRITE payloads land straight in "
-                   "the staging segment; READ, WRITE, FLUSH, RELEASE, LOOKUP, GETATTR, OPEN "
-                   "and CREATE skip pyfuse3 (off: pyfuse3 serves every request)")
-    p.add_argument("--writeback-cache", action=argparse.BooleanOptionalAction,
-                   default=d.writeback_cache,
-                   help="kernel writeback cache: merges small writes into 1 MiB requests "
-                   "(for workloads of small writes); turns --direct-writes off")
-    p.add_argument("--direct-writes", action=argparse.BooleanOptionalAction,
-                   default=d.direct_writes,
-                   help="write-only opens bypass the kernel page cache (FOPEN_DIRECT_IO): "
-                   "one copy less per byte")
-    p.add_argument("--direct-reads", action=argparse.BooleanOptionalAction,
-                   default=d.direct_reads,
-                   help="read-only opens of files >= 1 MiB bypass the kernel page cache: "
-                   "faster restores with torch.load/DCP. Default: on where the kernel keeps "
-                   "MAP_SHARED mmap of such files possible (Linux 6.6+, with the fast path), "
-                   "else off; forced on without that, MAP_SHARED mmap (safetensors, numpy "
-                   "memmap) of those files fails with ENODEV")
-    p.add_argument("--allow-other", action="store_true",
-                   help="let other users see the mount (needs user_allow_other for non-root)")
-    p.add_argument("--prometheus", default="", metavar="FILE",
-                   help="write the status figures to FILE every 5 s (Prometheus text format, "
-                   "for node_exporter's textfile collector)")
-    p.add_argument("--ro", action="store_true",
-                   help="read-only mount of the merged tree of all writers (restore)")
-    p.add_argument("--no-populate", action="store_true",
-                   help="do not pre-fault the staging memory at mount")
-    p.add_argument("--log-file", default=None,
-                   help="daemon log when daemonized (default: BACKING/writers/ID/daemon.log)")
+    options.add_arguments(p)
 
 
 def _mount(a) -> int:
     from ckptfs.daemon import MountConfig, MountError, open_writer, prepare, serve
     from ckptfs.format.records import FormatError
 
-    cfg = MountConfig(a.backing, a.mountpoint, writer_id=a.writer_id,
-                      staging_bytes=a.staging_size, segment_bytes=a.segment_size,
-                      checksum_block_bytes=a.checksum_block,
-                      queue_depth=a.queue_depth, io_mode=a.io, engine=a.engine,
-                      log_bytes=a.log_size, io_chunk_bytes=a.io_chunk,
-                      read_cache_bytes=a.read_cache, prefetch_bytes=a.prefetch,
-                      idle_flush_s=a.idle_flush, request_spin_us=a.request_spin,
-                      fast_path=a.fast_path,
-                      allow_other=a.allow_other, debug=a.debug,
-                      populate=not a.no_populate, writeback_cache=a.writeback_cache,
-                      readonly=a.ro, direct_writes=a.direct_writes, direct_reads=a.direct_reads,
-                      readahead_kb=a.readahead // 1024, data_logs=a.data_logs,
-                      stripe_bytes=a.stripe_size, prometheus_file=os.path.abspath(a.prometheus)
-                      if a.prometheus else "")
+    values = options.config_values(a)
+    if values["prometheus_file"]:
+        values["prometheus_file"] = os.path.abspath(values["prometheus_file"])
+    cfg = MountConfig(a.backing, a.mountpoint, **values)
     _setup_logging(a.debug)
     if a.foreground:
         def ready(msg: str) -> None:
@@ -198,7 +101,7 @@ def _mount(a) -> int:
     if pid == 0:
         os.close(rfd)
         os.setsid()
-        logfile = a.log_file or os.path.join(cfg.backing, "writers", cfg.writer_id,
+        logfile = cfg.log_file or os.path.join(cfg.backing, "writers", cfg.writer_id,
                                              "daemon.log")
         os.makedirs(os.path.dirname(os.path.abspath(logfile)), mode=0o700, exist_ok=True)
         lfd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -354,6 +257,18 @@ def _status(a) -> int:
         time.sleep(a.interval)
 
 
+def _options(a) -> int:
+    if a.mount_helper:
+        sys.stdout.write(options.mount_helper_table())
+    elif a.markdown:
+        sys.stdout.write(options.markdown_table())
+    else:
+        for o in options.OPTIONS:
+            flag = f"--[no-]{o.name}" if o.kind == "switch" else f"--{o.name}"
+            print(f"{flag:<22} {o.shown_default():<8} {o.help}")
+    return 0
+
+
 def _demo(a) -> int:
     from ckptfs import demo
 
@@ -449,11 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=parse_size, default="1G", help="model state size")
     p.add_argument("--dir", default=None, help="where to put the temporary backing directory "
                    "(default: /var/tmp; a disk, not tmpfs)")
+    p = sub.add_parser("options", help="the mount options with their defaults, as a table",
+                       epilog="the same table as `ckptfs mount --help` and docs/operations.md")
+    p.add_argument("--markdown", action="store_true", help="as the table in the docs")
+    p.add_argument("--mount-helper", action="store_true",
+                   help="as mount.ckptfs reads it: one '-o' option per line, 'value' or 'flag'")
     sub.add_parser("bench", help="benchmarks: ckptfs bench engine|micro|e2e|scaling --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,
-                "compact": _offline, "gc": _offline, "import": _offline}
+                "compact": _offline, "gc": _offline, "import": _offline,
+                "options": _options}
     if a.command is None:
         parser.print_help()
         return 2

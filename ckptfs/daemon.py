@@ -7,6 +7,7 @@ child's first line (ready or error) to the user.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import json
@@ -16,11 +17,11 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import pyfuse3
 import trio
 
+from ckptfs import options
 from ckptfs.api import mount_at, status_socket_name
 from ckptfs.datapath.flusher import Flusher, Journal
 from ckptfs.datapath.reader import Reader
@@ -40,62 +41,39 @@ log = logging.getLogger("ckptfs")
 MiB = 1 << 20
 
 
-@dataclass
-class MountConfig:
-    backing: str
-    mountpoint: str
-    writer_id: str = ""
-    staging_bytes: int = 512 * MiB
-    segment_bytes: int = 8 * MiB
-    checksum_block_bytes: int = 2 * MiB
-    queue_depth: int = 32
-    io_mode: str = "auto"  # auto | direct | buffered
-    engine: str = "auto"  # auto | io_uring | posix
-    log_bytes: int = 1 << 30
-    io_chunk_bytes: int = 8 * MiB
-    read_cache_bytes: int = 256 * MiB
-    prefetch_bytes: int = 64 * MiB
-    idle_flush_s: float = 1.0
-    request_spin_us: int = 250
-    fast_path: bool = True
-    readahead_kb: int = 4096
-    readonly: bool = False
-    prometheus_file: str = ""
-    direct_writes: bool = True
-    direct_reads: bool | None = None  # None: on when shared mmap stays possible (fastpath.py)
-    data_logs: int = 1
-    stripe_bytes: int = 0
-    writeback_cache: bool = False
-    allow_other: bool = False
-    debug: bool = False
-    populate: bool = True
+# A mount's settings: `backing`, `mountpoint`, then one field per entry of options.OPTIONS
+# (their defaults and units are there).
+def _check_config(self) -> None:
+    if self.segment_bytes < 64 * 1024 or self.segment_bytes % 4096:
+        raise ValueError("--segment-size must be a multiple of 4 KiB and at least 64 KiB")
+    if self.checksum_block_bytes < 64 * 1024 or self.checksum_block_bytes % 4096:
+        raise ValueError("--checksum-block must be a multiple of 4 KiB and at least 64 KiB")
+    if self.staging_bytes < 2 * self.segment_bytes:
+        raise ValueError("--staging-size must hold at least two segments")
+    if not 1 <= self.queue_depth <= 4096:
+        raise ValueError("--queue-depth must be between 1 and 4096")
+    if self.io_mode not in ("auto", "direct", "buffered"):
+        raise ValueError("--io must be auto, direct or buffered")
+    if self.engine not in ("auto", "io_uring", "posix"):
+        raise ValueError("--engine must be auto, io_uring or posix")
+    if self.log_bytes < self.segment_bytes + records.DATA_HEADER_BYTES:
+        raise ValueError("--log-size must be larger than a segment")
+    if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
+        raise ValueError("--io-chunk must be a multiple of 4 KiB")
+    if self.idle_flush_s <= 0:
+        raise ValueError("--idle-flush must be positive")
+    if not 0 <= self.request_spin_us <= 100_000:
+        raise ValueError("--request-spin must be between 0 and 100000 microseconds")
+    if not 1 <= self.data_logs <= 256:
+        raise ValueError("--data-logs must be between 1 and 256")
+    if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
+        raise ValueError("--stripe-size must be a multiple of 4 KiB (and well below "
+                         "--log-size)")
 
-    def check(self) -> None:
-        if self.segment_bytes < 64 * 1024 or self.segment_bytes % 4096:
-            raise ValueError("--segment-size must be a multiple of 4 KiB and at least 64 KiB")
-        if self.checksum_block_bytes < 64 * 1024 or self.checksum_block_bytes % 4096:
-            raise ValueError("--checksum-block must be a multiple of 4 KiB and at least 64 KiB")
-        if self.staging_bytes < 2 * self.segment_bytes:
-            raise ValueError("--staging-size must hold at least two segments")
-        if not 1 <= self.queue_depth <= 4096:
-            raise ValueError("--queue-depth must be between 1 and 4096")
-        if self.io_mode not in ("auto", "direct", "buffered"):
-            raise ValueError("--io must be auto, direct or buffered")
-        if self.engine not in ("auto", "io_uring", "posix"):
-            raise ValueError("--engine must be auto, io_uring or posix")
-        if self.log_bytes < self.segment_bytes + records.DATA_HEADER_BYTES:
-            raise ValueError("--log-size must be larger than a segment")
-        if self.io_chunk_bytes < 4096 or self.io_chunk_bytes % 4096:
-            raise ValueError("--io-chunk must be a multiple of 4 KiB")
-        if self.idle_flush_s <= 0:
-            raise ValueError("--idle-flush must be positive")
-        if not 0 <= self.request_spin_us <= 100_000:
-            raise ValueError("--request-spin must be between 0 and 100000 microseconds")
-        if not 1 <= self.data_logs <= 256:
-            raise ValueError("--data-logs must be between 1 and 256")
-        if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
-            raise ValueError("--stripe-size must be a multiple of 4 KiB (and well below "
-                             "--log-size)")
+
+MountConfig = dataclasses.make_dataclass(
+    "MountConfig", [("backing", str), ("mountpoint", str), *options.config_fields()],
+    namespace={"check": _check_config})
 
 
 class MountError(Exception):

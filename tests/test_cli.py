@@ -301,18 +301,49 @@ def test_several_data_logs_and_stripe_alignment(mounts):
         assert f.read() == data
 
 
-def test_api_knows_every_negatable_mount_option():
-    """api.Mount(..., opt=False) passes --no-<opt> for exactly the options the CLI declares
-    with a --no- form (its list is kept by hand in api.NEGATABLE)."""
+def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
+    """Every option of ckptfs/options.py set through api.Mount's keywords reaches
+    MountConfig with the value given (through the real argparse of `ckptfs mount`), an
+    unknown keyword is refused before anything starts, and docs/operations.md's table is the
+    table's own rendering."""
     import argparse
 
-    from ckptfs import cli
+    from ckptfs import cli, options
+    from ckptfs.daemon import MountConfig
 
-    sub = argparse.ArgumentParser().add_subparsers()
+    given = {"writer_id": "w7", "staging_size": "96M", "segment_size": "2M",
+             "checksum_block": "1M", "queue_depth": 7, "io": "buffered", "engine": "posix",
+             "log_size": "2G", "data_logs": 3, "stripe_size": "1M", "io_chunk": "4M",
+             "read_cache": "32M", "prefetch": "16M", "readahead": "1M", "idle_flush": 0.25,
+             "request_spin": 10, "fast_path": False, "writeback_cache": True,
+             "direct_writes": False, "direct_reads": True, "allow_other": True,
+             "prometheus": "/tmp/p.prom", "ro": True, "no_populate": True, "debug": True}
+    # a new option gets a case here; log_file is api.Mount's own keyword (the daemon's log)
+    assert set(given) | {"log_file"} == {o.dest for o in options.OPTIONS}
+    sub = argparse.ArgumentParser().add_subparsers(dest="command")
     cli._add_mount(sub)
-    mount = sub.choices["mount"]
-    negatable = {a.dest for a in mount._actions if isinstance(a, argparse.BooleanOptionalAction)}
-    assert negatable == api.NEGATABLE
+    a = sub.choices["mount"].parse_args(
+        ["B", "M", *api.Mount("B", "M", **given).command()[7:], "--log-file", "/tmp/d.log"])
+    cfg = MountConfig("B", "M", **options.config_values(a))
+    expect = dict(writer_id="w7", staging_bytes=96 << 20, segment_bytes=2 << 20,
+                  checksum_block_bytes=1 << 20, queue_depth=7, io_mode="buffered",
+                  engine="posix", log_bytes=2 << 30, data_logs=3, stripe_bytes=1 << 20,
+                  io_chunk_bytes=4 << 20, read_cache_bytes=32 << 20, prefetch_bytes=16 << 20,
+                  readahead_kb=1024, idle_flush_s=0.25, request_spin_us=10, fast_path=False,
+                  writeback_cache=True, direct_writes=False, direct_reads=True,
+                  allow_other=True, prometheus_file="/tmp/p.prom", readonly=True,
+                  populate=False, debug=True, log_file="/tmp/d.log")
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    defaults = MountConfig("B", "M", **options.config_values(sub.choices["mount"].parse_args(
+        ["B", "M"])))
+    assert defaults == MountConfig("B", "M")  # the parser's defaults are the table's
+    assert api.Mount("B", "M", no_fast_path=True).command()[7:] == ["--no-fast-path"]
+    with pytest.raises(TypeError, match="staging"):
+        api.Mount("B", "M", staging="32M")  # not an option name: refused, not guessed
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "operations.md")) as f:
+        doc = f.read()
+    table = doc.split("<!-- options table: ckptfs options --markdown -->\n", 1)[1]
+    assert table.split("\n\n", 1)[0] + "\n" == options.markdown_table()
 
 
 @pytest.mark.timeout(120)
@@ -327,7 +358,7 @@ def test_mount_table_lookups_with_a_space_in_the_path(tmp_path):
     mnt.mkdir()
     holder = api.mount_holding(str(tmp_path))
     assert holder is not None and holder.fstype != "fuse.ckptfs"
-    with api.Mount(str(backing), str(mnt), staging="32M") as m:
+    with api.Mount(str(backing), str(mnt), staging_size="32M") as m:
         (mnt / "d").mkdir()
         here = api.mount_holding(str(mnt / "d"))
         assert here is not None and here.mountpoint == str(mnt), here

@@ -48,7 +48,7 @@ QUICK_SIZE = 24 << 20
 
 
 def parse_size(text: str) -> int:
-    from ckptfs.cli import parse_size as p
+    from ckptfs.options import parse_size as p
 
     return p(text)
 

@@ -789,7 +789,7 @@ def write_plots(outdir: str, results: list[dict], title_suffix: str = "") -> lis
 
 # ---------------------------------------------------------------------------------- main
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from ckptfs.cli import parse_size
+    from ckptfs.options import parse_size
 
     p = argparse.ArgumentParser(
         prog="ckptfs bench micro",

@@ -45,7 +45,7 @@ DEFAULT_WRITERS = (1, 2, 4)
 
 
 def parse_size(text: str) -> int:
-    from ckptfs.cli import parse_size as p
+    from ckptfs.options import parse_size as p
 
     return p(text)
 
