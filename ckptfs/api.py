@@ -186,6 +186,30 @@ def fusermount(mountpoint: str, lazy: bool = False) -> subprocess.CompletedProce
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 
 
+def unmount(mountpoint: str, pid: int, timeout: float, busy: str = "fail") -> None:
+    """The one way ckptfs unmounts: detach the mount (the daemon then seals, drains and
+    commits everything staged before it exits), and wait up to `timeout` seconds for the
+    daemon `pid` to exit. A busy mount (files open) is, by `busy`: "fail" left in place,
+    "lazy" detached lazily (the daemon exits once the last file is closed), "signal" handed
+    to the daemon with SIGTERM (it unmounts itself). Raises CkptfsError when the mount stays
+    or the daemon does not exit in time; the daemon's exit status (0: everything durable)
+    is for its parent to read."""
+    deadline = time.monotonic() + timeout
+    res = fusermount(mountpoint)
+    if res.returncode != 0 and busy == "lazy":
+        res = fusermount(mountpoint, lazy=True)
+    if res.returncode != 0:
+        if busy != "signal":
+            raise CkptfsError(f"cannot unmount {mountpoint}: {res.stderr.strip()} (busy? "
+                              "close files or use --lazy)")
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if not wait_pid_exit(pid, max(1.0, deadline - time.monotonic())):
+        raise CkptfsError(f"daemon {pid} still running {timeout:g} s after the unmount began")
+
+
 def wait_pid_exit(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -276,13 +300,11 @@ class Mount:
         everything was made durable); raises CkptfsError when it was not."""
         if self.proc is None:
             return 0
-        res = fusermount(self.mountpoint)
-        if res.returncode != 0 and self.proc.poll() is None:
-            # still busy or already gone: ask the daemon itself, then the lazy way
-            self.proc.send_signal(signal.SIGTERM)
-        if not wait_pid_exit(self.proc.pid, self.timeout):
+        try:
+            unmount(self.mountpoint, self.proc.pid, self.timeout, busy="signal")
+        except CkptfsError:
             self._reap(kill=True)
-            raise CkptfsError(f"ckptfs daemon {self.proc.pid} did not exit; killed")
+            raise CkptfsError(f"ckptfs daemon {self.proc.pid} did not exit; killed") from None
         self._reap(kill=False)
         if self.returncode != 0:
             raise CkptfsError(f"ckptfs daemon exited with status {self.returncode}: "

@@ -168,15 +168,11 @@ def _umount(a) -> int:
         print(f"ckptfs: {mp}: could not make everything durable: {err}", file=sys.stderr)
         if not a.force:
             return _fail("not unmounted (use --force to unmount anyway, losing what is staged)")
-    res = api.fusermount(mp)
-    if res.returncode != 0:
-        if a.lazy:
-            res = api.fusermount(mp, lazy=True)
-        if res.returncode != 0:
-            return _fail(f"cannot unmount {mp}: {res.stderr.strip()} (busy? close files "
-                         "or use --lazy)")
-    if not api.wait_pid_exit(pid, max(1.0, deadline - time.monotonic())):
-        return _fail(f"daemon {pid} still running {a.timeout}s after the umount began")
+    try:
+        api.unmount(mp, pid, max(1.0, deadline - time.monotonic()),
+                    busy="lazy" if a.lazy else "fail")
+    except api.CkptfsError as exc:
+        return _fail(str(exc))
     st2 = st.get("bytes_durable", 0)
     print(f"unmounted {mp}: everything durable in {st['backing']} "
           f"({st2 / 1e9:.3f} GB flushed by this mount)")
