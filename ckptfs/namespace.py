@@ -113,6 +113,15 @@ class Namespace:
     def path_of(self, ino: int) -> str:
         parts = []
         x = self.inodes.get(ino)
+        if x is not None and not x.is_dir:
+            # Only directories record their parent (a file may have several names): the first
+            # directory that lists it names it. Used for warnings only, so a scan is fine.
+            x = next((d for d in self.inodes.values()
+                      if d.children and ino in d.children.values()), None)
+            if x is None:
+                return "/"
+            parts.append(next(n for n, i in x.children.items() if i == ino)
+                         .decode(errors="surrogateescape"))
         while x is not None and x.ino != ROOT_INO:
             parent = self.inodes.get(x.parent)
             if parent is None or parent.children is None:
