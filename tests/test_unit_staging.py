@@ -1,0 +1,290 @@
+"""Staging without a mount: the extent map (newest wins, punch, truncate, find, stored bytes),
+the segment pool (appends across segments, sealing, backpressure, in-place landing) and the
+journal's committable prefix (never past an extent whose segment is not durable)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from ckptfs.datapath.flusher import ExtentEntry, Journal
+from ckptfs.datapath.staging import ExtentMap, Run, Segment, Staging, round_up
+from ckptfs.format import records
+from ckptfs.format.records import CommitRec, ExtentRec, SetattrRec, UnlinkRec
+
+SEG = 64 << 10
+
+
+def run(n: int, tag: int = 0) -> Run:
+    return Run(None, 0, n, log=tag, loff=4096)
+
+
+def layout(m: ExtentMap) -> list[tuple]:
+    """(start, length, run tag, offset in run) of every piece."""
+    return [(s, n, r.log, o) for s, n, r, o in m.pieces]
+
+
+class Model:
+    """The map's meaning, byte by byte: which (run tag, offset in run) holds each byte."""
+
+    def __init__(self) -> None:
+        self.b: dict[int, tuple[int, int]] = {}
+
+    def insert(self, start, n, tag, roff):
+        for i in range(n):
+            self.b[start + i] = (tag, roff + i)
+
+    def punch(self, lo, hi):
+        for i in range(lo, hi):
+            self.b.pop(i, None)
+
+    def of(self, m: ExtentMap) -> dict:
+        out = {}
+        for s, n, r, o in m.pieces:
+            for i in range(n):
+                assert s + i not in out, "pieces overlap"
+                out[s + i] = (r.log, o + i)
+        return out
+
+
+# ---------------------------------------------------------------- ExtentMap
+def test_append_and_overwrite_newest_wins():
+    m = ExtentMap()
+    m.insert(0, 100, run(100, 1), 0)
+    m.insert(100, 50, run(50, 2), 0)
+    assert layout(m) == [(0, 100, 1, 0), (100, 50, 2, 0)] and m.end() == 150
+    m.insert(80, 40, run(40, 3), 0)  # over the end of one piece and the start of the next
+    assert layout(m) == [(0, 80, 1, 0), (80, 40, 3, 0), (120, 30, 2, 20)]
+    m.insert(10, 5, run(5, 4), 0)  # inside one piece: it splits
+    assert layout(m) == [(0, 10, 1, 0), (10, 5, 4, 0), (15, 65, 1, 15), (80, 40, 3, 0),
+                         (120, 30, 2, 20)]
+    m.insert(0, 150, run(150, 5), 0)  # over everything
+    assert layout(m) == [(0, 150, 5, 0)]
+    assert m.starts == [0] and m.stored_bytes() == 150
+
+
+def test_holes_and_writes_past_the_end():
+    m = ExtentMap()
+    m.insert(1000, 10, run(10, 1), 0)
+    m.insert(0, 10, run(10, 2), 0)  # before the first piece
+    assert layout(m) == [(0, 10, 2, 0), (1000, 10, 1, 0)]
+    assert m.stored_bytes() == 20 and m.end() == 1010
+    assert m.find(10, 1000) == []  # the hole
+    assert [(p[0], p[1]) for p in m.find(5, 1005)] == [(5, 5), (1000, 5)]
+
+
+def test_truncate_clips_and_never_grows():
+    m = ExtentMap()
+    m.insert(0, 100, run(100, 1), 0)
+    m.insert(200, 100, run(100, 2), 0)
+    m.truncate(250)
+    assert layout(m) == [(0, 100, 1, 0), (200, 50, 2, 0)] and m.stored_bytes() == 150
+    m.truncate(1000)  # growing adds a hole, not bytes
+    assert m.end() == 250 and m.stored_bytes() == 150
+    m.truncate(50)
+    assert layout(m) == [(0, 50, 1, 0)]
+    m.truncate(0)
+    assert m.pieces == [] and m.starts == [] and m.stored_bytes() == 0 and m.end() == 0
+
+
+def test_punch_keeps_offsets_into_the_run():
+    m = ExtentMap()
+    r = run(100, 1)
+    m.insert(0, 100, r, 0)
+    m.punch(20, 30)
+    assert layout(m) == [(0, 20, 1, 0), (30, 70, 1, 30)]
+    assert m.runs() == [r]  # one run, two pieces
+    m.punch(0, 1000)
+    assert m.pieces == [] and m.runs() == []
+
+
+def test_find_clips_to_the_range():
+    m = ExtentMap()
+    m.insert(0, 100, run(100, 1), 0)
+    m.insert(100, 100, run(100, 2), 7)
+    got = [(s, n, r.log, o) for s, n, r, o in m.find(50, 150)]
+    assert got == [(50, 50, 1, 50), (100, 50, 2, 7)]
+    assert m.find(200, 300) == [] and m.find(0, 0) == []
+
+
+def test_random_operations_match_a_byte_model():
+    rng = random.Random(7)
+    m, model = ExtentMap(), Model()
+    for step in range(400):
+        op = rng.random()
+        lo = rng.randrange(0, 800)
+        n = rng.randrange(1, 120)
+        if op < 0.7:
+            roff = rng.randrange(0, 50)
+            m.insert(lo, n, run(roff + n, step), roff)
+            model.insert(lo, n, step, roff)
+        elif op < 0.85:
+            m.punch(lo, lo + n)
+            model.punch(lo, lo + n)
+        else:
+            m.truncate(lo)
+            model.punch(lo, 1 << 20)
+        assert m.starts == [p[0] for p in m.pieces]
+        assert m.starts == sorted(m.starts)
+        assert model.of(m) == model.b, f"step {step}"
+        assert m.stored_bytes() == len(model.b)
+        assert m.end() == (max(model.b) + 1 if model.b else 0)
+
+
+# ---------------------------------------------------------------- Staging
+def staging(n_segments: int = 2, sealed=None) -> Staging:
+    return Staging(SEG, n_segments * SEG, (sealed if sealed is not None else []).append,
+                   populate=False)
+
+
+def test_append_packs_files_back_to_back_and_seals_full_segments():
+    async def main():
+        sealed = []
+        st = staging(3, sealed)
+        pieces = []
+        data_a = bytes(range(256)) * 100  # 25,600 bytes
+        data_b = b"\xee" * (SEG + 100)
+
+        def rec(name):
+            return lambda seg, dpos, soff, k: pieces.append((name, seg.number, dpos, soff, k))
+
+        await st.append(data_a, rec("a"))
+        await st.append(data_b, rec("b"), base=5)
+        assert pieces == [("a", 1, 0, 0, 25600),
+                          ("b", 1, 5, 25600, SEG - 25600),
+                          ("b", 2, 5 + SEG - 25600, 0, 25600 + 100)]
+        assert [s.number for s in sealed] == [1] and sealed[0].sealed
+        seg1 = sealed[0]
+        assert bytes(seg1.view[:25600]) == data_a
+        assert bytes(seg1.view[25600:]) == data_b[:SEG - 25600]
+        assert st.open.number == 2 and st.open.used == 25700
+        assert st.staged_segments() == 2 and st.capacity_bytes == 3 * SEG
+        seg2 = st.open
+        assert st.seal() is seg2 and seg2.sealed
+        assert [s.number for s in sealed] == [1, 2] and st.open is None
+        assert st.seal() is None  # nothing open: nothing to seal
+        st.close()
+
+    trio.run(main)
+
+
+def test_full_pool_makes_writers_wait_until_a_segment_is_released():
+    async def main():
+        sealed = []
+        st = staging(2, sealed)
+        await st.append(bytes(2 * SEG), lambda *a: None)  # both buffers full and sealed
+        assert len(sealed) == 2 and not st.free
+        done = []
+
+        async def writer():
+            await st.append(b"x" * 10, lambda seg, dpos, soff, k: done.append(seg.number))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert done == [] and st.waiting_writers == 1
+            st.release(sealed[0])
+            assert sealed[0].buf is None  # the buffer went back to the pool
+        assert done == [3] and st.waiting_writers == 0
+        st.close()
+
+    trio.run(main)
+
+
+def test_waiting_writer_gets_the_flusher_error():
+    async def main():
+        st = staging(2)
+        await st.append(bytes(2 * SEG), lambda *a: None)
+        st.error = OSError(28, "No space left on device")
+        with pytest.raises(OSError) as e:
+            await st.append(b"x", lambda *a: None)
+        assert e.value.errno == 28
+        st.close()
+
+    trio.run(main)
+
+
+def test_tails_and_landed_read_in_place():
+    async def main():
+        sealed = []
+        st = staging(3, sealed)
+        t1, t2 = st.tails()  # nothing open yet: the first two free buffers
+        assert len(t1) == SEG and len(t2) == SEG and st.open is None
+        t1[:5] = b"hello"
+        got = []
+        st.landed(5, lambda seg, dpos, soff, k: got.append((seg.number, dpos, soff, k)))
+        assert got == [(1, 0, 0, 5)] and bytes(st.open.view[:5]) == b"hello"
+        t1, t2 = st.tails()
+        assert len(t1) == SEG - 5 and len(t2) == SEG
+        st.landed(SEG - 5, lambda *a: None)  # fills it: sealed, the next buffer is first
+        assert [s.number for s in sealed] == [1] and st.open is None
+        st.close()
+
+    trio.run(main)
+
+
+def test_segment_size_must_be_aligned():
+    async def main():
+        with pytest.raises(ValueError):
+            Staging(SEG + 1, 4 * SEG, lambda seg: None, populate=False)
+
+    trio.run(main)
+
+
+def test_run_memory_only_while_staged():
+    buf = bytearray(b"abcdefgh")
+    seg = Segment(buf, 1)
+    r = Run(seg, 2, 3)
+    assert bytes(r.memory()) == b"cde"
+    seg.buf = None
+    assert r.memory() is None
+    assert Run(None, 0, 3, 1, 4096).memory() is None
+    assert round_up(1, 4096) == 4096 and round_up(4096, 4096) == 4096 and round_up(0, 8) == 0
+
+
+# ---------------------------------------------------------------- Journal
+def frames(data: bytes) -> list:
+    out, pos = [], 0
+    while pos < len(data):
+        blen, _, rtype = records.REC_HEADER.unpack_from(data, pos)
+        body = data[pos + records.REC_HEADER.size:pos + records.REC_HEADER.size + blen]
+        out.append(records.decode(rtype, body))
+        pos += records.REC_HEADER.size + blen
+    return out
+
+
+def test_journal_commits_only_a_prefix_whose_extents_are_durable():
+    j = Journal(committed_seq=10)
+    seg1, seg2 = Segment(bytearray(16), 1), Segment(bytearray(16), 2)
+    r1, r2 = Run(seg1, 0, 100, crc=5), Run(seg2, 0, 50, crc=6)
+    first = SetattrRec(2, 0o644, 0, 0, 1, 1, 1)
+    unlink = UnlinkRec(1, b"x")  # made after the write: must wait for it
+    j.add(first)
+    j.add(ExtentEntry(2, 0, r1))
+    j.add(unlink)
+    j.add(ExtentEntry(3, 0, r2))
+    assert j.last_seq == 14 and j.pending()
+
+    data, upto = j.take_committable()  # no segment durable: only the first record
+    got = frames(data)
+    assert upto == 11 and got[:-1] == [first]
+    assert type(got[-1]) is CommitRec and got[-1].seq == 11
+
+    # the index write failed (no confirm): the same records are taken again, first
+    seg1.durable, r1.log, r1.loff = True, 1, 4096
+    data, upto = j.take_committable()
+    got = frames(data)
+    assert upto == 13 and got[:-1] == [first, ExtentRec(2, 0, 100, 1, 4096, 5), unlink]
+    assert got[-1].seq == 13
+    j.confirm(upto)
+    assert j.committed_seq == 13 and j.unsent == b"" and j.pending()
+
+    assert j.take_committable() == (b"", 13)  # the last extent still waits for its segment
+    seg2.durable, r2.log, r2.loff = True, 1, 8192
+    data, upto = j.take_committable()
+    assert upto == 14 and frames(data)[:-1] == [ExtentRec(3, 0, 50, 1, 8192, 6)]
+    j.confirm(upto)
+    assert not j.pending() and j.take_committable() == (b"", 14)
