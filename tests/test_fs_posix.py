@@ -397,3 +397,40 @@ def test_unlink_and_rename_over_leave_clean_index(mounts, how):
     log = mounts.log(m2)
     assert "record skipped" not in log, log
     assert m2.status()["replay_warnings"] == 0
+
+
+def test_directory_times_after_unlink_rmdir_rename_survive_remount(mounts):
+    """Removing or moving an entry changes its directory's mtime and ctime (as creating one
+    does), and the new times are what a remount shows, for each way an entry leaves or
+    enters a directory: unlink, rmdir, rename out, rename in, rename within, hard link."""
+    m = mounts.mount()
+    j = lambda *p: os.path.join(m.mountpoint, *p)  # noqa: E731
+    for d in ("unlink", "rmdir", "out", "in", "within", "link"):
+        os.mkdir(j(d))
+    for name in ("unlink/f", "out/f", "within/f", "link/f", "top"):
+        with open(j(name), "wb") as fh:
+            fh.write(b"x")
+    os.mkdir(j("rmdir", "sub"))
+    old = 1_000_000_000 * 10**9  # 2001: any change below moves the times past it
+    for d in ("unlink", "rmdir", "out", "in", "within", "link"):
+        os.utime(j(d), ns=(old, old))
+    os.unlink(j("unlink", "f"))
+    os.rmdir(j("rmdir", "sub"))
+    os.rename(j("out", "f"), j("moved_out"))
+    os.rename(j("top"), j("in", "f"))
+    os.rename(j("within", "f"), j("within", "g"))
+    os.link(j("moved_out"), j("link", "h"))
+    want = {}
+    for d in ("unlink", "rmdir", "out", "in", "within", "link"):
+        st = os.stat(j(d))
+        assert st.st_mtime_ns > old and st.st_ctime_ns > old, d
+        want[d] = (st.st_mtime_ns, st.st_ctime_ns, st.st_atime_ns)
+    root = os.stat(m.mountpoint)
+    m = remount(mounts, m)
+    for d, times in want.items():
+        st = os.stat(j(d))  # (j names the new mount: it reads m when called)
+        assert (st.st_mtime_ns, st.st_ctime_ns, st.st_atime_ns) == times, d
+    st = os.stat(m.mountpoint)  # the root: rename out of "out" into it was its last change
+    assert (st.st_mtime_ns, st.st_ctime_ns) == (root.st_mtime_ns, root.st_ctime_ns)
+    assert m.status()["replay_warnings"] == 0
+

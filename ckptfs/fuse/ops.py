@@ -197,11 +197,13 @@ class CkptOperations(pyfuse3.Operations):
         if not name or b"/" in name or name in (b".", b".."):
             raise _err(errno.EINVAL)
 
-    def _touch_dir(self, d: Inode, now: int) -> None:
-        # Directory mtime/ctime are not journaled on their own: replay sets them from the
-        # INODE records created in the directory (Namespace._apply_inode); an unlink or a
-        # rename has no time in its record (docs/format.md).
+    def _touch_dir(self, d: Inode, now: int, journal: bool = True) -> None:
+        # A create's INODE record carries the time replay gives its directory
+        # (Namespace._apply_inode); an UNLINK, RENAME or LINK record carries none, so those
+        # changes journal the directory's new times as a SETATTR after it (docs/format.md).
         d.mtime_ns = d.ctime_ns = now
+        if journal:
+            self.ns.change(SetattrRec(d.ino, d.mode, d.uid, d.gid, d.atime_ns, now, now))
 
     def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,
              target: bytes = b"") -> Inode:
@@ -219,7 +221,7 @@ class CkptOperations(pyfuse3.Operations):
         ino = self.ns.new_ino()
         self.ns.change(InodeRec(ino, parent.ino, name, mode, ctx.uid, gid, rdev, now, now, now,
                                 target))
-        self._touch_dir(parent, now)
+        self._touch_dir(parent, now, journal=False)
         x = self.ns.inodes[ino]
         x.lookups += 1
         return x
@@ -427,7 +429,8 @@ class CkptOperations(pyfuse3.Operations):
         now = time.time_ns()
         moving.ctime_ns = now
         self._touch_dir(op, now)
-        self._touch_dir(np_, now)
+        if np_ is not op:
+            self._touch_dir(np_, now)
 
     # ------------------------------------------------------------ files
     def _open_handle(self, x: Inode, flags: int) -> int:
