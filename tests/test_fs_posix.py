@@ -10,6 +10,7 @@ import os
 import random
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -434,3 +435,34 @@ def test_directory_times_after_unlink_rmdir_rename_survive_remount(mounts):
     assert (st.st_mtime_ns, st.st_ctime_ns) == (root.st_mtime_ns, root.st_ctime_ns)
     assert m.status()["replay_warnings"] == 0
 
+
+@pytest.mark.parametrize("how", ["rename_over", "unlink"])
+def test_other_hard_link_sees_nlink_and_ctime_at_once(mounts, how):
+    """rename(a, b) over a b that has another name c (or unlink of b): stat(c) right away
+    shows one link less and a new ctime, not the cached attributes; a remount shows the
+    same."""
+    m = mounts.mount()
+    j = lambda *p: os.path.join(m.mountpoint, *p)  # noqa: E731
+    os.mkdir(j("d"))
+    for name in ("a", "b"):
+        with open(j(name), "wb") as fh:
+            fh.write(name.encode() * 10)
+    os.link(j("b"), j("d", "c"))
+    old = 1_000_000_000 * 10**9
+    os.utime(j("d", "c"), ns=(old, old))  # mtime only; ctime is now
+    before = os.stat(j("d", "c"))  # cached by the kernel from here on
+    assert before.st_nlink == 2
+    time.sleep(0.01)
+    if how == "rename_over":
+        os.rename(j("a"), j("b"))
+        assert open(j("b"), "rb").read() == b"a" * 10
+    else:
+        os.unlink(j("b"))
+    after = os.stat(j("d", "c"))
+    assert after.st_nlink == 1
+    assert after.st_ctime_ns > before.st_ctime_ns
+    assert after.st_mtime_ns == old  # a name change is not a data change
+    assert open(j("d", "c"), "rb").read() == b"b" * 10
+    m = remount(mounts, m)
+    st = os.stat(j("d", "c"))
+    assert (st.st_nlink, st.st_ctime_ns, st.st_mtime_ns) == (1, after.st_ctime_ns, old)

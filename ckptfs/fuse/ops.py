@@ -205,6 +205,12 @@ class CkptOperations(pyfuse3.Operations):
         if journal:
             self.ns.change(SetattrRec(d.ino, d.mode, d.uid, d.gid, d.atime_ns, now, now))
 
+    def _touch_linked(self, x: Inode, now: int) -> None:
+        """ctime of an inode whose names changed; journaled while it has a name left."""
+        x.ctime_ns = now
+        if x.nlink > 0:
+            self.ns.change(SetattrRec(x.ino, x.mode, x.uid, x.gid, x.atime_ns, x.mtime_ns, now))
+
     def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,
              target: bytes = b"") -> Inode:
         parent = self._dir(parent_ino)
@@ -360,7 +366,7 @@ class CkptOperations(pyfuse3.Operations):
         parent = self._own_dir(parent)
         self.ns.change(LinkRec(x.ino, parent.ino, new_name))
         now = time.time_ns()
-        x.ctime_ns = now
+        self._touch_linked(x, now)
         self._touch_dir(parent, now)
         x.lookups += 1
         return self._attr(x)
@@ -376,7 +382,7 @@ class CkptOperations(pyfuse3.Operations):
         self._writable(parent)
         self.ns.change(UnlinkRec(parent.ino, name))
         now = time.time_ns()
-        x.ctime_ns = now
+        self._touch_linked(x, now)  # another hard link may be left
         self._touch_dir(parent, now)
 
     async def rmdir(self, parent_inode, name, ctx):
@@ -427,7 +433,10 @@ class CkptOperations(pyfuse3.Operations):
         self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
                                  flags & RENAME_EXCHANGE))
         now = time.time_ns()
-        moving.ctime_ns = now
+        self._touch_linked(moving, now)
+        if target is not None:
+            # replaced (it may keep other hard links) or exchanged: its ctime moves too
+            self._touch_linked(target, now)
         self._touch_dir(op, now)
         if np_ is not op:
             self._touch_dir(np_, now)
