@@ -121,3 +121,40 @@ def test_backing_file_modes(tmp_path):
     assert not bad, bad
     names = {n for _, _, fs in os.walk(b) for n in fs}
     assert {"index.log", "daemon.log", "writer.json"} <= names, names
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_write_by_other_user_clears_setuid(public, mounts, fast_path):
+    """A write by a process without CAP_FSETID clears S_ISUID, and S_ISGID where group
+    execution is on (as on ext4), whether the write goes through the page cache or straight
+    to the daemon (write-only opens: direct I/O); root's writes keep them. The cleared mode
+    survives a remount."""
+    backing = mounts.backing()
+    mp = os.path.join(public, "mnt")
+    os.mkdir(mp)
+    m = mounts.mount(backing, mp, allow_other=True, fast_path=fast_path)
+    cases = {  # name: (mode, writer, open flags, mode after the write)
+        "suid_wronly": (0o4777, "nobody", "wb", 0o777),
+        "suid_rdwr": (0o4777, "nobody", "r+b", 0o777),
+        "sgid_gx": (0o2777, "nobody", "ab", 0o777),
+        "sgid_no_gx": (0o2767, "nobody", "ab", 0o2767),  # not set-group-ID execution
+        "both": (0o6777, "nobody", "ab", 0o777),
+        "root": (0o6777, "root", "ab", 0o6777),
+    }
+    for name, (mode, who, how, _) in cases.items():
+        p = os.path.join(mp, name)
+        with open(p, "wb") as f:
+            f.write(b"x")
+        os.chmod(p, mode)
+        if who == "root":
+            with open(p, how) as f:
+                f.write(b"y")
+        else:
+            assert py_as_user(f"f = open({p!r}, {how!r}); f.write(b'y'); f.close(); R = 1") == 1
+    got = {n: stat.S_IMODE(os.stat(os.path.join(mp, n)).st_mode) for n in cases}
+    want = {n: c[3] for n, c in cases.items()}
+    assert got == want
+    m.stop()
+    m = mounts.mount(backing, mp)
+    got = {n: stat.S_IMODE(os.stat(os.path.join(mp, n)).st_mode) for n in cases}
+    assert got == want

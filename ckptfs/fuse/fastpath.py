@@ -56,7 +56,7 @@ import trio
 
 from ckptfs.datapath.reader import REQUEST
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S
+from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S, SETID_BITS
 
 log = logging.getLogger("ckptfs")
 
@@ -76,6 +76,7 @@ FUSE_CREATE = 35
 FUSE_INTERRUPT = 36
 FUSE_IOCTL = 39
 FUSE_WRITE_CACHE = 1 << 0  # write_flags: the kernel's writeback of page-cache pages
+FUSE_WRITE_KILL_SUIDGID = 1 << 2  # write_flags: the writer lacks CAP_FSETID (direct writes)
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NONSEEKABLE = 1 << 2
@@ -358,6 +359,8 @@ class FastPath(RequestWait):
         ops, staging = self.ops, self.staging
         try:
             h, x = ops.write_target(fh)
+            if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
+                ops.clear_setid(x)
             record = ops.piece_recorder(x, off)
             k = min(size, len(t1)) if t1 is not None else 0
             if k:

@@ -55,6 +55,7 @@ SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader
 CTL_NAME = b".ckptfs"
 CTL_DIR_INO = (1 << 63) - 2
 CTL_STATS_INO = (1 << 63) - 1
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
 
 
 def _err(e: int):
@@ -62,13 +63,15 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid")
 
-    def __init__(self, inode: Inode, flags: int) -> None:
+    def __init__(self, inode: Inode, flags: int, kill_setid: bool = False) -> None:
         self.ino = inode.ino
         self.inode = inode
         self.flags = flags
         self.wrote = False
+        # opened by a non-root user: its writes clear set-user/group-ID (CkptOperations.write)
+        self.kill_setid = kill_setid
         self.next_off = 0  # where a sequential reader's next READ starts
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
@@ -111,6 +114,7 @@ class CkptOperations(pyfuse3.Operations):
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
         self.request_wait: loop.RequestWait | None = None  # installed by the daemon
+        self.maintainer = None  # cleaner.Maintainer (a mount that writes): its figures
         self.started = time.time()
         self.fsyncs = 0
         # barrier waits (fsync, fsyncdir, the sync xattr) by trio task, so that the fast path
@@ -352,7 +356,7 @@ class CkptOperations(pyfuse3.Operations):
         """CREATE: the new file, open (create() answers pyfuse3 with its attributes)."""
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx)
-        fh = self._open_handle(x, flags)
+        fh = self._open_handle(x, flags, ctx)
         return self._file_info(x, fh, flags), x
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -442,10 +446,10 @@ class CkptOperations(pyfuse3.Operations):
             self._touch_dir(np_, now)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, x: Inode, flags: int) -> int:
+    def _open_handle(self, x: Inode, flags: int, ctx=None) -> int:
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = _Handle(x, flags)
+        self.handles[fh] = _Handle(x, flags, ctx is not None and ctx.uid != 0)
         x.opens += 1
         return fh
 
@@ -462,7 +466,7 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
-        return self._file_info(x, self._open_handle(x, flags), flags)
+        return self._file_info(x, self._open_handle(x, flags, ctx), flags)
 
     def _file_info(self, x: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
         # Write-only handles bypass the kernel page cache when direct_writes is on: the
@@ -525,6 +529,8 @@ class CkptOperations(pyfuse3.Operations):
 
     async def write(self, fh, off, buf):
         h, x = self.write_target(fh)
+        if h.kill_setid and x.mode & SETID_BITS:  # pyfuse3 does not pass the write's flags
+            self.clear_setid(x)
         try:
             await self.staging.append(buf, self.piece_recorder(x, off))
         except OSError as exc:
@@ -544,6 +550,18 @@ class CkptOperations(pyfuse3.Operations):
         if x.layer or self.readonly:
             raise _err(errno.EROFS)
         return h, x
+
+    def clear_setid(self, x: Inode) -> None:
+        """A write by a process without CAP_FSETID clears S_ISUID, and S_ISGID where group
+        execution is on (set-group-ID without it marks mandatory locking), as on ext4. The
+        kernel does it itself (a SETATTR) before a write through the page cache; a direct
+        write it leaves to the file system (FUSE_WRITE_KILL_SUIDGID, fastpath.py)."""
+        mode = x.mode & ~stat.S_ISUID
+        if mode & stat.S_IXGRP:
+            mode &= ~stat.S_ISGID
+        if mode != x.mode:
+            self.ns.change(SetattrRec(x.ino, mode, x.uid, x.gid, x.atime_ns, x.mtime_ns,
+                                      time.time_ns()))
 
     def piece_recorder(self, x: Inode, off: int):
         """on_piece for Staging: records that data bytes [dpos, dpos+k) of a write at file
@@ -725,6 +743,7 @@ class CkptOperations(pyfuse3.Operations):
             "direct_reads": self.direct_reads,
             "shared_mmap_of_direct_files": self.shared_mmap_direct,
             **(self.request_wait.counts() if self.request_wait else loop.NO_COUNTS),
+            **(self.maintainer.status() if self.maintainer is not None else {}),
         }
 
     async def getxattr(self, inode, name, ctx):
