@@ -40,6 +40,7 @@ def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
     """Apply an index to `ns`. Returns (last commit sequence, valid bytes, warnings). Records
     that do not fit the tree (a hostile or damaged index) are skipped with a warning. Each
     inode's `commit_ns` is set to the time of the last commit that changed it."""
+    backingdir.refresh_attributes(os.path.dirname(index_path) or ".")
     scan = records.read_index(index_path)
     warnings = list(scan.warnings)
     for group, when in zip(scan.groups, scan.group_times):
@@ -72,8 +73,10 @@ def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str
         bad = [p for p in x.emap.pieces if p[2].layer == layer and p[2].seg is None and
                (p[2].log not in sizes or p[2].loff + p[2].length > sizes[p[2].log])]
         for p in bad:
+            what = ("lies in a log the index retired (its live data was moved or deleted "
+                    "before)") if p[2].log in ns.retired else "lies beyond the log"
             warnings.append(f"{writer_dir}: inode {x.ino} ({ns.path_of(x.ino)}): extent at data "
-                            f"log {p[2].log} offset {p[2].loff} lies beyond the log; dropped")
+                            f"log {p[2].log} offset {p[2].loff} {what}; dropped")
             x.emap.punch(p[0], p[0] + p[1])
     return warnings
 

@@ -169,7 +169,7 @@ start_glusterd() {
     if [ -n "$listen" ]; then
         # a glusterd this script did not start: use it only if it is on our loopback address
         [ "$listen" = "$ADDR" ] || die 4 "a glusterd not started by this script listens on" \
-            "$(echo $listen):24007; stop it first (this script binds glusterd to $ADDR only)"
+            "${listen//$'\n'/ } (port 24007); stop it first (this script binds glusterd to $ADDR only)"
         say "using the running glusterd on $ADDR:24007 (not started here: left running on down)"
         return 0
     fi
@@ -192,7 +192,9 @@ stop_glusterd_if_unused() {
     local pid
     mkdir -p "$GLUSTER_RUN/instances"
     if [ -n "$(ls -A "$GLUSTER_RUN/instances" 2>/dev/null)" ]; then
-        say "glusterd left running: other volumes of this script are up ($(ls "$GLUSTER_RUN/instances" | tr '\n' ' '))"
+        local f names=""
+        for f in "$GLUSTER_RUN"/instances/*; do names+=" ${f##*/}"; done
+        say "glusterd left running: other volumes of this script are up:$names"
         return 0
     fi
     if pid=$(glusterd_pid); then
@@ -335,8 +337,9 @@ cmd_up() {
         timeout -k 5 "$T" mount -t glusterfs "$HOST:/$GLUSTER_VOLUME" "$GLUSTER_MOUNT" \
             || die 1 "mount -t glusterfs $HOST:/$GLUSTER_VOLUME $GLUSTER_MOUNT failed" \
                      "(/var/log/glusterfs/$(echo "${GLUSTER_MOUNT#/}" | tr / -).log)"
-        is_mounted && timeout -k 5 "$T" stat -f "$GLUSTER_MOUNT" >/dev/null \
-            || die 1 "$GLUSTER_MOUNT is not a working mount after mount -t glusterfs"
+        if ! is_mounted || ! timeout -k 5 "$T" stat -f "$GLUSTER_MOUNT" >/dev/null; then
+            die 1 "$GLUSTER_MOUNT is not a working mount after mount -t glusterfs"
+        fi
         say "mounted $HOST:/$GLUSTER_VOLUME at $GLUSTER_MOUNT"
     fi
     client_pid > "$STATE/client.pid"
@@ -368,8 +371,12 @@ cmd_down() {
         if volume_started; then
             g volume stop "$GLUSTER_VOLUME" force >/dev/null || { say "volume stop failed"; rc=1; }
         fi
-        g volume delete "$GLUSTER_VOLUME" >/dev/null && say "deleted volume $GLUSTER_VOLUME" \
-            || { say "volume delete failed"; rc=1; }
+        if g volume delete "$GLUSTER_VOLUME" >/dev/null; then
+            say "deleted volume $GLUSTER_VOLUME"
+        else
+            say "volume delete failed"
+            rc=1
+        fi
     fi
     # brick processes still running (a hung or absent glusterd): by PID
     for pid in $pids $(cat "$STATE/bricks.pids" 2>/dev/null) $(brick_pids); do

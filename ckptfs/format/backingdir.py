@@ -115,6 +115,20 @@ def writer_dirs(backing: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
 
 
+def refresh_attributes(writer_dir: str) -> None:
+    """Make the file system client fetch the current sizes of a writer's files before its
+    index is read and its data logs are sized. A network file system's client may cache them:
+    GlusterFS's FUSE client does for a second (in the kernel and in its md-cache), so right
+    after another client commits, the index reads short (an older tree) and a data log looks
+    shorter than the extents in it (docs/glusterfs.md, "Close-to-open"). Listing the directory
+    brings every entry's attributes afresh (FUSE READDIRPLUS); on a local file system it costs
+    one readdir."""
+    try:
+        os.listdir(writer_dir)
+    except OSError:
+        pass  # the read that follows reports what is wrong
+
+
 def data_logs(writer_dir: str) -> dict[int, str]:
     out = {}
     for name in os.listdir(writer_dir):
