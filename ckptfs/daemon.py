@@ -259,7 +259,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
 
     real_mountpoint = os.path.realpath(cfg.mountpoint)
     options = set(pyfuse3.default_options)
-    options |= {"fsname=ckptfs", "subtype=ckptfs"}
+    options |= {"fsname=" + fsname(cfg.backing), "subtype=ckptfs"}
     if cfg.allow_other:
         options.add("allow_other")
     if cfg.debug:
@@ -318,6 +318,21 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         if index_fd >= 0:
             os.close(index_fd)
     return status
+
+
+def fsname(backing: str) -> str:
+    """The mount's source, as `mount`, `df` and /proc/self/mountinfo show it: the backing
+    directory (what is mounted, as sshfs shows HOST:PATH). Escaped for libfuse's option
+    syntax: a comma would end the option, and pyfuse3 passes options as ASCII, so those and
+    every byte outside printable ASCII go as libfuse's octal escapes (\\ooo). A path that is not
+    UTF-8 shows as "ckptfs": mount table readers (api.mounts) decode it as UTF-8."""
+    path = os.fsencode(os.path.abspath(backing))
+    try:
+        path.decode()
+    except UnicodeDecodeError:
+        return "ckptfs"
+    return "".join(chr(b) if 0x20 <= b < 0x7F and b not in b",\\" else "\\%03o" % b
+                   for b in path)
 
 
 def open_status_socket(mountpoint: str) -> socket.socket | None:

@@ -375,6 +375,30 @@ def test_mount_table_lookups_with_a_space_in_the_path(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["backing", "a, b\\c", "bäck"])
+def test_mount_and_df_show_the_backing_directory(tmp_path, name):
+    """`mount` and `df` name what is mounted, the backing directory (as sshfs and S3QL do),
+    type fuse.ckptfs; a comma or backslash in the path (libfuse's option syntax) and
+    non-ASCII names come through, and ckptfs's own mount table lookups still find it."""
+    backing, mnt = tmp_path / name, tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    with api.Mount(str(backing), str(mnt), staging_size="32M") as m:
+        e = api.mount_at(str(mnt))
+        assert e is not None and (e.source, e.fstype) == (str(backing), "fuse.ckptfs"), e
+        out = subprocess.run(["mount"], capture_output=True, text=True, check=True).stdout
+        assert any(line.startswith(f"{backing} on {mnt} type fuse.ckptfs (")
+                   for line in out.splitlines()), out
+        df = subprocess.run(["df", "--output=source,target", str(mnt)], capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+        assert df[1].split() == [*str(backing).split(), str(mnt)], df
+        assert api.is_mounted(str(mnt)) and api.mount_device_of(str(mnt)) == e.dev
+        assert api._status_socket(str(mnt), 10)["backing"] == str(backing)  # not the xattr
+        assert m.status()["errors"] == 0
+    assert not api.is_mounted(str(mnt))
+
+
+@pytest.mark.timeout(120)
 def test_a_taken_status_socket_name_is_reported(daemon_mount, caplog):
     """The status socket's name belongs to the mount's device number; a second listener for
     the same device (what a hung daemon of a detached mount would be, for a later mount with
