@@ -29,6 +29,7 @@ from ckptfs.format.records import (
 )
 
 ROOT_INO = 1
+DIR_BYTES = 4096  # st_size of a directory
 
 
 class Inode:
@@ -44,7 +45,8 @@ class Inode:
         self.gid = gid
         self.rdev = rdev
         self.nlink = 0
-        self.size = len(target) if stat.S_ISLNK(mode) else 0
+        # a directory's size is one block, as on ext4 (some tools take 0 for "not there")
+        self.size = len(target) if stat.S_ISLNK(mode) else DIR_BYTES if stat.S_ISDIR(mode) else 0
         self.atime_ns = atime_ns
         self.mtime_ns = mtime_ns
         self.ctime_ns = ctime_ns

@@ -466,3 +466,42 @@ def test_other_hard_link_sees_nlink_and_ctime_at_once(mounts, how):
     m = remount(mounts, m)
     st = os.stat(j("d", "c"))
     assert (st.st_nlink, st.st_ctime_ns, st.st_mtime_ns) == (1, after.st_ctime_ns, old)
+
+
+def test_blocks_count_stored_data_and_directories_have_a_size(mounts):
+    """st_blocks counts the bytes a file stores, not its apparent size: a 100 MB file made by
+    truncate takes no blocks (du shows 0, as on ext4), data written into it counts once
+    however often it is overwritten, and a truncate down gives the cut bytes back.
+    Directories report a size of one block (4096), as on ext4."""
+    m = mounts.mount()
+    j = lambda *p: os.path.join(m.mountpoint, *p)  # noqa: E731
+    sh("truncate", "-s", "100M", j("sparse"))
+    os.mkdir(j("d"))
+    with open(j("dense"), "wb") as fh:
+        fh.write(b"z" * 5000)
+
+    def blocks(name):
+        st = os.stat(j(name))
+        return st.st_size, st.st_blocks
+
+    def du_kib(name):
+        return int(sh("du", "-k", j(name)).stdout.split()[0])
+
+    assert blocks("sparse") == (100 * MiB, 0) and du_kib("sparse") == 0
+    assert blocks("dense") == (5000, 10)  # 5000 bytes in 512-byte units, rounded up
+    with open(j("sparse"), "r+b") as fh:
+        for _ in range(3):  # the same MiB three times
+            fh.seek(50 * MiB)
+            fh.write(b"d" * MiB)
+            fh.flush()
+    assert blocks("sparse") == (100 * MiB, 2048) and du_kib("sparse") == 1024
+    os.truncate(j("sparse"), 50 * MiB + 512 * KiB)
+    assert blocks("sparse") == (50 * MiB + 512 * KiB, 1024)
+    for d in ("d", ""):
+        st = os.stat(j(d))
+        assert st.st_size == 4096, d
+    m = remount(mounts, m)
+    assert blocks("sparse") == (50 * MiB + 512 * KiB, 1024)
+    assert blocks("dense") == (5000, 10)
+    assert os.stat(j("d")).st_size == 4096 and os.stat(m.mountpoint).st_size == 4096
+    assert "4096" in sh("ls", "-ld", j("d")).stdout

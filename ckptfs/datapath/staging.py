@@ -78,11 +78,14 @@ class Run:
 class ExtentMap:
     """Sorted, non-overlapping pieces [start, length, run, offset-in-run] of one file."""
 
-    __slots__ = ("starts", "pieces")
+    __slots__ = ("starts", "pieces", "stored")
 
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.pieces: list[list] = []
+        # The bytes the pieces hold (st_blocks, asked for on every stat: kept up to date
+        # instead of summed; code that lengthens a piece in place adds to it: ops.piece_recorder).
+        self.stored = 0
 
     def end(self) -> int:
         if not self.pieces:
@@ -92,6 +95,7 @@ class ExtentMap:
 
     def insert(self, start: int, length: int, run: Run, roff: int) -> None:
         """Newest wins: clip whatever older pieces overlap [start, start+length)."""
+        self.stored += length
         if not self.pieces or start >= self.end():
             self.starts.append(start)
             self.pieces.append([start, length, run, roff])
@@ -117,6 +121,7 @@ class ExtentMap:
                 out_s.append(s)
                 out_p.append(pieces[j])
             else:
+                self.stored -= min(e, hi) - max(s, lo)
                 if s < lo:
                     out_s.append(s)
                     out_p.append([s, lo - s, run, roff])
@@ -157,7 +162,7 @@ class ExtentMap:
         return list(seen.values())
 
     def stored_bytes(self) -> int:
-        return sum(p[1] for p in self.pieces)
+        return self.stored
 
 
 class Staging:

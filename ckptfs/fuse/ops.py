@@ -137,7 +137,7 @@ class CkptOperations(pyfuse3.Operations):
         a.st_rdev = x.rdev
         a.st_size = x.size
         a.st_blksize = IO_BLOCK_BYTES
-        a.st_blocks = (x.size + 511) // 512 if x.emap is not None else 0
+        a.st_blocks = (x.emap.stored + 511) // 512 if x.emap is not None else 0  # not holes
         a.st_atime_ns = x.atime_ns
         a.st_mtime_ns = x.mtime_ns
         a.st_ctime_ns = x.ctime_ns
@@ -151,9 +151,9 @@ class CkptOperations(pyfuse3.Operations):
         at, an = divmod(x.atime_ns, 1_000_000_000)
         mt, mn = divmod(x.mtime_ns, 1_000_000_000)
         ct, cn = divmod(x.ctime_ns, 1_000_000_000)
-        return (x.ino, x.size, (x.size + 511) // 512 if x.emap is not None else 0, at, mt, ct,
-                an, mn, cn, x.mode, x.nlink, x.uid, x.gid, x.rdev & 0xFFFFFFFF, IO_BLOCK_BYTES,
-                0)
+        return (x.ino, x.size, (x.emap.stored + 511) // 512 if x.emap is not None else 0,
+                at, mt, ct, an, mn, cn, x.mode, x.nlink, x.uid, x.gid, x.rdev & 0xFFFFFFFF,
+                IO_BLOCK_BYTES, 0)
 
     def _inode(self, ino: int) -> Inode:
         x = self.ns.inodes.get(ino)
@@ -594,6 +594,7 @@ class CkptOperations(pyfuse3.Operations):
                     last = emap.pieces[-1] if emap.pieces else None
                     if last is not None and last[2] is run and last[0] + last[1] == foff:
                         last[1] += m
+                        emap.stored += m
                     else:
                         emap.insert(foff, m, run, roff)
                 else:
