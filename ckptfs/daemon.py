@@ -23,11 +23,13 @@ import trio
 
 from ckptfs import options
 from ckptfs.api import mount_at, status_socket_name
+from ckptfs.datapath import cleaner
 from ckptfs.datapath.flusher import Flusher, Journal
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
-from ckptfs.format.backingdir import WriterDir, open_index
+from ckptfs.format.backingdir import WriterDir
+from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
@@ -197,7 +199,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
     t0 = time.perf_counter()
     union = Union()
-    index_fd, index_size, next_log = -1, 0, 1
+    index, next_log = None, 1
     if wd is not None:
         index_path = os.path.join(wd.path, backingdir.INDEX_NAME)
         last_seq, valid = 0, 0
@@ -205,8 +207,13 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             last_seq, valid, union.warnings = replay(ns, index_path)
         union.warnings += validate_extents(ns, wd.path)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
-        index_fd, index_size = open_index(index_path, valid)
-        next_log = max(backingdir.data_logs(wd.path), default=0) + 1
+        index = IndexWriter(index_path, valid)
+        try:  # a fresh index a crash left unfinished (format/index.py)
+            os.unlink(index_path + FRESH_SUFFIX)
+        except FileNotFoundError:
+            pass
+        # (never a number used before: the index names logs whose files are gone)
+        next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = wd.path
         union.writer_ids[0] = cfg.writer_id
     load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
@@ -225,8 +232,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       lambda seg: flusher.seal_hook(seg), populate=cfg.populate and wd is not None)
     flusher = Flusher(wd.path if wd else "", cfg.writer_id, staging, journal, engine=cfg.engine,
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
-                      log_bytes=cfg.log_bytes, next_log=next_log,
-                      index_fd=index_fd, index_size=index_size,
+                      log_bytes=cfg.log_bytes, next_log=next_log, index=index,
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
                       stripe_bytes=cfg.stripe_bytes)
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
@@ -235,6 +241,13 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                      for run in x.emap.runs())
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
                                                          round_up(seg.used, facts["align"]))
+    maintainer = None
+    if wd is not None:
+        space = cleaner.LogSpace(facts["align"])
+        space.count(ns, backingdir.data_logs(wd.path))
+        cleaner.install(space)
+        flusher.durable_hook = space.durable
+        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",
@@ -244,6 +257,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
                          info)
     ops.readonly = wd is None
+    ops.maintainer = maintainer
     ops.checksum_block = cfg.checksum_block_bytes
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
     # With the writeback cache the kernel owns mtime and does not move it on direct writes:
@@ -285,6 +299,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
+            if maintainer is not None:
+                nursery.start_soon(maintainer.run)
             reader.nursery = nursery
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
@@ -313,10 +329,11 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
         loop.uninstall()
+        cleaner.uninstall()
         reader.close()
         staging.close()
-        if index_fd >= 0:
-            os.close(index_fd)
+        if index is not None:
+            index.close()
     return status
 
 

@@ -23,9 +23,12 @@ from ckptfs.format.records import (
     LinkRec,
     Record,
     RenameRec,
+    RetireRec,
     SetattrRec,
     SizeRec,
     UnlinkRec,
+    XExtentRec,
+    XUnlinkRec,
 )
 
 ROOT_INO = 1
@@ -80,6 +83,14 @@ class Namespace:
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
+        self.retired: set[int] = set()  # data logs a RETIRE record named
+        self.last_log = 0  # the highest data log number a record named (never reused)
+        # Changes of this writer to other writers' trees (replay.View applies them): the
+        # entries it removed there (XUNLINK records) ...
+        self.xunlinks: list[XUnlinkRec] = []
+        # ... and, for XEXTENT records (bytes in another writer's data logs), the layer of a
+        # writer id in this mount or tool (replay.View.layer_of); None: not known here
+        self.layer_of: Callable[[str], int | None] = lambda writer: None
 
     # ------------------------------------------------------------ lookups
     def get(self, ino: int) -> Inode:
@@ -159,6 +170,8 @@ class Namespace:
             ino.emap.insert(rec.foff, rec.length, run, 0)
             if rec.foff + rec.length > ino.size:
                 ino.size = rec.foff + rec.length
+            if rec.log > self.last_log:
+                self.last_log = rec.log
         elif t is InodeRec:
             self._apply_inode(rec)
         elif t is SetattrRec:
@@ -189,6 +202,22 @@ class Namespace:
                 raise FormatError(f"bad link {rec.name!r}")
             parent.children[rec.name] = ino.ino
             ino.nlink += 1
+        elif t is XExtentRec:
+            ino = self._file(rec.ino)
+            layer = self.layer_of(rec.writer)
+            if layer is None:
+                raise FormatError(f"extent in the data logs of writer {rec.writer!r}, which "
+                                  "is not in the backing directory")
+            run = Run(None, 0, rec.run_length, rec.log, rec.loff, rec.crc, layer=layer)
+            ino.emap.insert(rec.foff, rec.length, run, rec.roff)
+            if rec.foff + rec.length > ino.size:
+                ino.size = rec.foff + rec.length
+        elif t is XUnlinkRec:
+            self.xunlinks.append(rec)
+        elif t is RetireRec:
+            self.retired.add(rec.log)
+            if rec.log > self.last_log:
+                self.last_log = rec.log
         else:
             raise FormatError(f"unexpected record {rec!r}")
 
@@ -291,6 +320,8 @@ class Namespace:
         """Drop an inode that no directory, kernel reference or open handle holds any more."""
         if x.nlink <= 0 and x.lookups <= 0 and x.opens <= 0 and x.ino != ROOT_INO:
             self.inodes.pop(x.ino, None)
+            if x.emap is not None:
+                x.emap.drop()  # its bytes are dead now (the data logs' live bytes go down)
             x.emap = None
             x.tail_run = None
 

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 from ckptfs.format import backingdir, records
+from ckptfs.datapath.staging import ExtentMap
 from ckptfs.format.records import (
     ExtentRec,
     FormatError,
@@ -30,6 +31,9 @@ from ckptfs.format.records import (
     RenameRec,
     SetattrRec,
     SizeRec,
+    UnlinkRec,
+    XExtentRec,
+    XUnlinkRec,
 )
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 
@@ -44,22 +48,41 @@ def replay(ns: Namespace, index_path: str) -> tuple[int, int, list[str]]:
     scan = records.read_index(index_path)
     warnings = list(scan.warnings)
     for group, when in zip(scan.groups, scan.group_times):
-        for rec in group:
-            t = type(rec)
-            try:
-                target = None
-                if t is RenameRec:
-                    parent = ns.inodes.get(rec.old_parent)
-                    if parent is not None and parent.children is not None:
-                        target = parent.children.get(rec.old_name)
-                ns.apply(rec)
-                if t in (InodeRec, ExtentRec, SetattrRec, SizeRec, LinkRec):
-                    target = rec.ino
-                if target is not None and target in ns.inodes:
-                    ns.inodes[target].commit_ns = when
-            except FormatError as exc:
-                warnings.append(f"{index_path}: record skipped: {exc}")
+        apply_group(ns, group, when, index_path, warnings)
     return scan.last_seq, scan.valid_bytes, warnings
+
+
+_INODE_TARGET = (InodeRec, ExtentRec, SetattrRec, SizeRec, LinkRec, XExtentRec)
+
+
+def apply_group(ns: Namespace, group: list, when: int, where: str, warnings: list[str],
+                touched: "_Touched | None" = None) -> None:
+    """Apply one commit group (COMMIT stamp `when`) to `ns`, setting the `commit_ns` of each
+    inode it changes; `touched` collects the directory entries and inodes it changed."""
+    for rec in group:
+        t = type(rec)
+        try:
+            target = None
+            if t is RenameRec:
+                parent = ns.inodes.get(rec.old_parent)
+                if parent is not None and parent.children is not None:
+                    target = parent.children.get(rec.old_name)
+                if touched is not None:
+                    touched.names.add((rec.old_parent, rec.old_name))
+                    touched.names.add((rec.new_parent, rec.new_name))
+            elif touched is not None and t in (InodeRec, LinkRec, UnlinkRec):
+                touched.names.add((rec.parent, rec.name))
+            ns.apply(rec)
+            if t in _INODE_TARGET:
+                target = rec.ino
+                if touched is not None and t in (ExtentRec, XExtentRec):
+                    touched.runs.append(rec)
+            if target is not None and target in ns.inodes:
+                ns.inodes[target].commit_ns = when
+                if touched is not None:
+                    touched.inos.add(target)
+        except FormatError as exc:
+            warnings.append(f"{where}: record skipped: {exc}")
 
 
 def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str]:
@@ -81,10 +104,11 @@ def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str
     return warnings
 
 
+
 @dataclass
 class Conflict:
     path: str
-    versions: list[tuple[str, int]]  # (writer id, commit time ns), winner first
+    versions: list[tuple[str, int]]  # (writer id, commit stamp ns), winner first
 
 
 @dataclass
@@ -95,92 +119,566 @@ class Union:
     writer_ids: dict[int, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     conflicts: list[Conflict] = field(default_factory=list)
+    layers: dict[str, int] = field(default_factory=dict)  # writer id -> layer of its tree
+
+
+class _Touched:
+    """What a commit group of another writer changed in its tree."""
+
+    __slots__ = ("names", "inos", "runs")
+
+    def __init__(self) -> None:
+        self.names: set[tuple[int, bytes]] = set()  # (directory, name) in that writer's numbers
+        self.inos: set[int] = set()
+        self.runs: list = []  # EXTENT / XEXTENT records (the reader drops cached chunks)
+
+
+INF = 1 << 63  # the stamp of an own change not committed yet: it commits after all seen
+ENTRY = 1  # kernel invalidations View.changed collects: (ENTRY, directory ino, name)
+INODE = 2  # (INODE, ino): attributes and cached data
+_MASK = (1 << LAYER_SHIFT) - 1
+
+
+def _shared_map(src: ExtentMap) -> ExtentMap:
+    """An extent map for the view of another writer's file: the same piece lists as the
+    file's own map (so its overwrites and truncates show at once), but dropping it when the
+    view forgets the inode leaves that writer's tree alone."""
+    m = ExtentMap()
+    m.starts, m.pieces = src.starts, src.pieces
+    return m
+
+
+class View:
+    """The union of the writers as one tree, kept up to date as their indexes grow.
+
+    Each other writer's tree (`trees[layer]`) is built from its own index and only from it;
+    `ns` holds this mount's own tree (layer 0; empty for read-only mounts and offline tools)
+    and the merged view: each directory of the view maps a name to the version that wins
+    there, and `members` says which directories of other writers it merges. The view at a
+    name is a function of the trees and of the whiteouts (XUNLINK records: another writer's
+    entry removed), so applying the records in any order ends in the same view:
+
+    - candidates are the own entry at that name and each member directory's entry, minus the
+      whited-out ones (a whited-out directory only while nothing inside it is visible);
+    - directories merge; otherwise the greater (commit stamp, writer id) wins (an own entry
+      not committed yet counts as newest), the others are listed in `conflicts`;
+    - a whiteout of an own entry is carried out by the own writer (an UNLINK of its own).
+
+    Entries of other writers get inode numbers layer << 44 | their number. `changed`
+    collects what the kernel must forget (it caches entries and attributes) and `gone` the
+    inodes that left the view by another writer's change (an open of one is stale)."""
+
+    def __init__(self, ns: Namespace, union: Union, backing: str, own: str | None) -> None:
+        self.ns = ns
+        self.union = union
+        self.backing = backing
+        self.own = own
+        self.trees: dict[int, Namespace] = {}
+        self.offsets: dict[int, int] = {}  # layer -> bytes of its index applied
+        self.index_ids: dict[int, tuple[int, int]] = {}  # layer -> (st_dev, st_ino) read
+        self.root = ns.inodes[ROOT_INO]
+        self.members: dict[Inode, dict[int, int]] = {self.root: {}}
+        self.placed: dict[tuple[int, int], Inode] = {}  # (layer, its dir) -> view directory
+        self.wo: dict[str, set[tuple[int, int, bytes]]] = {}  # writer -> (parent, ino, name)
+        self.wo_dirs: dict[tuple[int, int], tuple[int, bytes]] = {}  # whited-out directories
+        self.hidden_own: dict[tuple[Inode, bytes], int] = {}  # own entries a conflict hides
+        self.conflicts: dict[tuple[Inode, bytes], list[tuple[int, Inode]]] = {}
+        self.names: dict[int, tuple[Inode, bytes]] = {}  # view ino -> where it is (one name)
+        self.gone: set[int] = set()
+        self.dirty: set[int] = set()  # changed by another writer since the kernel saw them
+        self.changed: list[tuple] = []
+        self.adopt: list[XUnlinkRec] = []  # whiteouts of own entries, to carry out
+        self.max_stamp = 0  # the greatest COMMIT stamp read from another writer
+        self.next_layer = 1
+        self.own_alias = None  # layer under which other trees name the own writer's logs
+        if own:
+            union.writer_ids[0] = own
+            union.layers[own] = 0
+        ns.layer_of = self.layer_of
+
+    # ------------------------------------------------------------ writers
+    def layer_of(self, writer: str) -> int | None:
+        return self.union.layers.get(writer)
+
+    def _tree_layer_of(self, writer: str) -> int | None:
+        """Layers as another writer's tree names them: the own writer's logs under an alias
+        layer, so that runs another writer took over are never counted as the own tree's
+        (the space accounting of the own logs follows the own tree only)."""
+        layer = self.union.layers.get(writer)
+        if layer == 0:
+            if self.own_alias is None:
+                self.own_alias = self.next_layer
+                self.next_layer += 1
+                self.union.writer_dirs[self.own_alias] = self.union.writer_dirs[0]
+                self.union.writer_ids[self.own_alias] = writer
+            return self.own_alias
+        return layer
+
+    def writer_of(self, layer: int) -> str:
+        return self.union.writer_ids.get(layer, "")
+
+    def add_writer(self, wdir: str) -> int:
+        """A layer number for another writer's directory (its tree comes with `load_tree`)."""
+        layer = self.next_layer
+        self.next_layer += 1
+        wid = os.path.basename(wdir)
+        self.union.writer_dirs[layer] = wdir
+        self.union.writer_ids[layer] = wid
+        self.union.layers[wid] = layer
+        return layer
+
+    def build_tree(self, layer: int, scan: records.IndexScan, where: str) -> Namespace:
+        """Another writer's tree from its index (scan), not yet part of the view."""
+        t = Namespace(now_ns=0)
+        t.layer = layer
+        t.layer_of = self._tree_layer_of
+        warnings = self.union.warnings
+        warnings += scan.warnings
+        for group, when in zip(scan.groups, scan.group_times):
+            apply_group(t, group, when, where, warnings)
+            if when > self.max_stamp:
+                self.max_stamp = when
+        return t
+
+    def assign(self, only: str | None = None) -> None:
+        """Layers for the writers of the backing directory (before any index is replayed:
+        an XEXTENT record names a writer by id)."""
+        for wdir in backingdir.writer_dirs(self.backing):
+            wid = os.path.basename(wdir)
+            if wid != self.own and (only is None or wid == only) and \
+                    wid not in self.union.layers:
+                self.add_writer(wdir)
+
+    def load(self, only: str | None = None) -> None:
+        """Build the view of every writer of the backing directory (at mount, or offline)."""
+        self.assign(only)
+        for wid, layer in sorted(self.union.layers.items(), key=lambda kv: kv[1]):
+            if layer == 0:
+                continue
+            wdir = self.union.writer_dirs[layer]
+            got = read_writer(wdir)
+            if isinstance(got, str):
+                self.union.warnings.append(got)
+                continue
+            scan, ident = got
+            self._install(layer, wdir, scan, ident)
+        for rec in self.ns.xunlinks:
+            self._whiteout(rec, touch=False)
+        for layer in list(self.trees):
+            for rec in self.trees[layer].xunlinks:
+                self._whiteout(rec, touch=False)
+        self.members[self.root] = {layer: ROOT_INO for layer in sorted(self.trees)}
+        for layer in self.trees:
+            self.placed[(layer, ROOT_INO)] = self.root
+        self._populate(self.root)
+        self.changed.clear()
+
+    def adopt_pending(self) -> None:
+        """Carry out the whiteouts of own entries found so far (a read-write mount)."""
+        self._adopt_own()
+
+    def _install(self, layer: int, wdir: str, scan, ident) -> Namespace:
+        t = self.build_tree(layer, scan, os.path.join(wdir, backingdir.INDEX_NAME))
+        self.union.warnings += validate_extents(t, wdir, layer)
+        self.trees[layer] = t
+        self.offsets[layer] = scan.valid_bytes
+        self.index_ids[layer] = ident
+        return t
+
+    def add_tree(self, wdir: str, scan, ident) -> int:
+        """A writer that appeared while mounted: its whole tree joins the view."""
+        layer = self.add_writer(wdir)
+        t = self._install(layer, wdir, scan, ident)
+        for rec in t.xunlinks:
+            self._whiteout(rec)
+        self.placed[(layer, ROOT_INO)] = self.root
+        members = dict(self.members[self.root])
+        members[layer] = ROOT_INO
+        self._set_members(self.root, members, fresh=False)
+        self._adopt_own()
+        return layer
+
+    def drop_tree(self, layer: int) -> None:
+        """A writer whose directory went away (merged by a compaction) or whose index was
+        replaced (rewritten): its entries leave the view (a rewritten one comes back through
+        add_tree)."""
+        for d in [d for d, m in self.members.items() if layer in m]:
+            members = {k: v for k, v in self.members[d].items() if k != layer}
+            self._set_members(d, members, fresh=False)
+        self.trees.pop(layer, None)
+        self.offsets.pop(layer, None)
+        self.index_ids.pop(layer, None)
+        wid = self.union.writer_ids.get(layer)
+        if wid is not None and self.union.layers.get(wid) == layer:
+            del self.union.layers[wid]
+
+    def apply_group(self, layer: int, group: list, when: int) -> list:
+        """One commit group read from the tail of another writer's index. Returns its EXTENT
+        and XEXTENT records (the reader drops what it cached of those log ranges)."""
+        t = self.trees[layer]
+        touched = _Touched()
+        first_x = len(t.xunlinks)
+        apply_group(t, group, when, self.writer_of(layer), self.union.warnings, touched)
+        if when > self.max_stamp:
+            self.max_stamp = when
+        for rec in t.xunlinks[first_x:]:
+            self._whiteout(rec)
+        for ino in touched.inos:
+            x = self.ns.inodes.get((layer << LAYER_SHIFT) | ino)
+            s = t.inodes.get(ino)
+            if x is not None and s is not None and x.layer == layer:
+                self._sync(x, s)
+                if x.lookups > 0 or x.opens > 0:
+                    self.dirty.add(x.ino)
+                    self.changed.append((INODE, x.ino))
+        for parent, name in touched.names:
+            self._touch(layer, parent, name)
+        self._adopt_own()
+        return touched.runs
+
+    # ------------------------------------------------------------ whiteouts
+    def _whiteout(self, rec: XUnlinkRec, touch: bool = True) -> None:
+        self.wo.setdefault(rec.writer, set()).add((rec.parent, rec.ino, rec.name))
+        layer = self.union.layers.get(rec.writer)
+        if layer is None:
+            return  # (a writer not in this view: applied if it appears)
+        tree = self.ns if layer == 0 else self.trees.get(layer)
+        if tree is None:
+            return
+        target = tree.inodes.get(rec.ino)
+        if target is not None and target.is_dir:
+            self.wo_dirs[(layer, rec.ino)] = (rec.parent, rec.name)
+        if layer == 0:
+            if self.own:
+                self.adopt.append(rec)
+        elif touch:
+            self._touch(layer, rec.parent, rec.name)
+
+    def _whited(self, layer: int, parent: int, s: Inode, name: bytes) -> bool:
+        wo = self.wo.get(self.union.writer_ids[layer])
+        if not wo or (parent, s.ino, name) not in wo:
+            return False
+        return not s.is_dir or self._empty(layer, s, wo)
+
+    def _empty(self, layer: int, d: Inode, wo: set, depth: int = 0) -> bool:
+        """Nothing in another writer's directory `d` is visible (all of it whited out)."""
+        t = self.trees[layer]
+        for name, ci in d.children.items():
+            if (d.ino, ci, name) not in wo:
+                return False
+            c = t.inodes[ci]
+            if c.is_dir and (depth > 4096 or not self._empty(layer, c, wo, depth + 1)):
+                return False
+        return True
+
+    def _touch(self, layer: int, parent: int, name: bytes) -> None:
+        v = self.placed.get((layer, parent))
+        if v is not None:
+            self.remerge(v, name, True)
+        # a whited-out directory that has become empty (or not) changes its own entry
+        d = parent
+        for _ in range(4096):
+            up = self.wo_dirs.get((layer, d))
+            if up is None:
+                break
+            v = self.placed.get((layer, up[0]))
+            if v is not None:
+                self.remerge(v, up[1], True)
+            d = up[0]
+
+    def _own_children(self, d: Inode) -> bool:
+        inodes = self.ns.inodes
+        if any(inodes[c].layer == 0 for c in d.children.values()):
+            return True
+        return any(k[0] is d for k in self.hidden_own)
+
+    def _adopt_own(self) -> None:
+        """Carry out other writers' whiteouts of own entries: an UNLINK of the own writer
+        (journaled), so the own tree, its index and its space accounting agree with the view."""
+        while self.adopt:
+            rec = self.adopt.pop(0)
+            p = self.ns.inodes.get(rec.parent)
+            if p is None or p.layer != 0 or p.children is None:
+                continue
+            if p.children.get(rec.name) != rec.ino and \
+                    self.hidden_own.get((p, rec.name)) != rec.ino:
+                continue  # not there any more
+            x = self.ns.inodes[rec.ino]
+            if x.is_dir and self._own_children(x):
+                self.wo_dirs[(0, x.ino)] = (rec.parent, rec.name)
+                continue  # not empty: a whiteout of a directory waits for that
+            self.own_unlink(p, rec.name, x)
+
+    def own_unlink(self, p: Inode, name: bytes, x: Inode) -> None:
+        """Remove the own entry `name` (inode x, visible or hidden by a conflict) from own
+        directory p, journaled."""
+        if x.is_dir:
+            self._clear(x)
+        if p.children.get(name) != x.ino:
+            cur = p.children.get(name)
+            if cur is not None:
+                self._detach(p, name, self.ns.inodes[cur])
+            p.children[name] = x.ino
+            if x.is_dir:
+                p.nlink += 1
+        self.hidden_own.pop((p, name), None)
+        self.ns.change(UnlinkRec(p.ino, name))
+        self.gone.add(x.ino)
+        self.remerge(p, name, True)
+        self.own_removed(p)
+
+    def own_removed(self, d: Inode) -> None:
+        """An own entry left own directory d: a whiteout waiting for d to empty may apply."""
+        up = self.wo_dirs.get((0, d.ino))
+        if up is not None and not self._own_children(d):
+            del self.wo_dirs[(0, d.ino)]
+            self.adopt.append(XUnlinkRec(self.own or "", up[0], d.ino, up[1]))
+            self._adopt_own()
+
+    # ------------------------------------------------------------ merging
+    def _candidates(self, v: Inode, name: bytes) -> list[tuple[int, Inode, int]]:
+        """The versions at `name` in view directory v: (layer, inode in its tree, its
+        directory there), the own one first, then by layer."""
+        out = []
+        if self.own and v.layer == 0:
+            x = None
+            cur = v.children.get(name)
+            if cur is not None:
+                xi = self.ns.inodes.get(cur)
+                if xi is not None and xi.layer == 0:
+                    x = xi
+            if x is None:
+                h = self.hidden_own.get((v, name))
+                if h is not None:
+                    x = self.ns.inodes.get(h)
+            if x is not None:
+                out.append((0, x, v.ino))
+        for layer, parent in self.members.get(v, {}).items():
+            t = self.trees.get(layer)
+            p = t.inodes.get(parent) if t is not None else None
+            if p is None or p.children is None:
+                continue
+            si = p.children.get(name)
+            if si is None:
+                continue
+            s = t.inodes[si]
+            if not self._whited(layer, parent, s, name):
+                out.append((layer, s, parent))
+        return out
+
+    def _key(self, c) -> tuple[int, str]:
+        layer, s, _ = c
+        return (s.commit_ns or INF) if layer == 0 else s.commit_ns, self.writer_of(layer)
+
+    def _resolve(self, cands):
+        occ, group, losers = None, [], []
+        for c in cands:
+            if occ is None:
+                occ, group = c, ([c] if c[1].is_dir else [])
+            elif group and c[1].is_dir:
+                group.append(c)
+            elif self._key(c) > self._key(occ):
+                losers += group or [occ]
+                occ, group = c, ([c] if c[1].is_dir else [])
+            else:
+                losers.append(c)
+        return occ, group, losers
+
+    def versions(self, v: Inode, name: bytes) -> list[tuple[int, Inode, int]]:
+        """Every version at `name` in view directory v (the visible one and those a conflict
+        hides): what an unlink, rmdir, or rename over or away from the name removes."""
+        return self._candidates(v, name)
+
+    def remerge(self, v: Inode, name: bytes, notify: bool) -> None:
+        """Make v's entry `name` what the trees and whiteouts say it is."""
+        cands = self._candidates(v, name)
+        win, group, losers = self._resolve(cands)
+        cur_ino = v.children.get(name)
+        cur = self.ns.inodes.get(cur_ino) if cur_ino is not None else None
+        members = None
+        if win is None:
+            new = None
+        elif group:
+            members = {layer: s.ino for layer, s, _ in group if layer != 0}
+            own = next((s for layer, s, _ in group if layer == 0), None)
+            if own is not None:
+                new = own
+            elif (cur is not None and cur.is_dir and cur.layer > 0
+                  and members.get(cur.layer) == cur.ino & _MASK):
+                new = cur  # the view directory stays while its source is in the group
+            else:
+                new = self._clone(group[0][0], group[0][1])
+        else:
+            new = win[1] if win[0] == 0 else self._clone(win[0], win[1])
+        key = (v, name)
+        own_c = cands[0] if cands and cands[0][0] == 0 else None
+        if own_c is not None and own_c[1] is not new:
+            self.hidden_own[key] = own_c[1].ino
+        else:
+            self.hidden_own.pop(key, None)
+        if losers:
+            self.conflicts[key] = [(win[0], win[1])] + [(c[0], c[1]) for c in losers]
+        else:
+            self.conflicts.pop(key, None)
+        if new is cur:
+            if new is not None and new.is_dir:
+                self._set_members(new, members or {}, fresh=False)
+            return
+        if cur is not None:
+            self._detach(v, name, cur)
+        if new is not None:
+            self._attach(v, name, new, members or {})
+        if notify and (v is self.root or v.lookups > 0):
+            self.changed.append((ENTRY, v.ino, name))
+            self.changed.append((INODE, v.ino))
+
+    def _clone(self, layer: int, s: Inode) -> Inode:
+        ino = (layer << LAYER_SHIFT) | s.ino
+        x = self.ns.inodes.get(ino)
+        if x is None or x.layer != layer:
+            x = Inode(ino, s.mode, s.uid, s.gid, s.rdev, target=s.target)
+            x.layer = layer
+            x.nlink = 2 if s.is_dir else 0
+            self.ns.inodes[ino] = x
+        self._sync(x, s)
+        return x
+
+    @staticmethod
+    def _sync(x: Inode, s: Inode) -> None:
+        """The view inode x shows another writer's inode s as it is now."""
+        x.mode, x.uid, x.gid, x.rdev = s.mode, s.uid, s.gid, s.rdev
+        x.atime_ns, x.mtime_ns, x.ctime_ns = s.atime_ns, s.mtime_ns, s.ctime_ns
+        x.commit_ns = s.commit_ns
+        if s.emap is not None:
+            if x.emap is None:
+                x.emap = ExtentMap()
+            x.emap.starts, x.emap.pieces = s.emap.starts, s.emap.pieces
+            x.size = s.size
+            x.tail_run = None
+        elif not s.is_dir:
+            x.size = s.size
+            x.target = s.target
+
+    def _attach(self, v: Inode, name: bytes, x: Inode, members: dict[int, int]) -> None:
+        v.children[name] = x.ino
+        if x.layer != 0:
+            self.gone.discard(x.ino)
+            self.names[x.ino] = (v, name)
+        if x.is_dir:
+            v.nlink += 1
+            x.parent = v.ino
+            self._set_members(x, members, fresh=True)
+        elif x.layer != 0:
+            x.nlink += 1
+
+    def _detach(self, v: Inode, name: bytes, x: Inode) -> None:
+        del v.children[name]
+        if x.is_dir:
+            v.nlink -= 1
+            self._clear(x)
+        if x.layer == 0:
+            return  # an own entry a conflict hides: it stays in the own tree
+        if self.names.get(x.ino, (None,))[0] is v:
+            del self.names[x.ino]
+        x.nlink = 0 if x.is_dir else max(0, x.nlink - 1)
+        if x.nlink <= 0:
+            self.gone.add(x.ino)
+            self.ns.maybe_forget(x)
+
+    def _clear(self, d: Inode) -> None:
+        """A view directory leaves the view: the other writers' entries in it go with it
+        (the own ones stay in the own tree)."""
+        for layer, src in self.members.pop(d, {}).items():
+            if self.placed.get((layer, src)) is d:
+                del self.placed[(layer, src)]
+        for name in list(d.children):
+            c = self.ns.inodes[d.children[name]]
+            if c.layer != 0:
+                self._detach(d, name, c)
+            elif c.is_dir:
+                self._clear(c)
+        for key in [k for k in self.conflicts if k[0] is d]:
+            del self.conflicts[key]
+
+    def _set_members(self, d: Inode, members: dict[int, int], fresh: bool) -> None:
+        old = self.members.get(d, {})
+        self.members[d] = dict(sorted(members.items()))
+        names: set[bytes] = set(d.children) if fresh else set()
+        for layer, src in old.items():
+            if members.get(layer) != src:
+                if self.placed.get((layer, src)) is d:
+                    del self.placed[(layer, src)]
+                s = self.trees[layer].inodes.get(src) if layer in self.trees else None
+                if s is not None and s.children is not None:
+                    names.update(s.children)
+        for layer, src in members.items():
+            self.placed[(layer, src)] = d
+            if fresh or old.get(layer) != src:
+                s = self.trees[layer].inodes.get(src)
+                if s is not None and s.children is not None:
+                    names.update(s.children)
+                if d.layer == layer and d.ino & _MASK == src:
+                    self._sync(d, s)
+        if fresh and self.own and d.layer == 0:
+            names.update(n for (p, n) in self.hidden_own if p is d)
+        for name in names:
+            self.remerge(d, name, not fresh)
+
+    def _populate(self, d: Inode) -> None:
+        self._set_members(d, self.members.get(d, {}), fresh=True)
+
+    # ------------------------------------------------------------ own changes
+    def stamped(self, items, stamp: int) -> None:
+        """The own records `items` were committed with COMMIT stamp `stamp`."""
+        inodes = self.ns.inodes
+        for it in items:
+            t = type(it)
+            ino = getattr(it, "ino", None)
+            if t is RenameRec:
+                p = inodes.get(it.new_parent)
+                ino = p.children.get(it.new_name) if p is not None and p.children else None
+            if ino is not None:
+                x = inodes.get(ino)
+                if x is not None and x.layer == 0:
+                    x.commit_ns = stamp
+
+    def renumbered(self, x: Inode, old: int) -> None:
+        """Another writer's entry x became an own one (copy-up) with a new number."""
+        self.names.pop(old, None)
+        self.gone.discard(old)
+        self.dirty.discard(old)
+
+    def conflict_list(self) -> list[Conflict]:
+        out = []
+        for (v, name), vs in self.conflicts.items():
+            path = self.ns.path_of(v.ino).rstrip("/") + "/" + name.decode(
+                errors="surrogateescape")
+            out.append(Conflict(path, [(self.writer_of(layer), s.commit_ns)
+                                       for layer, s in vs]))
+        return out
+
+
+def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple[int, int]] | str":
+    """A writer's index, read whole: (scan, (st_dev, st_ino) of the file read), or a warning
+    when it cannot be used. A writer without an index yet has an empty tree."""
+    index = os.path.join(wdir, backingdir.INDEX_NAME)
+    backingdir.refresh_attributes(wdir)
+    try:
+        st = os.stat(index)
+        scan = records.read_index(index)
+    except FileNotFoundError:
+        return records.IndexScan(valid_bytes=0), (0, 0)
+    except (FormatError, OSError) as exc:
+        return f"writer {os.path.basename(wdir)} skipped: {exc}"
+    return scan, (st.st_dev, st.st_ino)
 
 
 def load_foreign(ns: Namespace, backing: str, own_writer: str | None, union: Union,
-                 first_layer: int = 1, only: str | None = None) -> None:
-    """Replay every writer except `own_writer` (or just `only`) and graft it onto `ns`."""
-    layer = first_layer
-    for wdir in backingdir.writer_dirs(backing):
-        wid = os.path.basename(wdir)
-        if wid == own_writer or (only is not None and wid != only):
-            continue
-        index = os.path.join(wdir, backingdir.INDEX_NAME)
-        fns = Namespace(now_ns=0)
-        fns.layer = layer
-        try:
-            if os.path.exists(index):
-                _, _, w = replay(fns, index)
-                union.warnings += w
-        except FormatError as exc:
-            union.warnings.append(f"writer {wid} skipped: {exc}")
-            continue
-        union.warnings += validate_extents(fns, wdir, layer)
-        union.writer_dirs[layer] = wdir
-        union.writer_ids[layer] = wid
-        graft(ns, fns, layer, union)
-        layer += 1
-
-
-def graft(ns: Namespace, src: Namespace, layer: int, union: Union) -> None:
-    clones: dict[int, Inode] = {}
-    root = ns.inodes[ROOT_INO]
-    _merge_dir(ns, root, src, src.inodes[ROOT_INO], layer, union, clones, "")
-
-
-def _writer_of(x: Inode, union: Union) -> str:
-    return union.writer_ids.get(x.layer, "")
-
-
-def _merge_dir(ns: Namespace, dst: Inode, src_ns: Namespace, src: Inode, layer: int,
-               union: Union, clones: dict[int, Inode], path: str) -> None:
-    for name, sino in sorted(src.children.items()):
-        s = src_ns.inodes[sino]
-        p = f"{path}/{name.decode(errors='surrogateescape')}"
-        cur_ino = dst.children.get(name)
-        if cur_ino is None:
-            dst.children[name] = _clone(ns, dst, s, src_ns, layer, union, clones, p).ino
-            continue
-        cur = ns.inodes[cur_ino]
-        if cur.is_dir and s.is_dir:
-            _merge_dir(ns, cur, src_ns, s, layer, union, clones, p)
-            continue
-        mine = (s.commit_ns, union.writer_ids.get(layer, ""))
-        theirs = (cur.commit_ns, _writer_of(cur, union))
-        if mine > theirs:
-            winner, loser = mine, theirs
-            _hide(ns, dst, name)
-            dst.children[name] = _clone(ns, dst, s, src_ns, layer, union, clones, p).ino
-        else:
-            winner, loser = theirs, mine
-        union.conflicts.append(Conflict(p, [(winner[1], winner[0]), (loser[1], loser[0])]))
-
-
-def _hide(ns: Namespace, parent: Inode, name: bytes) -> None:
-    """Take an entry out of the view (a conflict it lost); its own index is untouched."""
-    x = ns.inodes[parent.children.pop(name)]
-    if x.is_dir:
-        parent.nlink -= 1
-
-
-def _clone(ns: Namespace, parent: Inode, s: Inode, src_ns: Namespace, layer: int, union: Union,
-           clones: dict[int, Inode], path: str) -> Inode:
-    if s.ino in clones:  # a hard link inside the other writer's tree
-        x = clones[s.ino]
-        x.nlink += 1
-        return x
-    x = Inode((layer << LAYER_SHIFT) | s.ino, s.mode, s.uid, s.gid, s.rdev, s.atime_ns,
-              s.mtime_ns, s.ctime_ns, s.target)
-    x.layer = layer
-    x.commit_ns = s.commit_ns
-    x.size = s.size
-    x.emap = s.emap
-    x.nlink = 1
-    clones[s.ino] = x
-    ns.inodes[x.ino] = x
-    if s.is_dir:
-        x.nlink = 2
-        x.parent = parent.ino
-        parent.nlink += 1
-        _merge_dir(ns, x, src_ns, s, layer, union, clones, path)
-    return x
+                 only: str | None = None) -> View:
+    """The view of the writers of `backing` over `ns` (own_writer's tree is `ns` itself;
+    None: every writer's tree is read, as the offline tools do). `union.conflicts` lists
+    the paths where versions conflict."""
+    view = View(ns, union, backing, own_writer)
+    view.load(only)
+    union.conflicts = view.conflict_list()
+    return view

@@ -157,7 +157,7 @@ def test_bad_options(fresh_backing, tmp_path, mode, args, expect):
 def test_newer_index_version(fresh_backing, tmp_path, mode):
     path = os.path.join(fresh_backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "r+b") as f:
-        head = struct.pack("<8sI", records.INDEX_MAGIC, records.FORMAT_VERSION + 1)
+        head = struct.pack("<8sI", records.INDEX_MAGIC, records.INDEX_VERSION + 1)
         f.write(head + struct.pack("<I", crc32c(head)))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -168,7 +168,7 @@ def test_newer_index_version(fresh_backing, tmp_path, mode):
 def test_verify_newer_index_version(fresh_backing):
     path = os.path.join(fresh_backing, "writers", "w", backingdir.INDEX_NAME)
     with open(path, "r+b") as f:
-        head = struct.pack("<8sI", records.INDEX_MAGIC, records.FORMAT_VERSION + 1)
+        head = struct.pack("<8sI", records.INDEX_MAGIC, records.INDEX_VERSION + 1)
         f.write(head + struct.pack("<I", crc32c(head)))
     res = cli("verify", fresh_backing)
     assert "newer" in res.stderr

@@ -135,8 +135,8 @@ def test_scan_refuses_foreign_and_newer_headers(tmp_path):
     bad[0] ^= 1
     with pytest.raises(FormatError, match="not a ckptfs index"):
         records.read_index(_index(tmp_path, header=bytes(bad)))
-    v = struct.pack("<8sI", records.INDEX_MAGIC, records.FORMAT_VERSION + 1)
-    newer = INDEX_HEADER.pack(records.INDEX_MAGIC, records.FORMAT_VERSION + 1, crc32c(v))
+    v = struct.pack("<8sI", records.INDEX_MAGIC, records.INDEX_VERSION + 1)
+    newer = INDEX_HEADER.pack(records.INDEX_MAGIC, records.INDEX_VERSION + 1, crc32c(v))
     with pytest.raises(FormatError, match="newer"):
         records.read_index(_index(tmp_path, header=newer))
     with pytest.raises(FormatError, match="newer"):

@@ -32,7 +32,8 @@ import trio
 
 from ckptfs.datapath.staging import Run, Segment, Staging, round_up
 from ckptfs.format import backingdir, records
-from ckptfs.format.records import CommitRec, ExtentRec, Record
+from ckptfs.format.index import IndexWriter
+from ckptfs.format.records import CommitRec, ExtentRec, Record, RetireRec
 from ckptfs.io import alloc_aligned, open_engine
 
 log = logging.getLogger("ckptfs.flusher")
@@ -89,6 +90,21 @@ class Journal:
         self.committed_seq = committed_seq
         self.unsent = b""  # encoded records whose index write failed, to be written first
         self.unsent_upto = committed_seq
+        self.unsent_version = 1  # the index version those records need (RETIRE: 2)
+        # The COMMIT stamps: a hybrid logical clock (docs/format.md). A stamp is the wall
+        # clock in ns, but always above this writer's previous stamp and above every stamp it
+        # has seen in another writer's index (`seen_ns`, raised as their tails are read), so
+        # a change made after seeing another writer's change is ordered after it, whatever
+        # the two hosts' clocks say.
+        self.last_stamp = 0
+        self.seen_ns = 0
+        self.stamp_hook = None  # called with (the records of a commit group, its stamp)
+
+    def stamp(self) -> int:
+        """The next COMMIT stamp (trio thread)."""
+        s = max(time.time_ns(), self.last_stamp + 1, self.seen_ns + 1)
+        self.last_stamp = s
+        return s
 
     def add(self, item: Record | ExtentEntry) -> None:
         self.last_seq += 1
@@ -103,8 +119,11 @@ class Journal:
         are taken again first."""
         parts = [self.unsent] if self.unsent else []
         upto = self.unsent_upto if self.unsent else self.committed_seq
+        if not self.unsent:
+            self.unsent_version = 1
         entries = self.entries
         encode = records.encode
+        taken = []
         while entries:
             seq, item = entries[0]
             if type(item) is ExtentEntry:
@@ -114,14 +133,22 @@ class Journal:
                 parts.append(encode(ExtentRec(item.ino, item.foff, run.length, run.log,
                                               run.loff, run.crc)))
             else:
+                if type(item) is RetireRec:
+                    self.unsent_version = max(self.unsent_version, records.RETIRE_INDEX_VERSION)
+                elif type(item) in records.CROSS_WRITER_RECORDS:
+                    self.unsent_version = max(self.unsent_version, records.CROSS_INDEX_VERSION)
                 parts.append(encode(item))
             upto = seq
+            taken.append(item)
             entries.popleft()
         if not parts:
             return b"", upto
         self.unsent = b"".join(parts)
         self.unsent_upto = upto
-        return self.unsent + encode(CommitRec(upto, time.time_ns())), upto
+        stamp = self.stamp()
+        if self.stamp_hook is not None and taken:
+            self.stamp_hook(taken, stamp)
+        return self.unsent + encode(CommitRec(upto, stamp)), upto
 
     def confirm(self, upto: int) -> None:
         """The records up to `upto` are durable in the index."""
@@ -151,7 +178,7 @@ class Flusher:
 
     def __init__(self, writer_dir: str, writer_id: str, staging: Staging, journal: Journal,
                  *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
-                 next_log: int, index_fd: int, index_size: int, io_chunk_bytes: int,
+                 next_log: int, index: IndexWriter | None, io_chunk_bytes: int,
                  data_logs: int = 1, stripe_bytes: int = 0) -> None:
         self.writer_dir = writer_dir
         self.writer_id = writer_id
@@ -163,14 +190,15 @@ class Flusher:
         self.align = align
         self.log_bytes = log_bytes
         self.next_log = next_log
-        self.index_fd = index_fd
-        self.index_size = index_size
+        self.index = index  # the live index (None: a read-only mount)
         self.io_chunk_bytes = io_chunk_bytes
         # With O_DIRECT a completed write is on the device (not in the page cache): its buffer
         # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
         # (ENOSPC at writeback), so their buffers are kept until then.
         self.release_early = direct
         self.written_hook = None  # called (trio thread) with each segment once it is on disk
+        self.durable_hook = None  # called (trio thread) with each segment once it is durable
+        self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
         self.committed = trio.Event()
@@ -198,7 +226,23 @@ class Flusher:
 
     def seal_hook(self, seg: Segment) -> None:
         self.inflight_segments += 1
+        self.in_flight.add(seg)
         self.q.put(seg)
+
+    def open_logs(self) -> set[int]:
+        """The data logs segments are being placed in (read from the trio thread: a log
+        missing here takes no new segment; those placed in it before are in `in_flight`
+        until durable, with their `log` set)."""
+        return {lg.number for lg in self._slots if lg is not None}
+
+    async def wait_committed(self, seq: int) -> None:
+        """Return when the journal is committed up to `seq` (without sealing the open segment,
+        as a barrier does: a commit follows the next flush, or the idle flush)."""
+        while self.journal.committed_seq < seq:
+            if self.error is not None:
+                raise self.error
+            self.q.put(_COMMIT)
+            await self.committed.wait()
 
     def kick(self) -> None:
         """Ask for a commit of whatever is committable (namespace-only changes)."""
@@ -244,12 +288,16 @@ class Flusher:
             self.written_hook(seg)
 
     def _on_durable(self, segs: list[Segment]) -> None:
+        hook = self.durable_hook
         for seg in segs:
             seg.durable = True
+            if hook is not None:
+                hook(seg)
             if seg.buf is not None:
                 self._written(seg)
                 self.staging.release(seg)
             self.inflight_segments -= 1
+            self.in_flight.discard(seg)
         if self.error is not None:
             self.error = None
             self.staging.error = None
@@ -519,21 +567,9 @@ class Flusher:
     def _commit(self) -> None:
         blob, upto = self._call(self.journal.take_committable)
         if blob:
-            try:
-                view = memoryview(blob)
-                while view:
-                    n = os.write(self.index_fd, view)
-                    view = view[n:]
-                os.fdatasync(self.index_fd)
-            except OSError:
-                # Cut a torn group off so that later appends stay reachable on replay; the
-                # journal keeps the records and writes them first next time.
-                try:
-                    os.ftruncate(self.index_fd, self.index_size)
-                except OSError:
-                    pass
-                raise
-            self.index_size += len(blob)
+            # A failed write is cut off again (IndexWriter.append), so that later appends stay
+            # reachable on replay; the journal keeps the records and writes them first next time.
+            self.index.append(blob, self.journal.unsent_version)
             self.stats.index_bytes += len(blob)
             self.stats.index_commits += 1
         self._call(self._on_committed, upto)

@@ -125,6 +125,31 @@ class Reader:
     def cached(self) -> int:
         return len(self.chunks) * CHUNK_BYTES
 
+    def log_in_use(self, layer: int, number: int) -> bool:
+        """A READ, a check or a load holds chunks of the log right now (pinned or loading)."""
+        return any(k[0] == layer and k[1] == number for k in (*self.pins, *self.loading))
+
+    def hold(self, layer: int, number: int) -> None:
+        """Open the log's descriptor now (worker thread; before its file is removed: the
+        reads using it go on through the descriptor)."""
+        self._fd(layer, number)
+
+    def forget_log(self, layer: int, number: int) -> None:
+        """The log is gone (retired) and nothing uses it: close its descriptor, drop its
+        chunks and their bookkeeping."""
+        key = (layer, number)
+        with self.fd_lock:
+            fd = self.fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+        for k in [k for k in self.chunks if k[:2] == key]:
+            self.spare.append(self.chunks.pop(k).buf)
+        for table in (self.live, self.served, self.consumed, self.chunk_runs):
+            for k in [k for k in table if k[:2] == key]:
+                del table[k]
+        for table in (self.gen, self.log_end, self.ra_window):
+            table.pop(key, None)
+
     def close(self) -> None:
         with self.fd_lock:
             for fd in [*self.fds.values(), *self.stale_fds]:

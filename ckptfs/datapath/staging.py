@@ -54,7 +54,7 @@ class Run:
     data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (kept up to date as the
     run grows: fs.piece_recorder; from the index after replay)."""
 
-    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer")
+    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead")
 
     def __init__(self, seg: Segment | None, soff: int, length: int, log: int = -1, loff: int = -1,
                  crc: int = 0, verified: bool = False, layer: int = 0) -> None:
@@ -66,6 +66,7 @@ class Run:
         self.crc = crc
         self.verified = verified
         self.layer = layer  # which writer's data logs hold it (0: this mount's own)
+        self.dead = 0  # bytes no extent map points at any more (cleaner.LogSpace)
 
     def memory(self) -> memoryview | None:
         """The run's bytes while they are still in staging memory, else None."""
@@ -76,9 +77,14 @@ class Run:
 
 
 class ExtentMap:
-    """Sorted, non-overlapping pieces [start, length, run, offset-in-run] of one file."""
+    """Sorted, non-overlapping pieces [start, length, run, offset-in-run] of one file.
+
+    `ExtentMap.on_dead(run, n)`, when set (the daemon sets it once its tree is replayed:
+    cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
+    overwrite or truncate clips them, a forgotten inode drops its map."""
 
     __slots__ = ("starts", "pieces", "stored")
+    on_dead: Callable[[Run, int], None] | None = None
 
     def __init__(self) -> None:
         self.starts: list[int] = []
@@ -113,6 +119,7 @@ class ExtentMap:
             i = 0
         out_s: list[int] = []
         out_p: list[list] = []
+        dead = ExtentMap.on_dead
         j = i
         while j < len(pieces) and pieces[j][0] < hi:
             s, n, run, roff = pieces[j]
@@ -122,6 +129,8 @@ class ExtentMap:
                 out_p.append(pieces[j])
             else:
                 self.stored -= min(e, hi) - max(s, lo)
+                if dead is not None:
+                    dead(run, min(e, hi) - max(s, lo))
                 if s < lo:
                     out_s.append(s)
                     out_p.append([s, lo - s, run, roff])
@@ -131,6 +140,16 @@ class ExtentMap:
             j += 1
         starts[i:j] = out_s
         pieces[i:j] = out_p
+
+    def drop(self) -> None:
+        """Forget every piece (the file is gone)."""
+        dead = ExtentMap.on_dead
+        if dead is not None:
+            for p in self.pieces:
+                dead(p[2], p[1])
+        self.starts = []
+        self.pieces = []
+        self.stored = 0
 
     def truncate(self, size: int) -> None:
         end = self.end()

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 from crc32c import crc32c
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of the backing directory, the writers and the data logs
+# The newest index version this code reads. An index gets the version-2 header when its first
+# RETIRE record is written (IndexWriter): code that knows only version 1 refuses it then,
+# instead of ending its replay at the unknown record and cutting the rest off.
+INDEX_VERSION = 3
+RETIRE_INDEX_VERSION = 2  # the index version that may hold RETIRE records
+# An index gets the version-3 header when its first record about another writer's entry
+# (XUNLINK, XEXTENT) is written (Flusher): code that reads only versions 1-2 refuses it.
+CROSS_INDEX_VERSION = 3
 INDEX_MAGIC = b"CKPTIDX\0"
 DATA_MAGIC = b"CKPTDAT\0"
 DATA_HEADER_BYTES = 4096
@@ -36,6 +44,9 @@ R_RENAME = 5
 R_UNLINK = 6  # unlink or rmdir
 R_COMMIT = 7  # end of a commit group: sequence number, wall time
 R_LINK = 8  # hard link of an existing inode
+R_RETIRE = 9  # data log `log` holds no live byte; its file is removed after this commit
+R_XUNLINK = 10  # another writer's entry removed from the tree (a whiteout)
+R_XEXTENT = 11  # file bytes that live in a run of a (possibly other) writer's data log
 
 _INODE = struct.Struct("<QQIIIIqqqH")
 _EXTENT = struct.Struct("<QQIIQI")
@@ -45,6 +56,9 @@ _RENAME = struct.Struct("<QQIH")
 _UNLINK = struct.Struct("<Q")
 _COMMIT = struct.Struct("<Qq")
 _LINK = struct.Struct("<QQ")
+_RETIRE = struct.Struct("<I")
+_XUNLINK = struct.Struct("<QQH")  # parent, ino (the other writer's numbers), writer id length
+_XEXTENT = struct.Struct("<QQIIQIIIH")  # ino foff length log loff run_length crc roff wlen
 
 
 class FormatError(Exception):
@@ -124,7 +138,53 @@ class CommitRec:
     time_ns: int
 
 
-Record = InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | LinkRec | CommitRec
+@dataclass(slots=True)
+class RetireRec:
+    """Data log `log` is retired: no live extent points into it any more (every one was
+    overwritten, truncated, unlinked or moved by the cleaner, in records before this one), so
+    its file is removed once this record is committed. Replay tells such a log from a lost
+    one, and a writer never reuses its number."""
+
+    log: int
+
+
+@dataclass(slots=True)
+class XUnlinkRec:
+    """This writer removed the entry `name` of directory `parent` in writer `writer`'s tree,
+    which was that writer's inode `ino` (numbers of that writer): an unlink, rmdir, rename
+    over or away from it, or the replacement of another writer's file by a copy of its own.
+    Every reader hides the entry while it still names `ino` (a directory only once nothing
+    in it is left visible); the writer that owns it removes it from its own tree (with an
+    UNLINK record of its own) when it next sees this record."""
+
+    writer: str
+    parent: int
+    ino: int
+    name: bytes
+
+
+@dataclass(slots=True)
+class XExtentRec:
+    """File bytes [foff, foff + length) of this writer's inode `ino` are bytes
+    [roff, roff + length) of a run of writer `writer`'s data log `log`: the run at `loff` of
+    `run_length` bytes whose CRC32C is `crc` (the whole run is what a reader checks). Written
+    when a writer takes over another writer's file (copy-up) without copying its bytes; the
+    owner of the log must keep the run while such a record names it."""
+
+    ino: int
+    foff: int
+    length: int
+    writer: str
+    log: int
+    loff: int
+    run_length: int
+    crc: int
+    roff: int
+
+
+Record = (InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | LinkRec
+          | CommitRec | RetireRec | XUnlinkRec | XExtentRec)
+CROSS_WRITER_RECORDS = (XUnlinkRec, XExtentRec)  # need an index of CROSS_INDEX_VERSION
 
 
 def _frame(rtype: int, body: bytes) -> bytes:
@@ -156,6 +216,15 @@ def encode(rec: Record) -> bytes:
         return _frame(R_LINK, _LINK.pack(rec.ino, rec.parent) + rec.name)
     if t is CommitRec:
         return _frame(R_COMMIT, _COMMIT.pack(rec.seq, rec.time_ns))
+    if t is RetireRec:
+        return _frame(R_RETIRE, _RETIRE.pack(rec.log))
+    if t is XUnlinkRec:
+        w = rec.writer.encode()
+        return _frame(R_XUNLINK, _XUNLINK.pack(rec.parent, rec.ino, len(w)) + w + rec.name)
+    if t is XExtentRec:
+        w = rec.writer.encode()
+        return _frame(R_XEXTENT, _XEXTENT.pack(rec.ino, rec.foff, rec.length, rec.log, rec.loff,
+                                               rec.run_length, rec.crc, rec.roff, len(w)) + w)
     raise TypeError(f"not an index record: {rec!r}")
 
 
@@ -205,14 +274,39 @@ def decode(rtype: int, body: bytes) -> Record:
             return LinkRec(ino, parent, check_name(body[_LINK.size:]))
         if rtype == R_COMMIT:
             return CommitRec(*_COMMIT.unpack(body))
+        if rtype == R_RETIRE:
+            return RetireRec(*_RETIRE.unpack(body))
+        if rtype == R_XUNLINK:
+            parent, ino, wlen = _XUNLINK.unpack_from(body)
+            writer = _writer_id(body[_XUNLINK.size:_XUNLINK.size + wlen])
+            return XUnlinkRec(writer, parent, ino, check_name(body[_XUNLINK.size + wlen:]))
+        if rtype == R_XEXTENT:
+            (ino, foff, length, log, loff, run_length, crc, roff,
+             wlen) = _XEXTENT.unpack_from(body)
+            writer = _writer_id(body[_XEXTENT.size:])
+            if (len(writer) != wlen or foff + length > MAX_FILE_BYTES or length == 0
+                    or roff + length > run_length or loff < DATA_HEADER_BYTES):
+                raise FormatError(f"cross-writer extent out of range: ino {ino} foff {foff}")
+            return XExtentRec(ino, foff, length, writer, log, loff, run_length, crc, roff)
     except struct.error as exc:
         raise FormatError(f"record type {rtype} of {len(body)} bytes: {exc}") from None
     raise FormatError(f"unknown record type {rtype}")
 
 
-def index_header() -> bytes:
-    v = struct.pack("<8sI", INDEX_MAGIC, FORMAT_VERSION)
-    return INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, crc32c(v))
+_WRITER_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _writer_id(raw: bytes) -> str:
+    """A writer id named in a record: the rules of backingdir.safe_writer_id."""
+    if not 1 <= len(raw) <= 128 or raw in (b".", b"..") or not _WRITER_ID_CHARS.issuperset(raw):
+        raise FormatError(f"invalid writer id {raw!r} in a record")
+    return raw.decode()
+
+
+def index_header(version: int = 1) -> bytes:
+    """The 16 header bytes of an index of `version` (1 unless it holds RETIRE records)."""
+    v = struct.pack("<8sI", INDEX_MAGIC, version)
+    return INDEX_HEADER.pack(INDEX_MAGIC, version, crc32c(v))
 
 
 @dataclass
@@ -224,6 +318,7 @@ class IndexScan:
     valid_bytes: int = INDEX_HEADER.size  # where the next record may be appended
     warnings: list[str] = field(default_factory=list)
     last_seq: int = 0
+    version: int = 1  # the header's
 
 
 def check_index_header(path: str) -> None:
@@ -237,13 +332,14 @@ def check_index_header(path: str) -> None:
         _check_header(path, head)
 
 
-def _check_header(path: str, data: bytes) -> None:
+def _check_header(path: str, data: bytes) -> int:
     magic, version, crc = INDEX_HEADER.unpack_from(data)
     if magic != INDEX_MAGIC or crc != crc32c(struct.pack("<8sI", magic, version)):
         raise FormatError(f"{path}: not a ckptfs index (bad magic or header checksum)")
-    if version > FORMAT_VERSION:
+    if version > INDEX_VERSION:
         raise FormatError(f"{path}: index format version {version} is newer than this ckptfs "
-                          f"(supports {FORMAT_VERSION}); upgrade ckptfs")
+                          f"(supports {INDEX_VERSION}); upgrade ckptfs")
+    return version
 
 
 _COMMIT_FRAME = re.compile(re.escape(struct.pack("<I", _COMMIT.size)) + rb".{4}" +
@@ -268,13 +364,35 @@ def read_index(path: str) -> IndexScan:
     in `warnings` and excluded. Raises FormatError for a foreign file or a newer version."""
     with open(path, "rb") as f:
         data = f.read()
+    return scan_index(path, data)
+
+
+def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
+    """The commit groups appended to an index since byte `offset` (the end of a commit group
+    read before): (scan, the file's size as read). `scan.valid_bytes` is where the next read
+    starts: the end of the last complete commit group (a group being written is left for the
+    next read). Raises FormatError as read_index, OSError if the file is gone."""
+    with open(path, "rb") as f:
+        head = f.read(INDEX_HEADER.size)
+        f.seek(offset)
+        tail = f.read()
+    scan = scan_index(path, head + tail, tail=True)
+    if scan.valid_bytes >= INDEX_HEADER.size:
+        scan.valid_bytes = offset + scan.valid_bytes - INDEX_HEADER.size
+    return scan, offset + len(tail)
+
+
+def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
+    """The records of `data`: an index header followed by records (the whole index, or with
+    `tail` the records from some commit boundary on, where a group still being written at
+    the end is expected and not reported)."""
     scan = IndexScan()
     if len(data) < INDEX_HEADER.size:
         if data:
             scan.warnings.append(f"{path}: index header torn ({len(data)} bytes), treated as empty")
         scan.valid_bytes = 0
         return scan
-    _check_header(path, data)
+    scan.version = _check_header(path, data)
     pos = INDEX_HEADER.size
     group: list[Record] = []
     end = len(data)
@@ -304,6 +422,8 @@ def read_index(path: str) -> IndexScan:
             # that way, by a hostile or broken writer, and nothing after it is trusted.)
             resume = _resync(data, pos) if problem == "record checksum mismatch" else None
             if resume is None:
+                if tail and problem.startswith("torn"):
+                    break  # (being appended to right now)
                 scan.warnings.append(f"{path}: {problem} at byte {pos}; the rest of the index "
                                      f"({end - pos} bytes) is ignored")
                 break
@@ -323,7 +443,7 @@ def read_index(path: str) -> IndexScan:
             scan.last_seq = rec.seq
         else:
             group.append(rec)
-    if group:
+    if group and not tail:
         scan.warnings.append(f"{path}: {len(group)} records after the last commit ignored "
                              "(interrupted commit)")
     return scan

@@ -1,0 +1,234 @@
+"""Space and history of a mount: the live bytes of each data log, retiring logs that hold no
+live byte, cleaning logs that are mostly dead, and the index snapshot.
+
+- `LogSpace` counts, per data log of this writer, the bytes that extent maps still point at.
+  Replay gives the start (every piece of the replayed tree); then every byte an overwrite,
+  truncate, unlink or move kills is taken off its log (ExtentMap.on_dead), and every segment
+  the flusher makes durable adds its runs' surviving bytes to its log.
+- `Maintainer` is the task that acts on it, on the trio thread, once a second:
+  1. retire: a log with no live byte that no segment is being placed in gets a RETIRE record;
+     once that is committed, its file is removed (a reader still using it keeps its open
+     descriptor until done). At mount this finishes the logs a crash left dead or half retired.
+
+Trio thread, except where a function says it runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import trio
+
+from ckptfs.datapath.staging import ExtentMap, Run, Segment, round_up
+from ckptfs.format import backingdir
+from ckptfs.format.records import RetireRec
+
+log = logging.getLogger("ckptfs.cleaner")
+
+TICK_S = 1.0  # how often the maintainer looks
+DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take up
+
+
+class LogSpace:
+    """Live and written bytes per data log of this writer (layer 0)."""
+
+    def __init__(self, align: int) -> None:
+        self.align = align
+        self.live: dict[int, int] = {}  # log -> bytes extent maps point at
+        self.ends: dict[int, int] = {}  # log -> end of its last segment (its size)
+        self.ages: dict[int, float] = {}  # log -> when a segment last landed in it (monotonic)
+
+    def count(self, ns, logs: dict[int, str]) -> None:
+        """The start: the replayed tree's pieces, the existing logs' sizes."""
+        for n, path in logs.items():
+            self.ends[n] = os.path.getsize(path)
+            self.live.setdefault(n, 0)
+            self.ages[n] = 0.0
+        live = self.live
+        for x in ns.inodes.values():
+            emap = x.emap
+            if emap is None:
+                continue
+            for p in emap.pieces:
+                run = p[2]
+                if run.layer == 0 and run.log >= 0:
+                    live[run.log] = live.get(run.log, 0) + p[1]
+
+    def dead(self, run: Run, n: int) -> None:
+        """ExtentMap.on_dead: `n` bytes of `run` are no longer pointed at."""
+        if run.layer:
+            return
+        run.dead += n
+        seg = run.seg
+        if seg is None or seg.durable:  # counted already (replayed, or its segment durable)
+            self.live[run.log] -= n
+
+    def durable(self, seg: Segment) -> None:
+        """Flusher.durable_hook: the segment's runs count for its log from now on."""
+        lg = seg.log
+        live = self.live.get(lg, 0)
+        for run in seg.runs:
+            live += run.length - run.dead
+        self.live[lg] = live
+        end = seg.loff + round_up(seg.used, self.align)
+        if end > self.ends.get(lg, 0):
+            self.ends[lg] = end
+        self.ages[lg] = time.monotonic()
+
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+    def log_bytes(self) -> int:
+        return sum(self.ends.values())
+
+    def forget(self, lg: int) -> int:
+        """The log is retired: its size."""
+        self.live.pop(lg, None)
+        self.ages.pop(lg, None)
+        return self.ends.pop(lg, 0)
+
+
+class Maintainer:
+    """The task that gives space back while mounted (see the module docstring)."""
+
+    def __init__(self, ns, journal, flusher, reader, space: LogSpace, writer_dir: str) -> None:
+        self.ns = ns
+        self.journal = journal
+        self.flusher = flusher
+        self.reader = reader
+        self.space = space
+        self.writer_dir = writer_dir
+        self.logs_retired = 0
+        self.bytes_reclaimed = 0
+        self.disk_bytes = 0  # the data logs' allocated blocks (st_blocks), looked up every 5 s
+        self.doing = "idle"
+        self.errors = 0
+        self.last_error = ""
+        self._held: set[int] = set()  # retired logs a reader still held open when removed
+        self._disk_checked = -DISK_USAGE_S
+
+    # ------------------------------------------------------------ the task
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except OSError as exc:  # the backing store refused: retried at the next tick
+                self.errors += 1
+                self.last_error = f"{exc.__class__.__name__}: {exc}"
+                log.warning("maintenance: %s (retried)", exc)
+                self.doing = "idle"
+            await trio.sleep(TICK_S)
+
+    async def tick(self) -> None:
+        self._release_held()
+        dead = self.retirable()
+        if dead:
+            await self.retire(dead)
+        now = trio.current_time()
+        if now - self._disk_checked >= DISK_USAGE_S:
+            self._disk_checked = now
+            self.disk_bytes = await trio.to_thread.run_sync(self._disk_usage)
+
+    def _disk_usage(self) -> int:
+        """Worker thread: the blocks the data logs take up on the backing store."""
+        total = 0
+        for path in backingdir.data_logs(self.writer_dir).values():
+            try:
+                total += os.stat(path).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    # ------------------------------------------------------------ retiring
+    def retirable(self) -> list[int]:
+        """Logs with no live byte that take no more segments: not open for placement, no
+        segment in flight in them. (`open_logs` first: a log closed after that look has its
+        in-flight segments' `log` set by then.)"""
+        busy = self.flusher.open_logs()
+        busy |= {seg.log for seg in self.flusher.in_flight}
+        return sorted(lg for lg, n in self.space.live.items() if n <= 0 and lg not in busy)
+
+    async def retire(self, logs: list[int]) -> None:
+        """RETIRE records for `logs`, committed, then their files removed."""
+        ns, space = self.ns, self.space
+        for lg in logs:
+            if space.live.get(lg, 0) < 0:
+                log.error("data log %d: live bytes counted below zero (%d)", lg, space.live[lg])
+            if lg not in ns.retired:
+                ns.change(RetireRec(lg))
+        self.doing = f"retiring data logs {', '.join(map(str, logs))}"
+        await self.flusher.wait_committed(self.journal.last_seq)
+        for lg in logs:
+            space.forget(lg)
+        # A log a reader is using right now is opened by the reader before it goes: the reader
+        # reads on through that descriptor, and the space comes back when it lets go
+        # (_release_held). (Reader state is the trio thread's; the opens run in the worker.)
+        held = [lg for lg in logs if self.reader.log_in_use(0, lg)]
+        freed = await trio.to_thread.run_sync(self._remove, logs, held)
+        self._held.update(held)
+        for lg in logs:
+            if lg not in self._held:
+                self.reader.forget_log(0, lg)
+        self.logs_retired += len(logs)
+        self.bytes_reclaimed += freed
+        log.info("retired data logs %s (%d bytes freed)", ", ".join(map(str, logs)), freed)
+        self.doing = "idle"
+
+    def _remove(self, logs: list[int], held: list[int]) -> int:
+        """Worker thread: remove the retired logs' files (those in `held` opened by the reader
+        first). Returns the bytes they took up."""
+        for lg in held:
+            try:
+                self.reader.hold(0, lg)
+            except OSError:
+                pass
+        freed = 0
+        for lg in logs:
+            path = os.path.join(self.writer_dir, backingdir.data_log_name(lg))
+            try:
+                freed += os.stat(path).st_blocks * 512
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        fd = os.open(self.writer_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return freed
+
+    def _release_held(self) -> None:
+        for lg in list(self._held):
+            if not self.reader.log_in_use(0, lg):
+                self.reader.forget_log(0, lg)
+                self._held.discard(lg)
+
+    # ------------------------------------------------------------ figures
+    def status(self) -> dict:
+        space = self.space
+        live = space.live_bytes()
+        logs = space.log_bytes()
+        return {
+            "data_logs": len(space.ends),
+            "live_bytes": live,
+            "dead_bytes": max(0, logs - live),
+            "data_log_bytes": logs,
+            "data_log_disk_bytes": self.disk_bytes,
+            "logs_retired": self.logs_retired,
+            "bytes_reclaimed": self.bytes_reclaimed,
+            "index_size_bytes": self.flusher.index.size if self.flusher.index else 0,
+            "maintenance": self.doing,
+            "maintenance_errors": self.errors,
+        }
+
+
+def install(space: LogSpace) -> None:
+    """From now on every byte an extent map lets go of is taken off its log (daemon: after
+    replay)."""
+    ExtentMap.on_dead = space.dead
+
+
+def uninstall() -> None:
+    ExtentMap.on_dead = None
