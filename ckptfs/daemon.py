@@ -64,6 +64,8 @@ def _check_config(self) -> None:
         raise ValueError("--io-chunk must be a multiple of 4 KiB")
     if self.idle_flush_s <= 0:
         raise ValueError("--idle-flush must be positive")
+    if not 0 <= self.refresh_s <= 3600:
+        raise ValueError("--refresh must be between 0 and 3600 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if not 1 <= self.data_logs <= 256:
@@ -216,7 +218,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = wd.path
         union.writer_ids[0] = cfg.writer_id
-    load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
+    view = load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
     for w in union.warnings:
         log.warning("%s", w)
     for c in union.conflicts:
@@ -248,6 +250,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         cleaner.install(space)
         flusher.durable_hook = space.durable
         maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
+        maintainer.others_use = lambda: cleaner.logs_named_by_others(view)
+        if len(backingdir.writer_dirs(cfg.backing)) > 1:
+            maintainer.grace_s = cleaner.SHARED_GRACE_S
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",

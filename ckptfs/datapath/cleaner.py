@@ -29,6 +29,9 @@ log = logging.getLogger("ckptfs.cleaner")
 
 TICK_S = 1.0  # how often the maintainer looks
 DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take up
+# With other writers in the backing directory: how long a log stays dead before it is retired
+# (longer than another mount's view of this tree lags behind it: refresh.py).
+SHARED_GRACE_S = 60.0
 
 
 class LogSpace:
@@ -107,6 +110,11 @@ class Maintainer:
         self.errors = 0
         self.last_error = ""
         self._held: set[int] = set()  # retired logs a reader still held open when removed
+        # The own logs other writers' trees point into (their XEXTENT records: a file they
+        # took over without copying its bytes): kept while named, whatever the own tree says.
+        self.others_use = lambda: set()
+        self.dead_since: dict[int, float] = {}  # log -> when its last live byte died
+        self.grace_s = 0.0  # with other writers: how long a log stays dead before it goes
         self._disk_checked = -DISK_USAGE_S
 
     # ------------------------------------------------------------ the task
@@ -148,7 +156,23 @@ class Maintainer:
         in-flight segments' `log` set by then.)"""
         busy = self.flusher.open_logs()
         busy |= {seg.log for seg in self.flusher.in_flight}
-        return sorted(lg for lg, n in self.space.live.items() if n <= 0 and lg not in busy)
+        dead = [lg for lg, n in self.space.live.items() if n <= 0 and lg not in busy]
+        if not dead:
+            return []
+        now = time.monotonic()
+        since = self.dead_since
+        for lg in list(since):
+            if lg not in dead:
+                del since[lg]
+        for lg in dead:
+            since.setdefault(lg, now)
+        # Another writer may take a file over (XEXTENT) from a view of this tree a little
+        # behind it: a log goes only when it has been dead longer than such a view can lag.
+        ripe = [lg for lg in dead if now - since[lg] >= self.grace_s]
+        if ripe:
+            named = self.others_use()
+            ripe = [lg for lg in ripe if lg not in named]
+        return sorted(ripe)
 
     async def retire(self, logs: list[int]) -> None:
         """RETIRE records for `logs`, committed, then their files removed."""
@@ -162,6 +186,7 @@ class Maintainer:
         await self.flusher.wait_committed(self.journal.last_seq)
         for lg in logs:
             space.forget(lg)
+            self.dead_since.pop(lg, None)
         # A log a reader is using right now is opened by the reader before it goes: the reader
         # reads on through that descriptor, and the space comes back when it lets go
         # (_release_held). (Reader state is the trio thread's; the opens run in the worker.)
@@ -222,6 +247,21 @@ class Maintainer:
             "maintenance": self.doing,
             "maintenance_errors": self.errors,
         }
+
+
+def logs_named_by_others(view) -> set[int]:
+    """The own data logs that other writers' trees (replay.View) point into."""
+    alias = getattr(view, "own_alias", None)
+    if alias is None:
+        return set()
+    out = set()
+    for tree in view.trees.values():
+        for x in tree.inodes.values():
+            if x.emap is not None:
+                for p in x.emap.pieces:
+                    if p[2].layer == alias:
+                        out.add(p[2].log)
+    return out
 
 
 def install(space: LogSpace) -> None:
