@@ -129,6 +129,9 @@ class CkptOperations(pyfuse3.Operations):
         a.st_ino = x.ino
         a.generation = 0
         a.entry_timeout = ENTRY_TIMEOUT_S
+        """attr_fields as pyfuse3 wants them (the requests pyfuse3 serves)."""
+        (ino, size, blocks, at, mt, ct, an, mn, cn, mode, nlink, uid, gid, rdev, blksize,
+         _) = self.attr_fields(x)
         a.attr_timeout = ATTR_TIMEOUT_S
         a.st_mode = x.mode
         a.st_nlink = x.nlink
@@ -145,9 +148,10 @@ class CkptOperations(pyfuse3.Operations):
 
     @staticmethod
     def attr_fields(x: Inode) -> tuple:
-        """What _attr says, as the fields of the protocol's struct fuse_attr (ino size blocks,
-        atime mtime ctime in s, then their ns parts, mode nlink uid gid rdev blksize flags),
-        for the fast path, which packs them itself: no EntryAttributes per request."""
+        """A file's attributes, once for every reply: the fields of the protocol's struct
+        fuse_attr (ino size blocks, atime mtime ctime in s, then their ns parts, mode nlink
+        uid gid rdev blksize flags). The fast path packs them itself (no EntryAttributes per
+        request); _attr hands them to pyfuse3. Blocks count stored bytes, not holes."""
         at, an = divmod(x.atime_ns, 1_000_000_000)
         mt, mn = divmod(x.mtime_ns, 1_000_000_000)
         ct, cn = divmod(x.ctime_ns, 1_000_000_000)
