@@ -435,7 +435,7 @@ class FastPath(RequestWait):
                        body: bytes) -> None:
         """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
         reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
-        attributes are packed straight from the inode (fs.attr_fields), and a LOOKUP of a
+        attributes are packed straight from the inode (ops.attr_fields), and a LOOKUP of a
         name that does not exist is answered without raising: a small file's save is six
         requests, and on this path the interpreter runs cold (docs/performance-notes.md), so
         every object and exception per request shows."""
@@ -445,6 +445,8 @@ class FastPath(RequestWait):
                 out = ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0,
                                     *ops.attr_fields(ops.inode(nodeid)))
             elif opcode == FUSE_LOOKUP:
+                if ops.refresh_due():  # other writers' changes first (ops.lookup)
+                    await ops.refresh()
                 x = ops.find(nodeid, body[:body.index(b"\0")])
                 if x is None:
                     self.reply_error(unique, errno.ENOENT)
