@@ -125,25 +125,25 @@ class CkptOperations(pyfuse3.Operations):
 
     # ------------------------------------------------------------ helpers
     def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = x.ino
-        a.generation = 0
-        a.entry_timeout = ENTRY_TIMEOUT_S
         """attr_fields as pyfuse3 wants them (the requests pyfuse3 serves)."""
         (ino, size, blocks, at, mt, ct, an, mn, cn, mode, nlink, uid, gid, rdev, blksize,
          _) = self.attr_fields(x)
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT_S
         a.attr_timeout = ATTR_TIMEOUT_S
-        a.st_mode = x.mode
-        a.st_nlink = x.nlink
-        a.st_uid = x.uid
-        a.st_gid = x.gid
-        a.st_rdev = x.rdev
-        a.st_size = x.size
-        a.st_blksize = IO_BLOCK_BYTES
-        a.st_blocks = (x.emap.stored + 511) // 512 if x.emap is not None else 0  # not holes
-        a.st_atime_ns = x.atime_ns
-        a.st_mtime_ns = x.mtime_ns
-        a.st_ctime_ns = x.ctime_ns
+        a.st_mode = mode
+        a.st_nlink = nlink
+        a.st_uid = uid
+        a.st_gid = gid
+        a.st_rdev = rdev
+        a.st_size = size
+        a.st_blksize = blksize
+        a.st_blocks = blocks
+        a.st_atime_ns = at * 1_000_000_000 + an
+        a.st_mtime_ns = mt * 1_000_000_000 + mn
+        a.st_ctime_ns = ct * 1_000_000_000 + cn
         return a
 
     @staticmethod
