@@ -271,12 +271,32 @@ def test_stats_file_and_prometheus(mounts, tmp_path):
         open(f"{mp}/.ckptfs/stats.json", "w")
     with pytest.raises(FileExistsError):
         os.mkdir(f"{mp}/.ckptfs")
+    # the file, read by Prometheus's own parser: every figure of the status under its type,
+    # with help, the mount's labels; one written after the sync counts the file's bytes
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ckptfs.fuse.ops import METRICS, NOT_METRICS
     deadline = __import__("time").monotonic() + 20
-    while not prom.exists() and __import__("time").monotonic() < deadline:
-        __import__("time").sleep(0.1)
-    text = prom.read_text()
-    assert "# TYPE ckptfs_bytes_durable counter" in text
-    assert f'ckptfs_pid{{mountpoint="{os.path.realpath(mp)}"' in text or "ckptfs_pid{" in text
+    while True:
+        fams = {f.name: f for f in text_string_to_metric_families(
+            prom.read_text() if prom.exists() else "")}
+        samples = {s.name: (f, s) for f in fams.values() for s in f.samples}
+        durable = samples.get("ckptfs_durable_bytes_total")
+        if durable and durable[1].value >= 12345 or __import__("time").monotonic() > deadline:
+            break
+        __import__("time").sleep(0.2)
+    assert durable and durable[1].value >= 12345, prom.read_text()
+    figures = {k for k, v in st.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)} - NOT_METRICS
+    assert figures <= METRICS.keys(), f"status figures without a metric: {figures - METRICS.keys()}"
+    labels = {"mountpoint": os.path.realpath(mp), "writer": st["writer"]}
+    for key in figures:
+        name, kind = METRICS[key][:2]
+        fam, sample = samples[f"ckptfs_{name}"]
+        assert (fam.type, sample.labels) == (kind, labels), key
+        assert fam.documentation and sample.name.endswith("_total") == (kind == "counter")
+    assert all(f.type != "unknown" for f in fams.values())
+    assert samples["ckptfs_info"][1].labels["pid"] == str(m.pid)
 
 
 def test_several_data_logs_and_stripe_alignment(mounts):
