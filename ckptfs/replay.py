@@ -82,7 +82,8 @@ def apply_group(ns: Namespace, group: list, when: int, where: str, warnings: lis
                 if touched is not None:
                     touched.inos.add(target)
         except FormatError as exc:
-            warnings.append(f"{where}: record skipped: {exc}")
+            warnings.append(records.Damage(records.RECORD_SKIPPED,
+                                           f"{where}: record skipped: {exc}"))
 
 
 def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str]:
@@ -98,8 +99,9 @@ def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str
         for p in bad:
             what = ("lies in a log the index retired (its live data was moved or deleted "
                     "before)") if p[2].log in ns.retired else "lies beyond the log"
-            warnings.append(f"{writer_dir}: inode {x.ino} ({ns.path_of(x.ino)}): extent at data "
-                            f"log {p[2].log} offset {p[2].loff} {what}; dropped")
+            warnings.append(records.Damage(
+                records.EXTENT_DROPPED, f"{writer_dir}: inode {x.ino} ({ns.path_of(x.ino)}): "
+                f"extent at data log {p[2].log} offset {p[2].loff} {what}; dropped"))
             x.emap.punch(p[0], p[0] + p[1])
     return warnings
 
@@ -669,7 +671,8 @@ def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple[int, int]] | str":
     except FileNotFoundError:
         return records.IndexScan(valid_bytes=0), (0, 0)
     except (FormatError, OSError) as exc:
-        return f"writer {os.path.basename(wdir)} skipped: {exc}"
+        return records.Damage(records.WRITER_SKIPPED,
+                              f"writer {os.path.basename(wdir)} skipped: {exc}")
     return scan, (st.st_dev, st.st_ino)
 
 

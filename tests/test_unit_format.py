@@ -128,6 +128,7 @@ def test_scan_of_empty_and_torn_header(tmp_path):
     scan = records.read_index(_index(tmp_path, header=records.index_header()[:9]))
     assert scan.groups == [] and scan.valid_bytes == 0
     assert len(scan.warnings) == 1 and "header torn" in scan.warnings[0]
+    assert scan.warnings[0].kind == records.TORN_TAIL
 
 
 def test_scan_refuses_foreign_and_newer_headers(tmp_path):
@@ -157,6 +158,7 @@ def test_torn_tail_ends_the_scan(tmp_path, cut):
     assert len(scan.warnings) == 1
     assert "torn" in scan.warnings[0] and f"byte {INDEX_HEADER.size + len(good)}" in \
         scan.warnings[0]
+    assert scan.warnings[0].kind == records.TORN_TAIL  # nothing acknowledged is lost
 
 
 def test_records_after_the_last_commit_are_not_applied(tmp_path):
@@ -165,6 +167,7 @@ def test_records_after_the_last_commit_are_not_applied(tmp_path):
     assert scan.groups == [list(G1)]
     assert scan.valid_bytes == INDEX_HEADER.size + len(good)
     assert len(scan.warnings) == 1 and "after the last commit" in scan.warnings[0]
+    assert scan.warnings[0].kind == records.TORN_TAIL
 
 
 def test_checksum_damage_in_the_middle_skips_one_group(tmp_path):
@@ -181,6 +184,7 @@ def test_checksum_damage_in_the_middle_skips_one_group(tmp_path):
     w = scan.warnings[0]
     assert "checksum mismatch" in w and f"byte {INDEX_HEADER.size + len(g1)}" in w
     assert f"up to {INDEX_HEADER.size + len(g1) + len(g2)}" in w
+    assert w.kind == records.GROUP_SKIPPED
 
 
 def test_checksum_damage_in_the_last_group_ends_the_scan(tmp_path):
@@ -204,6 +208,7 @@ def test_oversized_record_ends_the_scan(tmp_path):
     assert scan.groups == [list(G1)]
     assert scan.valid_bytes == INDEX_HEADER.size + len(g1)
     assert len(scan.warnings) == 1 and "oversized" in scan.warnings[0]
+    assert scan.warnings[0].kind == records.INDEX_ENDED  # longer than any record: not a tear
 
 
 def test_well_formed_record_that_does_not_parse_ends_the_scan(tmp_path):
@@ -217,6 +222,7 @@ def test_well_formed_record_that_does_not_parse_ends_the_scan(tmp_path):
     assert scan.groups == [list(G1)]
     assert scan.valid_bytes == INDEX_HEADER.size + len(g1)
     assert len(scan.warnings) == 1 and "bad record" in scan.warnings[0]
+    assert scan.warnings[0].kind == records.INDEX_ENDED
 
 
 def test_damage_right_after_the_header(tmp_path):

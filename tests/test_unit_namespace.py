@@ -292,6 +292,7 @@ def test_extents_beyond_their_log_are_dropped_and_named(tmp_path):
     warnings = replay.validate_extents(ns, str(tmp_path))
     assert len(warnings) == 2
     assert all("/d/f" in w and "beyond the log" in w for w in warnings)
+    assert all(w.kind == records.EXTENT_DROPPED for w in warnings)  # verify: DAMAGED
     f = ns.inodes[4]
     assert [(p[0], p[1]) for p in f.emap.pieces] == [(0, 8192)]
     assert f.size == 9010  # the size stays: the dropped bytes read as a hole

@@ -65,6 +65,37 @@ class FormatError(Exception):
     """The backing directory or an index is not something this version can use."""
 
 
+class Damage(str):
+    """A problem replay found: the one line a tool prints, with its `kind` for what to do
+    about it. Kinds:
+      TORN_TAIL       the end of the index was being written when a crash came (never
+                      acknowledged; nothing is lost)
+      GROUP_SKIPPED   a commit group failed its checksum and was skipped; replay went on
+      INDEX_ENDED     a record does not parse or is torn before the end: the rest is unused
+      RECORD_SKIPPED  a record that does not fit the tree (an unknown inode, a name twice)
+      EXTENT_DROPPED  an extent points past its data log or into a missing one: the file
+                      reads as a hole there (data lost)
+      WRITER_SKIPPED  a writer's index cannot be read at all
+    """
+
+    kind: str
+
+    def __new__(cls, kind: str, message: str) -> "Damage":
+        d = super().__new__(cls, message)
+        d.kind = kind
+        return d
+
+
+TORN_TAIL = "torn-tail"
+GROUP_SKIPPED = "group-skipped"
+INDEX_ENDED = "index-ended"
+RECORD_SKIPPED = "record-skipped"
+EXTENT_DROPPED = "extent-dropped"
+WRITER_SKIPPED = "writer-skipped"
+# what `ckptfs verify` reports as a damaged backing directory
+DATA_LOSS = frozenset({EXTENT_DROPPED})
+
+
 # ---------------------------------------------------------------- records
 @dataclass(slots=True)
 class InodeRec:
@@ -389,7 +420,8 @@ def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
     scan = IndexScan()
     if len(data) < INDEX_HEADER.size:
         if data:
-            scan.warnings.append(f"{path}: index header torn ({len(data)} bytes), treated as empty")
+            scan.warnings.append(Damage(TORN_TAIL, f"{path}: index header torn ({len(data)} "
+                                               "bytes), treated as empty"))
         scan.valid_bytes = 0
         return scan
     scan.version = _check_header(path, data)
@@ -424,12 +456,16 @@ def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
             if resume is None:
                 if tail and problem.startswith("torn"):
                     break  # (being appended to right now)
-                scan.warnings.append(f"{path}: {problem} at byte {pos}; the rest of the index "
-                                     f"({end - pos} bytes) is ignored")
+                scan.warnings.append(Damage(
+                    TORN_TAIL if problem.startswith("torn") and blen <= MAX_RECORD_BODY
+                    else INDEX_ENDED,
+                    f"{path}: {problem} at byte {pos}; the rest of the index ({end - pos} "
+                    "bytes) is ignored"))
                 break
-            scan.warnings.append(f"{path}: {problem} at byte {pos}; {len(group)} records "
-                                 f"before it and the bytes up to {resume} (the damaged commit "
-                                 "group) skipped, replay resumes there")
+            scan.warnings.append(Damage(
+                GROUP_SKIPPED, f"{path}: {problem} at byte {pos}; {len(group)} records before "
+                f"it and the bytes up to {resume} (the damaged commit group) skipped, replay "
+                "resumes there"))
             group = []
             pos = resume
             scan.valid_bytes = pos
@@ -444,8 +480,8 @@ def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
         else:
             group.append(rec)
     if group and not tail:
-        scan.warnings.append(f"{path}: {len(group)} records after the last commit ignored "
-                             "(interrupted commit)")
+        scan.warnings.append(Damage(TORN_TAIL, f"{path}: {len(group)} records after the last "
+                                           "commit ignored (interrupted commit)"))
     return scan
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ckptfs.format.logs import LogReader
+from ckptfs.format.records import DATA_LOSS
 from ckptfs.namespace import ROOT_INO
 from ckptfs.tools.snapshot import Progress, Snapshot
 
@@ -36,8 +37,8 @@ def cmd_verify(a) -> int:
     for path, msgs in sorted(problems.items()):
         for m in msgs:
             print(f"DAMAGED {path}: {m}")
-    dropped = [w for w in snap.warnings if "dropped" in w]
-    status = "OK" if not problems and not dropped else "DAMAGED"
+    lost = [w for w in snap.warnings if getattr(w, "kind", None) in DATA_LOSS]
+    status = "OK" if not problems and not lost else "DAMAGED"
     print(f"{status}: {len(files)} files, {nbytes} bytes checked, {len(problems)} damaged files, "
           f"{len(snap.warnings)} index warnings")
     return 0 if status == "OK" else 1
