@@ -70,6 +70,12 @@ def _check_config(self) -> None:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if not 1 <= self.data_logs <= 256:
         raise ValueError("--data-logs must be between 1 and 256")
+    if not 0 <= self.clean_below <= 1:
+        raise ValueError("--clean-below must be between 0 and 1")
+    if self.clean_idle_s < 0:
+        raise ValueError("--clean-idle must not be negative")
+    if self.index_snapshot_ratio != 0 and self.index_snapshot_ratio < 1.1:
+        raise ValueError("--index-snapshot-ratio must be 0 (never) or at least 1.1")
     if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
         raise ValueError("--stripe-size must be a multiple of 4 KiB (and well below "
                          "--log-size)")
@@ -250,6 +256,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         cleaner.install(space)
         flusher.durable_hook = space.durable
         maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
+        maintainer.configure(staging, cfg)
         maintainer.others_use = lambda: cleaner.logs_named_by_others(view)
         if len(backingdir.writer_dirs(cfg.backing)) > 1:
             maintainer.grace_s = cleaner.SHARED_GRACE_S

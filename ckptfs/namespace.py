@@ -22,6 +22,7 @@ from ckptfs.format.records import (
     InodeRec,
     LinkRec,
     Record,
+    NumbersRec,
     RenameRec,
     RetireRec,
     SetattrRec,
@@ -218,6 +219,9 @@ class Namespace:
             self.retired.add(rec.log)
             if rec.log > self.last_log:
                 self.last_log = rec.log
+        elif t is NumbersRec:
+            self.next_ino = max(self.next_ino, rec.next_ino)
+            self.last_log = max(self.last_log, rec.next_log - 1)
         else:
             raise FormatError(f"unexpected record {rec!r}")
 

@@ -96,6 +96,18 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", "io_uring", "posix")),
     Option("log-size", "log_bytes", "size", 1 << 30,
            "roll over to a new data log past this size"),
+    Option("clean-below", "clean_below", "float", 0.5,
+           "the cleaner moves the live bytes out of a data log whose live share fell below "
+           "this (cost-benefit order), so the log can be retired; 0: never moves data (logs "
+           "with no live byte are retired anyway)"),
+    Option("clean-idle", "clean_idle_s", "float", 2.0,
+           "seconds without writes before the cleaner and the index snapshot run (a save in "
+           "progress has the disk to itself)", metavar="S"),
+    Option("index-snapshot-ratio", "index_snapshot_ratio", "float", 2.0,
+           "write an index snapshot when the index is this many times the size of a fresh "
+           "index of the live tree; 0: never"),
+    Option("index-snapshot-min", "index_snapshot_min_bytes", "size", 64 << 10,
+           "no index snapshot while the index is smaller than this"),
     Option("data-logs", "data_logs", "int", 1,
            "data logs written at once, segments round robin (parallel file systems: one per "
            "storage target to spread over)"),

@@ -333,7 +333,9 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
 
     given = {"writer_id": "w7", "staging_size": "96M", "segment_size": "2M",
              "checksum_block": "1M", "queue_depth": 7, "io": "buffered", "engine": "posix",
-             "log_size": "2G", "data_logs": 3, "stripe_size": "1M", "io_chunk": "4M",
+             "log_size": "2G", "clean_below": 0.25, "clean_idle": 3.5,
+             "index_snapshot_ratio": 4.0, "index_snapshot_min": "1M", "data_logs": 3,
+             "stripe_size": "1M", "io_chunk": "4M",
              "read_cache": "32M", "prefetch": "16M", "readahead": "1M", "idle_flush": 0.25,
              "request_spin": 10, "fast_path": False, "writeback_cache": True,
              "direct_writes": False, "direct_reads": True, "allow_other": True,
@@ -347,7 +349,9 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
     cfg = MountConfig("B", "M", **options.config_values(a))
     expect = dict(writer_id="w7", staging_bytes=96 << 20, segment_bytes=2 << 20,
                   checksum_block_bytes=1 << 20, queue_depth=7, io_mode="buffered",
-                  engine="posix", log_bytes=2 << 30, data_logs=3, stripe_bytes=1 << 20,
+                  engine="posix", log_bytes=2 << 30, clean_below=0.25, clean_idle_s=3.5,
+                  index_snapshot_ratio=4.0, index_snapshot_min_bytes=1 << 20, data_logs=3,
+                  stripe_bytes=1 << 20,
                   io_chunk_bytes=4 << 20, read_cache_bytes=32 << 20, prefetch_bytes=16 << 20,
                   readahead_kb=1024, idle_flush_s=0.25, request_spin_us=10, fast_path=False,
                   writeback_cache=True, direct_writes=False, direct_reads=True,

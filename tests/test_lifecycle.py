@@ -113,3 +113,47 @@ def test_a_mount_finishes_dead_and_half_retired_logs(mounts):
     assert retired == [top + 1], retired  # retired once, its file removed twice
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
+    backing = mounts.backing()
+    opts = dict(OPTS, clean_idle=0.2, index_snapshot_min="4K")
+    m = mounts.mount(backing, **opts)
+    index = os.path.join(wdir(backing), backingdir.INDEX_NAME)
+    live: dict[int, dict[str, bytes]] = {}
+    sizes = []
+    for step in range(8):
+        live[step] = save_step(m.mountpoint, step, files=20, size=3 * KiB)
+        # an overwrite and a truncate: pieces that are parts of runs
+        name = f"step_{step}/t1.pt"
+        with open(os.path.join(m.mountpoint, name), "r+b") as f:
+            f.seek(100)
+            f.write(b"x" * 50)
+        os.truncate(os.path.join(m.mountpoint, f"step_{step}/t2.pt"), 1000)
+        data = bytearray(live[step][name])
+        data[100:150] = b"x" * 50
+        live[step][name] = bytes(data)
+        live[step][f"step_{step}/t2.pt"] = live[step][f"step_{step}/t2.pt"][:1000]
+        m.sync()
+        if step >= 2:
+            shutil.rmtree(os.path.join(m.mountpoint, f"step_{step - 2}"))
+            del live[step - 2]
+        wait_for(lambda: m.status()["maintenance"] == "idle", "the maintainer")
+        time.sleep(0.5)
+        sizes.append(os.path.getsize(index))
+    st = wait_for(lambda: (s := m.status())["index_snapshots"] >= 2 and s, "index snapshots")
+    assert st["index_size_bytes"] <= 2.5 * st["index_fresh_bytes"], st
+    assert max(sizes[4:]) < 3 * min(sizes[4:]), sizes
+    before = {n: os.stat(os.path.join(m.mountpoint, n)) for f in live.values() for n in f}
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not os.path.exists(index + ".fresh")
+    m = mounts.mount(backing, **opts)
+    for files in live.values():
+        check(m.mountpoint, files)
+    for n, st0 in before.items():
+        st1 = os.stat(os.path.join(m.mountpoint, n))
+        assert (st1.st_ino, st1.st_size, st1.st_mtime_ns, st1.st_mode) == \
+            (st0.st_ino, st0.st_size, st0.st_mtime_ns, st0.st_mode), n
+    m.stop()

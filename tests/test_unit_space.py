@@ -130,3 +130,76 @@ def test_replace_puts_a_fresh_index_in_place_with_what_came_after(tmp_path):
     scan = records.read_index(path)
     assert scan.version == 2 and scan.last_seq == 4
     assert [type(r) for g in scan.groups for r in g] == [InodeRec, RetireRec]
+
+
+# ---------------------------------------------------------------- the index snapshot
+def _tree(ns: Namespace) -> dict:
+    """Everything replay builds that a snapshot must keep, by path."""
+    out = {}
+
+    def walk(d, prefix):
+        for name, ino in sorted(d.children.items()):
+            x = ns.inodes[ino]
+            p = prefix + name.decode()
+            data = None
+            if x.emap is not None:
+                data = [(s, n, r.log, r.loff + ro) for s, n, r, ro in x.emap.pieces]
+            out[p] = (x.ino, x.mode, x.uid, x.gid, x.rdev, x.nlink, x.size, x.atime_ns,
+                      x.mtime_ns, x.ctime_ns, x.target, x.commit_ns, data)
+            if x.children is not None:
+                walk(x, p + "/")
+    root = ns.inodes[1]
+    out["/"] = (root.mode, root.uid, root.gid, root.mtime_ns, root.ctime_ns, root.atime_ns)
+    walk(root, "")
+    return out
+
+
+def test_a_snapshot_replays_to_the_same_tree(tmp_path):
+    from crc32c import crc32c
+
+    from ckptfs.datapath import mover
+    from ckptfs.format import backingdir
+    from ckptfs.format.records import LinkRec, RenameRec, SetattrRec
+
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+    payload = os.urandom(64 * KiB)
+    with open(wdir / backingdir.data_log_name(3), "wb") as f:
+        f.write(records.data_log_header("w", 3) + payload)
+    base = records.DATA_HEADER_BYTES
+    reg, d = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
+    groups = [
+        [InodeRec(2, 1, b"dir", d, 5, 6, 0, 10, 10, 10),
+         InodeRec(3, 2, b"whole", reg, 5, 6, 0, 11, 11, 11),
+         ExtentRec(3, 0, 16 * KiB, 3, base, crc32c(payload[:16 * KiB])),
+         InodeRec(4, 2, b"cut", reg, 5, 6, 0, 12, 12, 12),
+         ExtentRec(4, 0, 32 * KiB, 3, base + 16 * KiB, crc32c(payload[16 * KiB:48 * KiB]))],
+        [SizeRec(4, 20 * KiB, 13, 13),  # a truncate into the run: part of it stays
+         ExtentRec(4, 4 * KiB, 4 * KiB, 3, base + 48 * KiB, crc32c(payload[48 * KiB:52 * KiB])),
+         LinkRec(3, 1, b"hard"),
+         InodeRec(5, 1, b"sym", stat.S_IFLNK | 0o777, 0, 0, 0, 14, 14, 14, b"dir/whole"),
+         InodeRec(6, 1, b"gone", reg, 0, 0, 0, 15, 15, 15),
+         InodeRec(7, 2, b"sparse", reg, 0, 0, 0, 16, 16, 16),
+         SizeRec(7, 1 << 30, 17, 17)],
+        [UnlinkRec(1, b"gone"), RenameRec(2, b"sparse", 1, b"moved"),
+         SetattrRec(2, 0o700, 5, 6, 1, 2, 3), RetireRec(1)],
+    ]
+    blob = b""
+    for i, g in enumerate(groups):
+        blob += b"".join(records.encode(r) for r in g) + records.encode(CommitRec(i + 1, 100 + i))
+    index = str(wdir / "index.log")
+    write_fresh(index, blob)
+    want = Namespace(uid=5, gid=6, now_ns=7)
+    replay(want, index)
+    fresh, size, version = mover.build_snapshot(index, os.path.getsize(index), "w", 5, 6, 7)
+    assert version == 2 and size == os.path.getsize(fresh)
+    got = Namespace(uid=99, gid=99, now_ns=99)  # the snapshot's root SETATTR wins
+    replay(got, fresh)
+    assert _tree(got) == _tree(want)
+    assert got.next_ino == want.next_ino == 8 and got.last_log >= 3
+    # the piece the truncate cut has the checksum of its own bytes; the run whole keeps its
+    scan = records.read_index(fresh)
+    ext = {(r.ino, r.foff): r for g in scan.groups for r in g if type(r) is ExtentRec}
+    assert ext[(4, 0)].length == 4 * KiB and ext[(4, 0)].crc == crc32c(payload[16 * KiB:20 * KiB])
+    assert ext[(3, 0)].crc == crc32c(payload[:16 * KiB])
+    assert scan.group_times[-1] == 102  # the index still ends at its last commit's time

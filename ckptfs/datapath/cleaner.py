@@ -9,6 +9,12 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
   1. retire: a log with no live byte that no segment is being placed in gets a RETIRE record;
      once that is committed, its file is removed (a reader still using it keeps its open
      descriptor until done). At mount this finishes the logs a crash left dead or half retired.
+  2. the index snapshot, once writers have been idle for --clean-idle seconds and the index
+     is --index-snapshot-ratio times the size a fresh index of the tree would have: a worker
+     thread replays the index's committed bytes into a tree of its own and writes that tree's
+     records (mover.py) into a fresh index beside it; the flusher puts it in place between two
+     commits (format/index.py: the groups committed meanwhile are copied after it). Writers
+     never wait for it; commits wait for the copy and rename (milliseconds).
 
 Trio thread, except where a function says it runs in a worker thread.
 """
@@ -17,17 +23,21 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import trio
 
+from ckptfs.datapath import mover
 from ckptfs.datapath.staging import ExtentMap, Run, Segment, round_up
 from ckptfs.format import backingdir
 from ckptfs.format.records import RetireRec
+from ckptfs.namespace import ROOT_INO
 
 log = logging.getLogger("ckptfs.cleaner")
 
 TICK_S = 1.0  # how often the maintainer looks
+ESTIMATE_SLICE = 2000  # inodes per slice of the fresh-index estimate (then other tasks run)
 DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take up
 # With other writers in the backing directory: how long a log stays dead before it is retired
 # (longer than another mount's view of this tree lags behind it: refresh.py).
@@ -42,6 +52,9 @@ class LogSpace:
         self.live: dict[int, int] = {}  # log -> bytes extent maps point at
         self.ends: dict[int, int] = {}  # log -> end of its last segment (its size)
         self.ages: dict[int, float] = {}  # log -> when a segment last landed in it (monotonic)
+        # The thread whose extent maps count: the trio thread, which owns the live tree. A
+        # tree built in a worker thread (an index snapshot's) has runs of its own.
+        self.thread = threading.get_ident()
 
     def count(self, ns, logs: dict[int, str]) -> None:
         """The start: the replayed tree's pieces, the existing logs' sizes."""
@@ -61,7 +74,7 @@ class LogSpace:
 
     def dead(self, run: Run, n: int) -> None:
         """ExtentMap.on_dead: `n` bytes of `run` are no longer pointed at."""
-        if run.layer:
+        if run.layer or threading.get_ident() != self.thread:
             return
         run.dead += n
         seg = run.seg
@@ -110,12 +123,33 @@ class Maintainer:
         self.errors = 0
         self.last_error = ""
         self._held: set[int] = set()  # retired logs a reader still held open when removed
+        self.staging = None
+        self.writer_id = os.path.basename(writer_dir)
+        self.idle_s = 2.0
+        self.snapshot_ratio = 2.0
+        self.snapshot_min = 64 << 10
+        self.clean_below = 0.5
+        self.fresh_bytes: int | None = None  # a fresh index's size: estimated, or the last
+        self.snapshots = 0
+        self.snapshot_seconds = 0.0  # the last one's, in the worker thread
         # The own logs other writers' trees point into (their XEXTENT records: a file they
         # took over without copying its bytes): kept while named, whatever the own tree says.
         self.others_use = lambda: set()
         self.dead_since: dict[int, float] = {}  # log -> when its last live byte died
         self.grace_s = 0.0  # with other writers: how long a log stays dead before it goes
         self._disk_checked = -DISK_USAGE_S
+
+    def configure(self, staging, cfg) -> None:
+        self.staging = staging
+        self.idle_s = cfg.clean_idle_s
+        self.snapshot_ratio = cfg.index_snapshot_ratio
+        self.snapshot_min = cfg.index_snapshot_min_bytes
+        self.clean_below = cfg.clean_below
+
+    def idle(self) -> bool:
+        """Writers have written nothing for --clean-idle seconds."""
+        st = self.staging
+        return st is not None and trio.current_time() - st.last_write >= self.idle_s
 
     # ------------------------------------------------------------ the task
     async def run(self) -> None:
@@ -134,6 +168,8 @@ class Maintainer:
         dead = self.retirable()
         if dead:
             await self.retire(dead)
+        if self.idle() and await self.snapshot_due():
+            await self.snapshot()
         now = trio.current_time()
         if now - self._disk_checked >= DISK_USAGE_S:
             self._disk_checked = now
@@ -230,6 +266,60 @@ class Maintainer:
                 self.reader.forget_log(0, lg)
                 self._held.discard(lg)
 
+    # ------------------------------------------------------------ the index snapshot
+    async def snapshot_due(self) -> bool:
+        idx = self.flusher.index
+        ratio = self.snapshot_ratio
+        if not ratio or idx.size < self.snapshot_min:
+            return False
+        if self.fresh_bytes is None or idx.size > ratio * self.fresh_bytes:
+            self.fresh_bytes = await self.estimate()  # (the tree may have grown: look again)
+        return idx.size > ratio * self.fresh_bytes
+
+    async def estimate(self) -> int:
+        """About the size of a fresh index of the own tree, in slices (other tasks run in
+        between: a slice of 2,000 inodes takes ~1 ms)."""
+        ns = self.ns
+        xs = list(ns.inodes.values())
+        total = 0
+        for i in range(0, len(xs), ESTIMATE_SLICE):
+            total += mover.fresh_index_bytes(xs[i:i + ESTIMATE_SLICE], ns)
+            await trio.sleep(0)
+        return total
+
+    async def snapshot(self) -> None:
+        """Write an index snapshot and have the flusher put it in place."""
+        idx = self.flusher.index
+        upto, before = idx.size, idx.size
+        root = self.ns.inodes[ROOT_INO]
+        self.doing = "writing an index snapshot"
+        t0 = time.perf_counter()
+        try:
+            fresh, size, version = await trio.to_thread.run_sync(
+                mover.build_snapshot, idx.path, upto, self.writer_id, os.getuid(),
+                os.getgid(), root.atime_ns)
+        finally:
+            self.doing = "idle"
+        self.snapshot_seconds = time.perf_counter() - t0
+        done = trio.Event()
+        result: list = []
+
+        def swapped(err) -> None:
+            result.append(err)
+            done.set()
+        self.doing = "putting an index snapshot in place"
+        self.flusher.swap_index(fresh, upto, version, swapped)
+        try:
+            await done.wait()
+        finally:
+            self.doing = "idle"
+        if result[0] is not None:
+            raise result[0]
+        self.snapshots += 1
+        self.fresh_bytes = size
+        log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
+                 before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
+
     # ------------------------------------------------------------ figures
     def status(self) -> dict:
         space = self.space
@@ -244,6 +334,8 @@ class Maintainer:
             "logs_retired": self.logs_retired,
             "bytes_reclaimed": self.bytes_reclaimed,
             "index_size_bytes": self.flusher.index.size if self.flusher.index else 0,
+            "index_fresh_bytes": self.fresh_bytes or 0,
+            "index_snapshots": self.snapshots,
             "maintenance": self.doing,
             "maintenance_errors": self.errors,
         }
@@ -265,8 +357,9 @@ def logs_named_by_others(view) -> set[int]:
 
 
 def install(space: LogSpace) -> None:
-    """From now on every byte an extent map lets go of is taken off its log (daemon: after
-    replay)."""
+    """From now on every byte an extent map of this thread lets go of is taken off its log
+    (daemon: after replay, on the trio thread)."""
+    space.thread = threading.get_ident()
     ExtentMap.on_dead = space.dead
 
 

@@ -46,6 +46,15 @@ _COMMIT = "commit"
 _STOP = "stop"
 
 
+class _Swap:
+    """Put a fresh index in place of the live one (Flusher.swap_index)."""
+
+    __slots__ = ("fresh", "upto", "version", "done")
+
+    def __init__(self, fresh: str, upto: int, version: int, done) -> None:
+        self.fresh, self.upto, self.version, self.done = fresh, upto, version, done
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
@@ -171,6 +180,7 @@ class FlushStats:
         self.flush_seconds = 0.0
         self.errors = 0
         self.last_error = ""
+        self.swap_seconds = 0.0  # how long the last index snapshot held the commits up
 
 
 class Flusher:
@@ -375,6 +385,8 @@ class Flusher:
                     stopping = True
                 elif it is _COMMIT:
                     commit_now = True
+                elif type(it) is _Swap:
+                    self._swap(it)
                 elif type(it) is Segment:
                     pending.append(it)
             if pending:
@@ -563,6 +575,26 @@ class Flusher:
     def _fd_for_retry(self, number: int) -> int:
         path = os.path.join(self.writer_dir, backingdir.data_log_name(number))
         return os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
+
+    def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
+        """Trio thread: have the flusher put the fresh index `fresh` (equivalent to the live
+        index's first `upto` bytes) in place, between two commits, with the groups committed
+        since; `done(error or None)` is called on the trio thread after."""
+        self.q.put(_Swap(fresh, upto, version, done))
+
+    def _swap(self, sw: _Swap) -> None:
+        err = None
+        t0 = time.perf_counter()
+        try:
+            self.index.replace(sw.fresh, sw.upto, sw.version)
+        except OSError as exc:
+            err = exc
+            try:
+                os.unlink(sw.fresh)
+            except OSError:
+                pass
+        self.stats.swap_seconds = time.perf_counter() - t0
+        self._call(sw.done, err)
 
     def _commit(self) -> None:
         blob, upto = self._call(self.journal.take_committable)

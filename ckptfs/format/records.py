@@ -22,7 +22,7 @@ FORMAT_VERSION = 1  # of the backing directory, the writers and the data logs
 # RETIRE record is written (IndexWriter): code that knows only version 1 refuses it then,
 # instead of ending its replay at the unknown record and cutting the rest off.
 INDEX_VERSION = 3
-RETIRE_INDEX_VERSION = 2  # the index version that may hold RETIRE records
+RETIRE_INDEX_VERSION = 2  # the index version that may hold RETIRE and NUMBERS records
 # An index gets the version-3 header when its first record about another writer's entry
 # (XUNLINK, XEXTENT) is written (Flusher): code that reads only versions 1-2 refuses it.
 CROSS_INDEX_VERSION = 3
@@ -47,6 +47,7 @@ R_LINK = 8  # hard link of an existing inode
 R_RETIRE = 9  # data log `log` holds no live byte; its file is removed after this commit
 R_XUNLINK = 10  # another writer's entry removed from the tree (a whiteout)
 R_XEXTENT = 11  # file bytes that live in a run of a (possibly other) writer's data log
+R_NUMBERS = 12  # the inode and data log numbers used so far (an index snapshot starts so)
 
 _INODE = struct.Struct("<QQIIIIqqqH")
 _EXTENT = struct.Struct("<QQIIQI")
@@ -57,6 +58,7 @@ _UNLINK = struct.Struct("<Q")
 _COMMIT = struct.Struct("<Qq")
 _LINK = struct.Struct("<QQ")
 _RETIRE = struct.Struct("<I")
+_NUMBERS = struct.Struct("<QI")
 _XUNLINK = struct.Struct("<QQH")  # parent, ino (the other writer's numbers), writer id length
 _XEXTENT = struct.Struct("<QQIIQIIIH")  # ino foff length log loff run_length crc roff wlen
 
@@ -180,6 +182,16 @@ class RetireRec:
 
 
 @dataclass(slots=True)
+class NumbersRec:
+    """Inode numbers below `next_ino` and data log numbers below `next_log` were used before
+    and are never used again: an index snapshot says so, since the records that used them are
+    gone from it (index version 2)."""
+
+    next_ino: int
+    next_log: int
+
+
+@dataclass(slots=True)
 class XUnlinkRec:
     """This writer removed the entry `name` of directory `parent` in writer `writer`'s tree,
     which was that writer's inode `ino` (numbers of that writer): an unlink, rmdir, rename
@@ -214,7 +226,7 @@ class XExtentRec:
 
 
 Record = (InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | LinkRec
-          | CommitRec | RetireRec | XUnlinkRec | XExtentRec)
+          | CommitRec | RetireRec | NumbersRec | XUnlinkRec | XExtentRec)
 CROSS_WRITER_RECORDS = (XUnlinkRec, XExtentRec)  # need an index of CROSS_INDEX_VERSION
 
 
@@ -249,6 +261,8 @@ def encode(rec: Record) -> bytes:
         return _frame(R_COMMIT, _COMMIT.pack(rec.seq, rec.time_ns))
     if t is RetireRec:
         return _frame(R_RETIRE, _RETIRE.pack(rec.log))
+    if t is NumbersRec:
+        return _frame(R_NUMBERS, _NUMBERS.pack(rec.next_ino, rec.next_log))
     if t is XUnlinkRec:
         w = rec.writer.encode()
         return _frame(R_XUNLINK, _XUNLINK.pack(rec.parent, rec.ino, len(w)) + w + rec.name)
@@ -307,6 +321,11 @@ def decode(rtype: int, body: bytes) -> Record:
             return CommitRec(*_COMMIT.unpack(body))
         if rtype == R_RETIRE:
             return RetireRec(*_RETIRE.unpack(body))
+        if rtype == R_NUMBERS:
+            rec = NumbersRec(*_NUMBERS.unpack(body))
+            if rec.next_ino > 1 << 44:
+                raise FormatError(f"inode number {rec.next_ino} out of range")
+            return rec
         if rtype == R_XUNLINK:
             parent, ino, wlen = _XUNLINK.unpack_from(body)
             writer = _writer_id(body[_XUNLINK.size:_XUNLINK.size + wlen])

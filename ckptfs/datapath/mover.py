@@ -1,0 +1,213 @@
+"""The one way a tree's history and data move: the records of a tree as a fresh index would
+hold them (an index snapshot, `ckptfs compact`), and the live extents of data logs read back,
+checked, for copying (the cleaner, `ckptfs compact`).
+
+`tree_records(ns, extents)` writes a tree as commit groups:
+
+1. one group with the tree itself, parents before children: an INODE record per inode (a
+   LINK per further name of a hard-linked file), the file's extents (`extents(x, ino)`), a
+   SIZE where the file is longer than its data, the other writers' entries this writer
+   removed (XUNLINK), and a NUMBERS record (the inode and data log numbers used so far);
+2. per commit time, in order, a group with a SETATTR of each inode last changed then: the
+   final mode, owner and times, and each inode's commit time (which decides conflicts between
+   writers: replay.py) stays what it was;
+3. an empty group with the time of the last commit, so the index still ends there.
+
+Replaying those groups gives the same tree (names, inode numbers unless renumbered, sizes,
+data, attributes, directory times, commit times). Worker threads may run all of it: it
+touches only the namespace it is given.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import defaultdict
+from typing import Callable, Iterable
+
+from crc32c import crc32c
+
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import (
+    CommitRec,
+    ExtentRec,
+    InodeRec,
+    LinkRec,
+    NumbersRec,
+    Record,
+    SetattrRec,
+    SizeRec,
+    XExtentRec,
+)
+from ckptfs.format.index import FRESH_SUFFIX, write_fresh
+from ckptfs.namespace import ROOT_INO, Inode, Namespace
+from ckptfs.replay import apply_group, validate_extents
+
+# Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
+# large a fresh index of a tree would be, without writing it.
+_INODE_BYTES = 9 + 62
+_LINK_BYTES = 9 + 16
+_EXTENT_BYTES = 9 + 36
+_SETATTR_BYTES = 9 + 44
+_SIZE_BYTES = 9 + 32
+_COMMIT_BYTES = 9 + 16
+
+
+def fresh_index_bytes(inodes: Iterable[Inode], ns: Namespace) -> int:
+    """About the size of a fresh index of the tree (tree_records' output), from the inodes
+    `inodes` of `ns` (all of them, or a slice: the sums add up)."""
+    total = 0
+    for x in inodes:
+        if x.layer != 0:
+            continue
+        total += _SETATTR_BYTES + _COMMIT_BYTES // 4  # (about one commit per four inodes)
+        if x.children is not None:
+            for name, ino in x.children.items():
+                c = ns.inodes.get(ino)
+                if c is not None and c.layer == 0:
+                    total += _INODE_BYTES + len(name) + len(c.target)
+        elif x.emap is not None:
+            total += _EXTENT_BYTES * len(x.emap.pieces)
+            if x.size != x.emap.end():
+                total += _SIZE_BYTES
+            if x.nlink > 1:
+                total += (x.nlink - 1) * (_LINK_BYTES - _INODE_BYTES)
+    return total
+
+
+def tree_records(ns: Namespace, extents: Callable[[Inode, int], Iterable[Record]], *,
+                 seq: int, last_time: int, renumber: bool = False,
+                 next_log: int = 0) -> tuple[bytes, int]:
+    """The commit groups of a fresh index of `ns` (module docstring) and the index version
+    they need. `extents(x, ino)` yields the encoded extent records of file `x` (its number in
+    the new index: `ino`); `renumber` gives the inodes fresh numbers 2, 3, ... in tree order
+    (else they keep theirs); every COMMIT carries sequence number `seq`; NUMBERS says no
+    data log below `next_log` (or one the tree names) is used again."""
+    numbers: dict[int, int] = {ROOT_INO: ROOT_INO}
+    out: list[bytes] = []
+    enc = records.encode
+    version = records.RETIRE_INDEX_VERSION  # (the NUMBERS record)
+    by_time: dict[int, list[Inode]] = defaultdict(list)
+    root = ns.inodes[ROOT_INO]
+    by_time[root.commit_ns].append(root)
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        parent = numbers[d.ino]
+        for name in sorted(d.children, reverse=True):
+            x = ns.inodes[d.children[name]]
+            if x.ino in numbers:  # another name of a hard-linked file
+                out.append(enc(LinkRec(numbers[x.ino], parent, name)))
+                continue
+            new = numbers[x.ino] = len(numbers) + 1 if renumber else x.ino
+            out.append(enc(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
+                                    x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
+            by_time[x.commit_ns].append(x)
+            if x.children is not None:
+                stack.append(x)
+            elif x.emap is not None:
+                for rec in extents(x, new):
+                    if type(rec) in records.CROSS_WRITER_RECORDS:
+                        version = max(version, records.CROSS_INDEX_VERSION)
+                    out.append(enc(rec))
+                if x.size != x.emap.end():
+                    out.append(enc(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
+    for rec in getattr(ns, "xunlinks", ()):
+        out.append(enc(rec))
+        version = max(version, records.CROSS_INDEX_VERSION)
+    next_ino = len(numbers) + 1 if renumber else ns.next_ino
+    out.append(enc(NumbersRec(next_ino, max(next_log, ns.last_log + 1))))
+    first = min(by_time)
+    out.append(enc(CommitRec(seq, first)))
+    for when in sorted(by_time):
+        for x in by_time[when]:
+            out.append(enc(SetattrRec(numbers[x.ino], x.mode, x.uid, x.gid, x.atime_ns,
+                                      x.mtime_ns, x.ctime_ns)))
+        out.append(enc(CommitRec(seq, when)))
+    out.append(enc(CommitRec(seq, max(last_time, first))))
+    return b"".join(out), version
+
+
+class PieceReader:
+    """Reads bytes of runs in this writer's data logs outside the read path (worker threads),
+    the run's checksum checked before any of it is used."""
+
+    def __init__(self, writer_dir: str) -> None:
+        self.writer_dir = writer_dir
+        self.fds: dict[int, int] = {}
+
+    def run_bytes(self, run) -> bytes:
+        fd = self.fds.get(run.log)
+        if fd is None:
+            path = os.path.join(self.writer_dir, backingdir.data_log_name(run.log))
+            fd = self.fds[run.log] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        data = os.pread(fd, run.length, run.loff)
+        if len(data) != run.length or crc32c(data) != run.crc:
+            raise OSError(errno.EIO, f"data log {run.log} at {run.loff} (length {run.length}) "
+                          "fails its checksum")
+        return data
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def extents_in_place(pieces_of: PieceReader,
+                     writer_of: Callable[[int], str]) -> Callable[[Inode, int], list[Record]]:
+    """extents() for an index snapshot: every piece stays where it is. A piece that is a run
+    whole keeps the run's checksum; one that is part of a run (an overwrite or a truncate cut
+    it) gets the checksum of its own bytes, read and checked against the run's first. A piece
+    in another writer's run (a file taken over without its bytes) stays an XEXTENT record."""
+
+    def extents(x: Inode, ino: int) -> list[Record]:
+        out: list[Record] = []
+        for start, n, run, roff in x.emap.pieces:
+            if run.layer != 0:
+                out.append(XExtentRec(ino, start, n, writer_of(run.layer), run.log, run.loff,
+                                      run.length, run.crc, roff))
+                continue
+            if roff == 0 and n == run.length:
+                crc = run.crc
+            else:
+                crc = crc32c(memoryview(pieces_of.run_bytes(run))[roff:roff + n])
+            out.append(ExtentRec(ino, start, n, run.log, run.loff + roff, crc))
+        return out
+    return extents
+
+
+def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: int,
+                   root_time_ns: int) -> tuple[str, int, int]:
+    """Worker thread: the index snapshot of the first `upto` bytes of this writer's index (a
+    commit boundary), written and fsynced beside it (format/index.py: FRESH_SUFFIX). Returns
+    (its path, its size, its index version). The root starts as at a mount (`uid`, `gid`,
+    `root_time_ns`). Raises OSError when a piece's bytes fail their checksum (no snapshot:
+    the damage stays where it is, for reads and `ckptfs verify` to report)."""
+    with open(index_path, "rb") as f:
+        data = f.read(upto)
+    if len(data) != upto:
+        raise OSError(errno.EIO, f"{index_path}: {len(data)} bytes read, {upto} committed")
+    scan = records.scan_index(index_path, data)
+    layers: dict[str, int] = {writer_id: 0}
+    ns = Namespace(uid=uid, gid=gid, now_ns=root_time_ns)
+
+    def layer_of(writer: str) -> int:
+        return layers.setdefault(writer, len(layers))
+    ns.layer_of = layer_of
+    warnings: list = []
+    for group, when in zip(scan.groups, scan.group_times):
+        apply_group(ns, group, when, index_path, warnings)
+    writer_dir = os.path.dirname(index_path)
+    validate_extents(ns, writer_dir)  # (dropped at mount already, with a warning)
+    writers = {layer: w for w, layer in layers.items()}
+    pieces_of = PieceReader(writer_dir)
+    try:
+        blob, version = tree_records(
+            ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
+            last_time=scan.group_times[-1] if scan.group_times else 0,
+            next_log=max(backingdir.data_logs(writer_dir), default=0) + 1)
+    finally:
+        pieces_of.close()
+    fresh = index_path + FRESH_SUFFIX
+    size = write_fresh(fresh, blob, version)
+    return fresh, size, version
