@@ -64,8 +64,6 @@ def _check_config(self) -> None:
         raise ValueError("--io-chunk must be a multiple of 4 KiB")
     if self.idle_flush_s <= 0:
         raise ValueError("--idle-flush must be positive")
-    if not 0 <= self.refresh_s <= 3600:
-        raise ValueError("--refresh must be between 0 and 3600 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if not 1 <= self.data_logs <= 256:
