@@ -157,3 +157,36 @@ def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
         assert (st1.st_ino, st1.st_size, st1.st_mtime_ns, st1.st_mode) == \
             (st0.st_ino, st0.st_size, st0.st_mtime_ns, st0.st_mode), n
     m.stop()
+
+
+def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
+    backing = mounts.backing()
+    opts = dict(OPTS, clean_idle=0.3, index_snapshot_ratio=0)
+    m = mounts.mount(backing, clean_below=0, **opts)
+    kept: dict[str, bytes] = {}
+    for step in range(6):
+        files = save_step(m.mountpoint, step, files=5, size=600 * KiB)
+        m.sync()
+        for name in list(files)[1:]:  # keep one file of each step: the logs are ~20% live
+            os.unlink(os.path.join(m.mountpoint, name))
+        kept[list(files)[0]] = files[list(files)[0]]
+    m.sync()
+    time.sleep(1.5)
+    st = m.status()
+    assert st["logs_cleaned"] == 0 and st["data_logs"] >= 3, st  # (--clean-below 0: off)
+    many = st["data_logs"]
+    m.stop()
+    m = mounts.mount(backing, **opts)  # the default --clean-below: 0.5
+    st = wait_for(lambda: (s := m.status())["logs_cleaned"] >= 2 and s["logs_retired"] >= 2
+                  and s["maintenance"] == "idle" and s, "the cleaner")
+    assert st["bytes_moved"] > 0 and st["data_logs"] < many, st
+    m.sync()  # (moved bytes count for their new log once durable)
+    st = m.status()
+    assert st["live_bytes"] == sum(len(v) for v in kept.values()), st
+    check(m.mountpoint, kept)
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    check(m.mountpoint, kept)
+    m.stop()

@@ -15,6 +15,18 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
      records (mover.py) into a fresh index beside it; the flusher puts it in place between two
      commits (format/index.py: the groups committed meanwhile are copied after it). Writers
      never wait for it; commits wait for the copy and rename (milliseconds).
+  3. the cleaner, once writers have been idle for --clean-idle seconds: of the closed logs
+     whose live share is below --clean-below, the one with the best cost-benefit ratio
+     ((1 - u) * age / (1 + u), u its live share: the LFS cleaner's policy) has its live pieces
+     read back (worker thread, each run's checksum checked) and written into staging like a
+     write: new runs, EXTENT records journaled in order with everything else, so the flusher
+     writes them into the current log with the io engine's large aligned writes. Each piece is
+     moved only if the file still points at those bytes at that moment (on the trio thread,
+     without an await between the look and the copy); a later overwrite simply comes later in
+     the journal. The log's live bytes then reach zero and step 1 retires it once the moves are
+     committed. It stops between batches (CLEAN_BATCH_BYTES) as soon as a writer writes, so a
+     save in progress has the disk to itself; a reader meanwhile reads the old copy (the log
+     stays until the RETIRE record is committed and no reader holds it) or the new one.
 
 Trio thread, except where a function says it runs in a worker thread.
 """
@@ -28,11 +40,16 @@ import time
 
 import trio
 
+from crc32c import crc32c
+
 from ckptfs.datapath import mover
-from ckptfs.datapath.staging import ExtentMap, Run, Segment, round_up
+from ckptfs.datapath.flusher import ExtentEntry
+from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Segment, round_up
 from ckptfs.format import backingdir
+from ckptfs.format.logs import LogReader
 from ckptfs.format.records import RetireRec
-from ckptfs.namespace import ROOT_INO
+from ckptfs.namespace import ROOT_INO, Inode
+from ckptfs.replay import Union
 
 log = logging.getLogger("ckptfs.cleaner")
 
@@ -42,6 +59,7 @@ DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take
 # With other writers in the backing directory: how long a log stays dead before it is retired
 # (longer than another mount's view of this tree lags behind it: refresh.py).
 SHARED_GRACE_S = 60.0
+CLEAN_BATCH_BYTES = 16 << 20  # runs read back at once; between batches the cleaner looks up
 
 
 class LogSpace:
@@ -132,6 +150,12 @@ class Maintainer:
         self.fresh_bytes: int | None = None  # a fresh index's size: estimated, or the last
         self.snapshots = 0
         self.snapshot_seconds = 0.0  # the last one's, in the worker thread
+        self.checksum_block = CHECKSUM_BLOCK_BYTES
+        self.logs_cleaned = 0
+        self.bytes_moved = 0
+        self.clean_seconds = 0.0
+        self.damaged_runs: set[tuple[int, int]] = set()  # (log, offset): not moved, reported
+        self._logs: LogReader | None = None
         # The own logs other writers' trees point into (their XEXTENT records: a file they
         # took over without copying its bytes): kept while named, whatever the own tree says.
         self.others_use = lambda: set()
@@ -145,6 +169,7 @@ class Maintainer:
         self.snapshot_ratio = cfg.index_snapshot_ratio
         self.snapshot_min = cfg.index_snapshot_min_bytes
         self.clean_below = cfg.clean_below
+        self.checksum_block = cfg.checksum_block_bytes
 
     def idle(self) -> bool:
         """Writers have written nothing for --clean-idle seconds."""
@@ -170,6 +195,10 @@ class Maintainer:
             await self.retire(dead)
         if self.idle() and await self.snapshot_due():
             await self.snapshot()
+        if self.idle() and self.clean_below > 0:
+            victim = self.victim()
+            if victim is not None:
+                await self.clean(victim)
         now = trio.current_time()
         if now - self._disk_checked >= DISK_USAGE_S:
             self._disk_checked = now
@@ -320,6 +349,132 @@ class Maintainer:
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
                  before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
 
+    # ------------------------------------------------------------ the cleaner
+    def victim(self) -> int | None:
+        """The closed log to clean next (cost-benefit), or None."""
+        space = self.space
+        busy = self.flusher.open_logs() | {seg.log for seg in self.flusher.in_flight}
+        now = time.monotonic()
+        best, score = None, 0.0
+        named = None
+        for lg, live in space.live.items():
+            size = space.ends.get(lg, 0)
+            if live <= 0 or size <= 0 or lg in busy:
+                continue
+            u = live / size
+            if u >= self.clean_below:
+                continue
+            if named is None:
+                named = self.others_use()
+            if lg in named or any(d[0] == lg for d in self.damaged_runs):
+                continue  # (it could not be retired after all)
+            s = (1 - u) * max(1.0, now - space.ages.get(lg, 0.0)) / (1 + u)
+            if s > score:
+                best, score = lg, s
+        return best
+
+    async def live_pieces(self, lg: int) -> list[tuple[Inode, int, int, Run, int]]:
+        """The own tree's pieces in data log `lg`, in log order (a pass over the tree in
+        slices, other tasks running in between)."""
+        xs = list({id(x): x for x in self.ns.inodes.values()}.values())
+        out = []
+        for i in range(0, len(xs), ESTIMATE_SLICE):
+            for x in xs[i:i + ESTIMATE_SLICE]:
+                if x.emap is None or x.layer != 0 or x.nlink <= 0:
+                    continue  # (an unlinked file's bytes go with it: no record moves them)
+                for s, n, run, roff in x.emap.pieces:
+                    if run.log == lg and run.layer == 0 and (run.seg is None or
+                                                              run.seg.durable):
+                        out.append((x, s, n, run, roff))
+            await trio.sleep(0)
+        out.sort(key=lambda p: p[3].loff + p[4])
+        return out
+
+    async def clean(self, lg: int) -> None:
+        """Move the live pieces out of data log `lg` (step 3 of the module docstring)."""
+        pieces = await self.live_pieces(lg)
+        total = sum(p[2] for p in pieces)
+        t0 = time.perf_counter()
+        moved = 0
+        if self._logs is None:
+            self._logs = LogReader(Union(writer_dirs={0: self.writer_dir},
+                                         writer_ids={0: self.writer_id}))
+        try:
+            i = 0
+            while i < len(pieces):
+                if not self.idle():
+                    log.info("cleaning data log %d: a writer is busy, %d of %d bytes moved; "
+                             "goes on when it is idle", lg, moved, total)
+                    return
+                batch, runs, nbytes = [], {}, 0
+                while i < len(pieces) and (not batch or nbytes < CLEAN_BATCH_BYTES):
+                    p = pieces[i]
+                    if p[3] not in runs:
+                        runs[p[3]] = None
+                        nbytes += p[3].length
+                    batch.append(p)
+                    i += 1
+                self.doing = f"cleaning data log {lg} ({moved >> 20} of {total >> 20} MiB moved)"
+                data = await trio.to_thread.run_sync(self._read_runs, list(runs))
+                for x, s, n, run, roff in batch:
+                    if run in data:
+                        moved += await self._move(x, s, n, run, roff, data[run])
+        finally:
+            self._logs.close()  # (its descriptors would keep the log's blocks allocated)
+            self.doing = "idle"
+            self.bytes_moved += moved
+            self.clean_seconds += time.perf_counter() - t0
+        self.logs_cleaned += 1
+        log.info("cleaned data log %d: %d bytes moved in %.3f s", lg, moved,
+                 time.perf_counter() - t0)
+
+    def _read_runs(self, runs: list[Run]) -> dict[Run, bytes]:
+        """Worker thread: the runs' bytes, each checked against its checksum. A run that fails
+        is left where it is (its log then stays: a read of it reports the damage)."""
+        out = {}
+        for run in runs:
+            try:
+                out[run] = self._logs.read_run(run)
+            except OSError as exc:
+                log.error("cleaner: %s; those bytes stay where they are", exc)
+                self.damaged_runs.add((run.log, run.loff))
+        return out
+
+    async def _move(self, x: Inode, s: int, n: int, run: Run, roff: int, data: bytes) -> int:
+        """Copy the part of file piece [s, s+n) (bytes [roff, roff+n) of `run`) that the file
+        still points at into staging; returns the bytes moved."""
+        staging, journal = self.staging, self.journal
+        block = self.checksum_block
+        pos, end, moved = s, s + n, 0
+        view = memoryview(data)
+        while pos < end:
+            seg = staging.open
+            if seg is None:
+                seg = await staging._open_segment()  # (may wait for a free segment)
+            if x.emap is None or x.nlink <= 0:
+                return moved
+            # From here to the copy no other task runs: what the file points at now is what
+            # the journal records the move after.
+            found = [p for p in x.emap.find(pos, end)
+                     if p[2] is run and p[3] == roff + (p[0] - s)]
+            if not found:
+                return moved
+            a, m = found[0][0], found[0][1]
+            k = min(m, staging.segment_bytes - seg.used, block)
+            soff = seg.used
+            src = view[roff + (a - s):roff + (a - s) + k]
+            seg.view[soff:soff + k] = src
+            seg.used = soff + k
+            new = Run(seg, soff, k, crc=crc32c(src))
+            seg.runs.append(new)
+            journal.add(ExtentEntry(x.ino, a, new))
+            x.emap.insert(a, k, new, 0)
+            if seg.used == staging.segment_bytes:
+                staging.seal()
+            moved += k
+            pos = a + k
+        return moved
+
     # ------------------------------------------------------------ figures
     def status(self) -> dict:
         space = self.space
@@ -336,6 +491,9 @@ class Maintainer:
             "index_size_bytes": self.flusher.index.size if self.flusher.index else 0,
             "index_fresh_bytes": self.fresh_bytes or 0,
             "index_snapshots": self.snapshots,
+            "logs_cleaned": self.logs_cleaned,
+            "bytes_moved": self.bytes_moved,
+            "clean_seconds": round(self.clean_seconds, 3),
             "maintenance": self.doing,
             "maintenance_errors": self.errors,
         }

@@ -41,7 +41,8 @@ from ckptfs.format.records import (
 )
 from ckptfs.format.index import FRESH_SUFFIX, write_fresh
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
-from ckptfs.replay import apply_group, validate_extents
+from ckptfs.format.logs import LogReader
+from ckptfs.replay import Union, apply_group, validate_extents
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
 # large a fresh index of a tree would be, without writing it.
@@ -128,32 +129,7 @@ def tree_records(ns: Namespace, extents: Callable[[Inode, int], Iterable[Record]
     return b"".join(out), version
 
 
-class PieceReader:
-    """Reads bytes of runs in this writer's data logs outside the read path (worker threads),
-    the run's checksum checked before any of it is used."""
-
-    def __init__(self, writer_dir: str) -> None:
-        self.writer_dir = writer_dir
-        self.fds: dict[int, int] = {}
-
-    def run_bytes(self, run) -> bytes:
-        fd = self.fds.get(run.log)
-        if fd is None:
-            path = os.path.join(self.writer_dir, backingdir.data_log_name(run.log))
-            fd = self.fds[run.log] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        data = os.pread(fd, run.length, run.loff)
-        if len(data) != run.length or crc32c(data) != run.crc:
-            raise OSError(errno.EIO, f"data log {run.log} at {run.loff} (length {run.length}) "
-                          "fails its checksum")
-        return data
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def extents_in_place(pieces_of: PieceReader,
+def extents_in_place(pieces_of: LogReader,
                      writer_of: Callable[[int], str]) -> Callable[[Inode, int], list[Record]]:
     """extents() for an index snapshot: every piece stays where it is. A piece that is a run
     whole keeps the run's checksum; one that is part of a run (an overwrite or a truncate cut
@@ -170,7 +146,7 @@ def extents_in_place(pieces_of: PieceReader,
             if roff == 0 and n == run.length:
                 crc = run.crc
             else:
-                crc = crc32c(memoryview(pieces_of.run_bytes(run))[roff:roff + n])
+                crc = crc32c(memoryview(pieces_of.read_run(run))[roff:roff + n])
             out.append(ExtentRec(ino, start, n, run.log, run.loff + roff, crc))
         return out
     return extents
@@ -200,7 +176,7 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     writer_dir = os.path.dirname(index_path)
     validate_extents(ns, writer_dir)  # (dropped at mount already, with a warning)
     writers = {layer: w for w, layer in layers.items()}
-    pieces_of = PieceReader(writer_dir)
+    pieces_of = LogReader(Union(writer_dirs={0: writer_dir}, writer_ids={0: writer_id}))
     try:
         blob, version = tree_records(
             ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
