@@ -482,6 +482,7 @@ class Maintainer:
         logs = space.log_bytes()
         return {
             "data_logs": len(space.ends),
+            "data_logs_dead": sum(1 for n in space.live.values() if n <= 0),
             "live_bytes": live,
             "dead_bytes": max(0, logs - live),
             "data_log_bytes": logs,
