@@ -188,6 +188,14 @@ def test_exchange(ns):
     assert e.parent == 3 and d.nlink == 3 and root.nlink == 3
 
 
+def test_exchange_moves_the_replaced_directory_too(ns):
+    ns.apply(RenameRec(3, b"b", 1, b"e", RENAME_EXCHANGE))  # a file in d, a directory in /
+    e, d, root = ns.inodes[5], ns.inodes[3], ns.inodes[ROOT_INO]
+    assert names(ns, 3) == {b"b": 5} and names(ns)[b"e"] == 4
+    assert e.parent == 3 and d.nlink == 3 and root.nlink == 3
+    assert ns.path_of(5) == "/d/b" and ns.path_of(4) == "/e"
+
+
 def test_extents_newest_wins_and_size(ns):
     ns.apply(ExtentRec(2, 0, 100, 1, 4096, 11))
     ns.apply(ExtentRec(2, 50, 100, 2, 8192, 22))

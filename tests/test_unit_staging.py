@@ -15,6 +15,8 @@ from ckptfs.datapath.staging import ExtentMap, Run, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.records import CommitRec, ExtentRec, SetattrRec, UnlinkRec
 
+pytestmark = pytest.mark.timeout(30)  # a pool that never seals spins without yielding
+
 SEG = 64 << 10
 
 
@@ -84,6 +86,8 @@ def test_truncate_clips_and_never_grows():
     assert layout(m) == [(0, 100, 1, 0), (200, 50, 2, 0)] and m.stored_bytes() == 150
     m.truncate(1000)  # growing adds a hole, not bytes
     assert m.end() == 250 and m.stored_bytes() == 150
+    m.truncate(249)  # one byte off the end
+    assert layout(m) == [(0, 100, 1, 0), (200, 49, 2, 0)] and m.stored_bytes() == 149
     m.truncate(50)
     assert layout(m) == [(0, 50, 1, 0)]
     m.truncate(0)
@@ -135,6 +139,14 @@ def test_random_operations_match_a_byte_model():
 
 
 # ---------------------------------------------------------------- Staging
+def run_trio(main) -> None:
+    """Run `main` in trio with a deadline: a writer that waits forever fails the test."""
+    async def bounded():
+        with trio.fail_after(10):
+            await main()
+    trio.run(bounded)
+
+
 def staging(n_segments: int = 2, sealed=None) -> Staging:
     return Staging(SEG, n_segments * SEG, (sealed if sealed is not None else []).append,
                    populate=False)
@@ -168,7 +180,7 @@ def test_append_packs_files_back_to_back_and_seals_full_segments():
         assert st.seal() is None  # nothing open: nothing to seal
         st.close()
 
-    trio.run(main)
+    run_trio(main)
 
 
 def test_full_pool_makes_writers_wait_until_a_segment_is_released():
@@ -191,7 +203,7 @@ def test_full_pool_makes_writers_wait_until_a_segment_is_released():
         assert done == [3] and st.waiting_writers == 0
         st.close()
 
-    trio.run(main)
+    run_trio(main)
 
 
 def test_waiting_writer_gets_the_flusher_error():
@@ -204,7 +216,7 @@ def test_waiting_writer_gets_the_flusher_error():
         assert e.value.errno == 28
         st.close()
 
-    trio.run(main)
+    run_trio(main)
 
 
 def test_tails_and_landed_read_in_place():
@@ -223,7 +235,7 @@ def test_tails_and_landed_read_in_place():
         assert [s.number for s in sealed] == [1] and st.open is None
         st.close()
 
-    trio.run(main)
+    run_trio(main)
 
 
 def test_segment_size_must_be_aligned():
@@ -231,7 +243,7 @@ def test_segment_size_must_be_aligned():
         with pytest.raises(ValueError):
             Staging(SEG + 1, 4 * SEG, lambda seg: None, populate=False)
 
-    trio.run(main)
+    run_trio(main)
 
 
 def test_run_memory_only_while_staged():
