@@ -555,6 +555,7 @@ class View:
             if x.emap is None:
                 x.emap = ExtentMap()
             x.emap.starts, x.emap.pieces = s.emap.starts, s.emap.pieces
+            x.emap.stored = s.emap.stored  # (st_blocks: a count, not shared like the lists)
             x.size = s.size
             x.tail_run = None
         elif not s.is_dir:

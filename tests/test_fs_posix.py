@@ -505,3 +505,27 @@ def test_blocks_count_stored_data_and_directories_have_a_size(mounts):
     assert blocks("dense") == (5000, 10)
     assert os.stat(j("d")).st_size == 4096 and os.stat(m.mountpoint).st_size == 4096
     assert "4096" in sh("ls", "-ld", j("d")).stdout
+
+
+def test_blocks_of_another_writers_file(mounts):
+    """A file another writer wrote shows its stored blocks in this mount too: when the mount
+    starts, and after that writer changed it."""
+    backing = mounts.backing()
+    m1 = mounts.mount(backing, writer_id="w1")
+    f1 = os.path.join(m1.mountpoint, "f")
+    with open(f1, "wb") as fh:
+        fh.write(b"x" * 100_000)
+    m1.sync()
+    m2 = mounts.mount(backing, writer_id="w2")
+    f2 = os.path.join(m2.mountpoint, "f")
+    st = os.stat(f2)
+    assert (st.st_size, st.st_blocks) == (100_000, 196)
+    with open(f1, "r+b") as fh:
+        fh.seek(1_000_000)
+        fh.write(b"y" * 50_000)  # a hole, then data
+    m1.sync()
+    deadline = time.monotonic() + 20
+    while os.stat(f2).st_size != 1_050_000 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = os.stat(f2)
+    assert (st.st_size, st.st_blocks) == (1_050_000, 293)  # 150,000 bytes stored
