@@ -34,9 +34,10 @@ from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
 from ckptfs.fuse.ops import CkptOperations, idle_sealer, stats_exporter
+from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import Namespace
-from ckptfs.replay import Union, load_foreign, replay, validate_extents
+from ckptfs.replay import Union, View, replay, validate_extents
 
 log = logging.getLogger("ckptfs")
 
@@ -64,6 +65,8 @@ def _check_config(self) -> None:
         raise ValueError("--io-chunk must be a multiple of 4 KiB")
     if self.idle_flush_s <= 0:
         raise ValueError("--idle-flush must be positive")
+    if not 0 <= self.refresh_s <= 3600:
+        raise ValueError("--refresh must be between 0 and 3600 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if not 1 <= self.data_logs <= 256:
@@ -205,6 +208,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
     t0 = time.perf_counter()
     union = Union()
+    # (layers for every writer before the own index is replayed: it may name their logs)
+    view = View(ns, union, cfg.backing, cfg.writer_id if wd else None)
+    view.assign()
     index, next_log = None, 1
     if wd is not None:
         index_path = os.path.join(wd.path, backingdir.INDEX_NAME)
@@ -222,7 +228,15 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = wd.path
         union.writer_ids[0] = cfg.writer_id
-    view = load_foreign(ns, cfg.backing, cfg.writer_id if wd else None, union)
+    view.load()
+    union.conflicts = view.conflict_list()
+    # The own COMMIT stamps follow every stamp seen (a hybrid logical clock: flusher.py)
+    journal.seen_ns = view.max_stamp
+    journal.last_stamp = max((x.commit_ns for x in ns.inodes.values() if x.layer == 0),
+                             default=0)
+    journal.stamp_hook = view.stamped
+    if wd is not None:
+        view.adopt_pending()  # other writers removed own entries while this one was away
     for w in union.warnings:
         log.warning("%s", w)
     for c in union.conflicts:
@@ -267,6 +281,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
                          info)
     ops.readonly = wd is None
+    ops.view = view
+    ops.refresher = refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
     ops.maintainer = maintainer
     ops.checksum_block = cfg.checksum_block_bytes
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
@@ -306,9 +322,14 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s)) if cfg.fast_path \
             else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
+        if isinstance(ops.request_wait, FastPath):  # (libfuse's descriptor is its socket now)
+            # (its own descriptor: an invalidation still waiting in the kernel at unmount is
+            # abandoned, and must not write to a number reused since)
+            refresher.notify_fd = os.dup(ops.request_wait.fd)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
+            nursery.start_soon(refresher.run)
             if maintainer is not None:
                 nursery.start_soon(maintainer.run)
             reader.nursery = nursery

@@ -123,6 +123,11 @@ OPTIONS: tuple[Option, ...] = (
            "kernel readahead of the mount (sequential readers get 1 MiB READs)", unit=1024),
     Option("idle-flush", "idle_flush_s", "float", 1.0,
            "seconds without writes after which a partial segment is flushed"),
+    Option("refresh", "refresh_s", "float", 1.0,
+           "seconds within which changes other mounts made durable show here: an open, lookup "
+           "or listing reads what other writers committed since the last look once it is "
+           "older than this (and a background look every as often); 0: at every one",
+           metavar="S"),
     Option("request-spin", "request_spin_us", "int", 250,
            "microseconds the daemon polls for the next request before it sleeps (catches a "
            "busy writer's next request without a wake-up; 0: off)", metavar="US"),

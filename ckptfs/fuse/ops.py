@@ -114,6 +114,10 @@ class CkptOperations(pyfuse3.Operations):
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
         self.request_wait: loop.RequestWait | None = None  # installed by the daemon
+        # Other writers' changes (set by the daemon): the merged tree and what reads their
+        # index tails (fuse/refresh.py)
+        self.view = None
+        self.refresher = None
         self.maintainer = None  # cleaner.Maintainer (a mount that writes): its figures
         self.started = time.time()
         self.fsyncs = 0
@@ -258,7 +262,27 @@ class CkptOperations(pyfuse3.Operations):
             return None
         return self.ns.inodes[ino]
 
+    def refresh_due(self) -> bool:
+        """Whether an open, lookup or listing has to look at other writers' changes first:
+        the last look is older than --refresh (docs/scaling.md, the visibility contract)."""
+        r = self.refresher
+        return r is not None and r.due()
+
+    async def refresh(self) -> None:
+        await self.refresher.refresh()
+
+    def _fresh(self, x: Inode) -> None:
+        """An open of an inode that another writer's change removed from the tree, or changed
+        since the kernel cached its attributes, fails with ESTALE: the kernel then walks the
+        path again, asking (LOOKUP) for every entry, and opens what is there now."""
+        view = self.view
+        if view is not None and (x.ino in view.gone or x.ino in view.dirty):
+            view.dirty.discard(x.ino)
+            raise _err(errno.ESTALE)
+
     async def lookup(self, parent_inode, name, ctx):
+        if self.refresher is not None and self.refresher.due():
+            await self.refresher.refresh()
         x = self.find(parent_inode, name)
         if x is None:
             raise _err(errno.ENOENT)
@@ -458,7 +482,10 @@ class CkptOperations(pyfuse3.Operations):
         return fh
 
     async def open(self, inode, flags, ctx):
+        if self.refresher is not None and self.refresher.due():
+            await self.refresher.refresh()
         x = self._inode(inode)
+        self._fresh(x)
         if x.emap is None:
             raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
@@ -674,6 +701,8 @@ class CkptOperations(pyfuse3.Operations):
 
     # ------------------------------------------------------------ directories
     async def opendir(self, inode, ctx):
+        if self.refresher is not None and self.refresher.due():
+            await self.refresher.refresh()
         x = self._dir(inode)
         fh = self.next_fh
         self.next_fh += 1
@@ -705,6 +734,16 @@ class CkptOperations(pyfuse3.Operations):
         await self._barrier()
 
     # ------------------------------------------------------------ status (xattrs on the root)
+    def live_union(self) -> dict:
+        """The writers and conflicts of the view as they are now, and what reading the other
+        writers' changes has cost."""
+        view = self.view
+        out = {"writers": len(view.trees) + (0 if self.readonly else 1),
+               "conflicts": len(view.conflicts)}
+        if self.refresher is not None:
+            out.update(self.refresher.counts())
+        return out
+
     def status(self) -> dict:
         st = self.flusher.stats
         ninodes, user_bytes = self.ns.totals()
@@ -712,6 +751,7 @@ class CkptOperations(pyfuse3.Operations):
             "pid": os.getpid(),
             "backing": self.backing,
             **self.info,
+            **(self.live_union() if self.view is not None else {}),
             "engine": self.flusher.engine_name,
             "uptime_s": round(time.time() - self.started, 3),
             "bytes_written": self.bytes_written,

@@ -1,0 +1,305 @@
+"""What the other writers made durable, brought into this mount while it runs.
+
+Every `--refresh` seconds (and at an open, lookup or listing when the last look is older than
+that; at every one with 0) a worker thread looks at the backing directory: one listing of
+`writers/` (a writer that appeared), and per other writer a listing of its directory (on a
+network file system it brings the files' current sizes: format/backingdir.py) and a stat of
+its index. Only an index that grew is read, from where the last read stopped to its end, and
+only its complete commit groups are taken (a group being appended is read the next time).
+The trio thread then applies them to the view (replay.View), one commit group at a time,
+with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
+it caches entries and attributes for 300 s (ops.py), so changed names, and the attributes and
+pages of changed files, are invalidated. The invalidations are written from a worker thread:
+the kernel may hold the directory's lock for a request the trio thread has yet to answer.
+
+An index that was replaced (rewritten by a compaction or an index snapshot: another file) is
+read whole again; a writer directory that went away leaves the view.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import time
+
+import trio
+
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import FormatError, XExtentRec
+from ckptfs.replay import ENTRY, INODE, View, read_writer
+
+log = logging.getLogger("ckptfs")
+
+PAUSE_S = 0.005  # the longest the trio thread applies a tail before it serves requests again
+IDLE_PERIOD_S = 1.0  # how often --refresh 0 looks in the background (it looks at every request)
+
+# linux/fuse.h: notifications are "replies" with unique 0 and the code in the error field
+FUSE_NOTIFY_INVAL_INODE = 2
+FUSE_NOTIFY_INVAL_ENTRY = 3
+OUT_HEADER = struct.Struct("<IiQ")
+INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino, offset, length (0, 0: attributes and all pages)
+INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, name length, flags
+
+
+def notification(kind: int, a: int, name: bytes = b"") -> bytes:
+    """The /dev/fuse message that makes the kernel forget an entry or an inode's cache."""
+    if kind == ENTRY:
+        body = INVAL_ENTRY_OUT.pack(a, len(name), 0) + name + b"\0"
+        code = FUSE_NOTIFY_INVAL_ENTRY
+    else:
+        body = INVAL_INODE_OUT.pack(a, 0, 0)
+        code = FUSE_NOTIFY_INVAL_INODE
+    return OUT_HEADER.pack(OUT_HEADER.size + len(body), code, 0) + body
+
+
+class Refresher:
+    """Brings other writers' commits into the view (see the module's docstring)."""
+
+    def __init__(self, view: View, journal, reader, backing: str, delay_s: float) -> None:
+        self.view = view
+        self.journal = journal
+        self.reader = reader
+        self.backing = backing
+        self.delay = delay_s
+        self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
+        self.last = -1e9  # trio clock of the last look that started
+        self.running: trio.Event | None = None
+        self.lock = trio.Lock()
+        # what the looks cost the backing store, and this mount
+        self.polls = 0
+        self.listdirs = 0
+        self.stats = 0
+        self.reads = 0
+        self.bytes_read = 0
+        self.groups = 0
+        self.records = 0
+        self.apply_s = 0.0
+        self.apply_max_s = 0.0
+        self.notifications = 0
+        self.writers_added = 0
+        self.writers_reloaded = 0
+        # Invalidations go out from their own task: never from the request that found the
+        # changes (a LOOKUP holds its directory's lock in the kernel, which an invalidation of
+        # an entry in that directory waits for).
+        self.outbox: list[tuple] = []
+        self.wake = trio.Event()
+
+    def due(self) -> bool:
+        return trio.current_time() - self.last >= self.delay
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender)
+            await self._looker()
+
+    async def _looker(self) -> None:
+        """The background look: every --refresh seconds (--refresh 0: every IDLE_PERIOD_S)."""
+        period = self.delay if self.delay > 0 else IDLE_PERIOD_S
+        while True:
+            await trio.sleep(max(0.0, self.last + period - trio.current_time()))
+            if trio.current_time() - self.last >= period:
+                try:
+                    await self.refresh()
+                except Exception:
+                    log.exception("reading other writers' changes")
+
+    async def refresh(self) -> None:
+        """Look now: a look that is running when the call comes is waited for, and another
+        one follows unless it started less than --refresh before the call."""
+        arrived = trio.current_time()
+        while self.running is not None:
+            await self.running.wait()
+            if self.last >= arrived - self.delay:
+                return
+        self.running = trio.Event()
+        self.last = trio.current_time()
+        try:
+            view = self.view
+            known = {layer: (view.union.writer_dirs[layer], view.offsets.get(layer, 0),
+                             view.index_ids.get(layer))
+                     for layer in view.trees}
+            names = set(view.union.layers)
+            found = await trio.to_thread.run_sync(self._look, known, names)
+            await self._apply(found)
+        finally:
+            ev, self.running = self.running, None
+            ev.set()
+        self.kick()
+
+    def kick(self) -> None:
+        """Hand what the view collected for the kernel to the sender."""
+        view = self.view
+        if view.changed:
+            self.outbox.extend(view.changed)
+            view.changed.clear()
+            self.wake.set()
+
+    # ------------------------------------------------------------ worker thread
+    def _look(self, known: dict, names: set) -> list[tuple]:
+        self.polls += 1
+        out: list[tuple] = []
+        root = os.path.join(self.backing, backingdir.WRITERS_DIR)
+        try:
+            present = set(os.listdir(root))
+        except FileNotFoundError:
+            present = set()
+        self.listdirs += 1
+        for layer, (wdir, offset, ident) in known.items():
+            wid = os.path.basename(wdir)
+            if wid not in present:
+                out.append(("gone", layer))
+                continue
+            index = os.path.join(wdir, backingdir.INDEX_NAME)
+            try:
+                os.listdir(wdir)  # (fresh sizes on a network file system)
+                self.listdirs += 1
+                st = os.stat(index)
+                self.stats += 1
+            except FileNotFoundError:
+                continue  # no index yet (or a listing raced its creation)
+            except OSError as exc:
+                log.warning("writer %s: %s", wid, exc)
+                continue
+            if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident or \
+                    st.st_size < offset:
+                got = read_writer(wdir)
+                self.reads += 1
+                if not isinstance(got, str):
+                    out.append(("replaced", layer, wdir, *got))
+                continue
+            start = max(offset, records.INDEX_HEADER.size)
+            if st.st_size <= start:
+                continue
+            try:
+                scan, _ = records.read_index_tail(index, start)
+            except (FormatError, OSError) as exc:
+                log.warning("writer %s: %s", wid, exc)
+                continue
+            self.reads += 1
+            self.bytes_read += st.st_size - start
+            out.append(("tail", layer, scan, (st.st_dev, st.st_ino)))
+        for wid in sorted(present - names):
+            wdir = os.path.join(root, wid)
+            try:
+                backingdir.safe_writer_id(wid)
+            except FormatError:
+                continue
+            if not os.path.isdir(wdir) or wid.startswith("."):
+                continue
+            try:
+                records.check_index_header(os.path.join(wdir, backingdir.INDEX_NAME))
+            except FormatError as exc:
+                log.warning("writer %s is not read: %s", wid, exc)
+                continue
+            got = read_writer(wdir)
+            self.reads += 1
+            if not isinstance(got, str):
+                out.append(("new", wdir, *got))
+        return out
+
+    # ------------------------------------------------------------ trio thread
+    async def _apply(self, found: list[tuple]) -> None:
+        view = self.view
+        async with self.lock:
+            t0 = time.perf_counter()
+            for item in found:
+                kind = item[0]
+                if kind == "tail":
+                    _, layer, scan, ident = item
+                    if layer not in view.trees:
+                        continue
+                    for group, when in zip(scan.groups, scan.group_times):
+                        runs = view.apply_group(layer, group, when)
+                        self._drop_cached(layer, runs)
+                        self.groups += 1
+                        self.records += len(group)
+                        if time.perf_counter() - t0 > PAUSE_S:
+                            self._account(t0)
+                            await trio.lowlevel.checkpoint()
+                            t0 = time.perf_counter()
+                    view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
+                    view.index_ids[layer] = ident
+                elif kind == "new":
+                    _, wdir, scan, ident = item
+                    if os.path.basename(wdir) in view.union.layers:
+                        continue
+                    view.add_tree(wdir, scan, ident)
+                    self.writers_added += 1
+                    log.info("writer %s joined the view", os.path.basename(wdir))
+                elif kind == "replaced":
+                    _, layer, wdir, scan, ident = item
+                    view.drop_tree(layer)
+                    view.add_tree(wdir, scan, ident)
+                    self.writers_reloaded += 1
+                    log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
+                elif kind == "gone":
+                    view.drop_tree(item[1])
+                    log.info("writer %s left the backing directory",
+                             view.union.writer_ids.get(item[1]))
+            self._account(t0)
+            for w in view.union.warnings[self._warned:]:
+                log.warning("%s", w)
+            self._warned = len(view.union.warnings)
+            if view.max_stamp > self.journal.seen_ns:
+                self.journal.seen_ns = view.max_stamp
+
+    _warned = 0
+
+    def _account(self, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.apply_s += dt
+        if dt > self.apply_max_s:
+            self.apply_max_s = dt
+
+    def _drop_cached(self, layer: int, runs: list) -> None:
+        """The reader may hold a chunk of a log read before these bytes were in it."""
+        view = self.view
+        for rec in runs:
+            if type(rec) is XExtentRec:
+                lay = view._tree_layer_of(rec.writer)
+                if lay is not None:
+                    self.reader.invalidate(lay, rec.log, rec.loff, rec.run_length)
+            else:
+                self.reader.invalidate(layer, rec.log, rec.loff, rec.length)
+
+    async def _sender(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake = trio.Event()
+            changes = list(dict.fromkeys(self.outbox))  # (in order, once each)
+            self.outbox.clear()
+            if not changes:
+                continue
+            # (abandoned at unmount: the kernel may keep it waiting for a lock until then)
+            await trio.to_thread.run_sync(self.send, changes, abandon_on_cancel=True)
+            self.view.dirty.difference_update(c[1] for c in changes if c[0] == INODE)
+
+    def send(self, changes: list[tuple]) -> None:
+        """Worker thread: tell the kernel to forget what changed."""
+        for c in changes:
+            self.notifications += 1
+            try:
+                if self.notify_fd >= 0:
+                    os.write(self.notify_fd, notification(*c))
+                else:
+                    import pyfuse3  # (loaded by the mount anyway; not by the offline tools)
+                    if c[0] == ENTRY:
+                        pyfuse3.invalidate_entry(c[1], c[2])
+                    else:
+                        pyfuse3.invalidate_inode(c[1])
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
+                    log.warning("invalidating %r in the kernel: %s", c, exc)
+
+    def counts(self) -> dict:
+        return {"refresh_s": self.delay, "refresh_polls": self.polls,
+                "refresh_listdirs": self.listdirs, "refresh_stats": self.stats,
+                "refresh_reads": self.reads, "refresh_bytes_read": self.bytes_read,
+                "refresh_groups": self.groups, "refresh_records": self.records,
+                "refresh_apply_seconds": round(self.apply_s, 4),
+                "refresh_apply_max_ms": round(self.apply_max_s * 1e3, 3),
+                "refresh_notifications": self.notifications,
+                "writers_joined": self.writers_added,
+                "writers_reread": self.writers_reloaded}
