@@ -164,12 +164,15 @@ def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
     opts = dict(OPTS, clean_idle=0.3, index_snapshot_ratio=0)
     m = mounts.mount(backing, clean_below=0, **opts)
     kept: dict[str, bytes] = {}
-    for step in range(6):
-        files = save_step(m.mountpoint, step, files=5, size=600 * KiB)
+    for step in range(10):
+        files = save_step(m.mountpoint, step, files=60, size=20 * KiB)
         m.sync()
-        for name in list(files)[1:]:  # keep one file of each step: the logs are ~20% live
-            os.unlink(os.path.join(m.mountpoint, name))
-        kept[list(files)[0]] = files[list(files)[0]]
+        # keep one file in three: the logs are a third live, in holes too small to punch
+        for i, name in enumerate(files):
+            if i % 3:
+                os.unlink(os.path.join(m.mountpoint, name))
+            else:
+                kept[name] = files[name]
     m.sync()
     time.sleep(1.5)
     st = m.status()
@@ -379,3 +382,32 @@ def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
     print(f"\n{CRASH_ITERS} kills; the maintainer was seen {sorted(seen_doing)}; "
           f"{len(planned)} files planned, {len(durable)} durable")
     assert len(durable) > 0
+
+
+def test_dead_checkpoints_are_punched_out_of_a_log_still_in_use(mounts):
+    backing = mounts.backing()
+    opts = dict(OPTS, log_size="64M", clean_idle=0.2, index_snapshot_ratio=0)
+    m = mounts.mount(backing, **opts)
+    live: dict[int, dict[str, bytes]] = {}
+    for step in range(6):
+        live[step] = save_step(m.mountpoint, step)
+        m.sync()
+        if step >= 2:
+            shutil.rmtree(os.path.join(m.mountpoint, f"step_{step - 2}"))
+            del live[step - 2]
+    m.sync()
+    st = wait_for(lambda: (s := m.status())["bytes_punched"] > 0 and s, "a punch")
+    kept = sum(len(d) for f in live.values() for d in f.values())
+    assert st["live_bytes"] == kept and st["dead_bytes"] < 4 << 20, st
+    disk = sum(os.stat(p).st_blocks * 512 for p in backingdir.data_logs(wdir(backing)).values())
+    prealloc = (64 << 20) - st["data_log_bytes"]  # (the log is allocated ahead of its end)
+    assert disk < kept + prealloc + (1 << 20), (disk, kept, prealloc)
+    for files in live.values():
+        check(m.mountpoint, files)
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    for files in live.values():
+        check(m.mountpoint, files)
+    m.stop()

@@ -203,3 +203,19 @@ def test_a_snapshot_replays_to_the_same_tree(tmp_path):
     assert ext[(4, 0)].length == 4 * KiB and ext[(4, 0)].crc == crc32c(payload[16 * KiB:20 * KiB])
     assert ext[(3, 0)].crc == crc32c(payload[:16 * KiB])
     assert scan.group_times[-1] == 102  # the index still ends at its last commit's time
+
+
+def test_dead_ranges_are_the_gaps_between_live_ones_in_whole_blocks():
+    from ckptfs.datapath.cleaner import PUNCH_MIN_BYTES, Maintainer, _merge, _subtract
+
+    m = Maintainer.__new__(Maintainer)
+    m.space = cleaner.LogSpace(4096)
+    m.space.ends[1] = 4 << 20
+    m._punched_ranges = {}
+    live = _merge([(4096 + 100, 8192), (1 << 20, (1 << 20) + 10), (2 << 20, 3 << 20)])
+    got = m._dead_ranges(1, live)
+    assert got == [(8192, 1 << 20), ((1 << 20) + 4096, 2 << 20), (3 << 20, 4 << 20)]
+    m._punched_ranges[1] = [(8192, 1 << 20)]
+    assert m._dead_ranges(1, live) == got[1:]  # what was punched is not punched again
+    assert _subtract([(0, 1 << 20)], [(4096, 8192)]) == [(8192, 1 << 20)]  # (4 KiB < min)
+    assert PUNCH_MIN_BYTES > 4096

@@ -15,9 +15,19 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
      records (mover.py) into a fresh index beside it; the flusher puts it in place between two
      commits (format/index.py: the groups committed meanwhile are copied after it). Writers
      never wait for it; commits wait for the copy and rename (milliseconds).
-  3. the cleaner, once writers have been idle for --clean-idle seconds: of the closed logs
-     whose live share is below --clean-below, the one with the best cost-benefit ratio
-     ((1 - u) * age / (1 + u), u its live share: the LFS cleaner's policy) has its live pieces
+  3. punching, once writers have been idle for --clean-idle seconds: in logs with a segment's
+     worth of dead bytes (the one being appended to too, below its last durable segment), the
+     dead ranges of at least PUNCH_MIN_BYTES that no reader is using are given back to the
+     file system (fallocate PUNCH_HOLE), after everything that killed them is committed (so no
+     committed extent points there, whatever a crash cuts off). A log keeps its number and
+     its live bytes; most dead space of a checkpoint workload (whole deleted checkpoints) comes
+     back this way without moving a byte: punching the 680 MB of dead checkpoints out of a
+     1 GiB log took 0.11 s here, copying its 340 MB of live ones into a new log 0.5 s of
+     the disk's full bandwidth (docs/benchmarks.md).
+  4. the cleaner, once writers have been idle for --clean-idle seconds: of the closed logs
+     whose live share of the bytes they still take up (after punching) is below --clean-below,
+     the one with the best cost-benefit ratio ((1 - u) * age / (1 + u), u that share: the LFS
+     cleaner's policy) has its live pieces
      read back (worker thread, each run's checksum checked) and written into staging like a
      write: new runs, EXTENT records journaled in order with everything else, so the flusher
      writes them into the current log with the io engine's large aligned writes. Each piece is
@@ -33,6 +43,7 @@ Trio thread, except where a function says it runs in a worker thread.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -43,9 +54,9 @@ import trio
 from crc32c import crc32c
 
 from ckptfs.datapath import mover
-from ckptfs.datapath.flusher import ExtentEntry
+from ckptfs.datapath.flusher import ExtentEntry, punch_hole
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Segment, round_up
-from ckptfs.format import backingdir
+from ckptfs.format import backingdir, records
 from ckptfs.format.logs import LogReader
 from ckptfs.format.records import RetireRec
 from ckptfs.namespace import ROOT_INO, Inode
@@ -60,6 +71,7 @@ DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take
 # (longer than another mount's view of this tree lags behind it: refresh.py).
 SHARED_GRACE_S = 60.0
 CLEAN_BATCH_BYTES = 16 << 20  # runs read back at once; between batches the cleaner looks up
+PUNCH_MIN_BYTES = 64 << 10  # a smaller dead range is left (the cleaner may move its neighbours)
 
 
 class LogSpace:
@@ -70,6 +82,7 @@ class LogSpace:
         self.live: dict[int, int] = {}  # log -> bytes extent maps point at
         self.ends: dict[int, int] = {}  # log -> end of its last segment (its size)
         self.ages: dict[int, float] = {}  # log -> when a segment last landed in it (monotonic)
+        self.punched: dict[int, int] = {}  # log -> bytes punched out of it
         # The thread whose extent maps count: the trio thread, which owns the live tree. A
         # tree built in a worker thread (an index snapshot's) has runs of its own.
         self.thread = threading.get_ident()
@@ -111,6 +124,10 @@ class LogSpace:
             self.ends[lg] = end
         self.ages[lg] = time.monotonic()
 
+    def held(self, lg: int) -> int:
+        """Bytes log `lg` still takes up: its size less what was punched out."""
+        return self.ends.get(lg, 0) - self.punched.get(lg, 0)
+
     def live_bytes(self) -> int:
         return sum(self.live.values())
 
@@ -121,6 +138,7 @@ class LogSpace:
         """The log is retired: its size."""
         self.live.pop(lg, None)
         self.ages.pop(lg, None)
+        self.punched.pop(lg, None)
         return self.ends.pop(lg, 0)
 
 
@@ -155,6 +173,9 @@ class Maintainer:
         self.bytes_moved = 0
         self.clean_seconds = 0.0
         self.damaged_runs: set[tuple[int, int]] = set()  # (log, offset): not moved, reported
+        self.punch_ok = True  # until the file system refuses PUNCH_HOLE
+        self.bytes_punched = 0
+        self._punched_ranges: dict[int, list[tuple[int, int]]] = {}
         self._logs: LogReader | None = None
         # The own logs other writers' trees point into (their XEXTENT records: a file they
         # took over without copying its bytes): kept while named, whatever the own tree says.
@@ -195,6 +216,8 @@ class Maintainer:
             await self.retire(dead)
         if self.idle() and await self.snapshot_due():
             await self.snapshot()
+        if self.idle() and self.punch_ok:
+            await self.punch()
         if self.idle() and self.clean_below > 0:
             victim = self.victim()
             if victim is not None:
@@ -349,6 +372,108 @@ class Maintainer:
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
                  before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
 
+    # ------------------------------------------------------------ punching
+    def closed_logs(self) -> set[int]:
+        """Logs no segment is being placed in, that no other writer's tree names."""
+        busy = self.flusher.open_logs() | {seg.log for seg in self.flusher.in_flight}
+        return {lg for lg in self.space.live if lg not in busy}
+
+    async def punch(self) -> None:
+        """Give the dead ranges of closed logs back (step 3 of the module docstring)."""
+        space = self.space
+        after = self.staging.segment_bytes  # (dead bytes a log needs before a look: a segment)
+        # (the log being appended to too: below its last durable segment nothing is written
+        # again, and what is in flight lies beyond that)
+        cands = [lg for lg in space.live if space.held(lg) - space.live[lg] >= after]
+        if not cands:
+            return
+        named = self.others_use()
+        cands = [lg for lg in cands if lg not in named]
+        if not cands:
+            return
+        self.doing = f"punching dead ranges out of data logs {', '.join(map(str, cands))}"
+        try:
+            live = await self.live_ranges(set(cands))
+            # everything that killed those bytes, committed first: no committed extent is
+            # left pointing into a range punched
+            await self.flusher.wait_committed(self.journal.last_seq)
+            holes = {}
+            for lg in cands:
+                ranges = [r for r in self._dead_ranges(lg, live.get(lg, []))
+                          if not self.reader.range_in_use(0, lg, r[0], r[1])]
+                if ranges:
+                    holes[lg] = ranges
+            if not holes:
+                return
+            freed = await trio.to_thread.run_sync(self._punch, holes)
+        finally:
+            self.doing = "idle"
+        for lg, ranges in holes.items():
+            if lg in space.ends:
+                space.punched[lg] = space.punched.get(lg, 0) + sum(b - a for a, b in ranges)
+                self._punched_ranges[lg] = _merge(self._punched_ranges.get(lg, []) + ranges)
+        self.bytes_punched += freed
+        self.bytes_reclaimed += freed
+        log.info("punched %d dead bytes out of data logs %s", freed,
+                 ", ".join(map(str, sorted(holes))))
+
+    async def live_ranges(self, logs: set[int]) -> dict[int, list[tuple[int, int]]]:
+        """The byte ranges of `logs` that the own tree's extent maps point at (any file,
+        unlinked ones still open included), merged, per log."""
+        xs = list({id(x): x for x in self.ns.inodes.values()}.values())
+        out: dict[int, list[tuple[int, int]]] = {lg: [] for lg in logs}
+        for i in range(0, len(xs), ESTIMATE_SLICE):
+            for x in xs[i:i + ESTIMATE_SLICE]:
+                if x.emap is None:
+                    continue
+                for _, n, run, roff in x.emap.pieces:
+                    if run.layer == 0 and run.log in out:
+                        a = run.loff + roff
+                        out[run.log].append((a, a + n))
+            await trio.sleep(0)
+        return {lg: _merge(r) for lg, r in out.items()}
+
+    def _dead_ranges(self, lg: int, live: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The gaps between the live ranges of log `lg` (from its header to its end), at
+        least PUNCH_MIN_BYTES, cut to whole blocks, less what was punched before."""
+        align = self.space.align
+        out, pos = [], round_up(records.DATA_HEADER_BYTES, align)
+        for a, b in live + [(self.space.ends.get(lg, 0), 0)]:
+            lo, hi = round_up(pos, align), a // align * align
+            if hi - lo >= PUNCH_MIN_BYTES:
+                out.append((lo, hi))
+            pos = max(pos, b)
+        return _subtract(out, self._punched_ranges.get(lg, []))
+
+    def _punch(self, holes: dict[int, list[tuple[int, int]]]) -> int:
+        """Worker thread: punch the holes; the blocks freed."""
+        freed = 0
+        for lg, ranges in holes.items():
+            path = os.path.join(self.writer_dir, backingdir.data_log_name(lg))
+            try:
+                fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                continue
+            try:
+                before = os.fstat(fd).st_blocks
+                for a, b in ranges:
+                    try:
+                        punch_hole(fd, a, b - a)
+                    except OSError as exc:
+                        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                            log.info("the backing store cannot punch holes (%s): the cleaner "
+                                     "copies instead", exc.strerror)
+                            self.punch_ok = False
+                            break
+                        raise
+                os.fsync(fd)
+                freed += (before - os.fstat(fd).st_blocks) * 512
+            finally:
+                os.close(fd)
+            if not self.punch_ok:
+                break
+        return freed
+
     # ------------------------------------------------------------ the cleaner
     def victim(self) -> int | None:
         """The closed log to clean next (cost-benefit), or None."""
@@ -358,7 +483,7 @@ class Maintainer:
         best, score = None, 0.0
         named = None
         for lg, live in space.live.items():
-            size = space.ends.get(lg, 0)
+            size = space.held(lg)
             if live <= 0 or size <= 0 or lg in busy:
                 continue
             u = live / size
@@ -480,15 +605,17 @@ class Maintainer:
         space = self.space
         live = space.live_bytes()
         logs = space.log_bytes()
+        held = logs - sum(space.punched.values())
         return {
             "data_logs": len(space.ends),
             "data_logs_dead": sum(1 for n in space.live.values() if n <= 0),
             "live_bytes": live,
-            "dead_bytes": max(0, logs - live),
+            "dead_bytes": max(0, held - live),  # dead and still taking up space
             "data_log_bytes": logs,
             "data_log_disk_bytes": self.disk_bytes,
             "logs_retired": self.logs_retired,
             "bytes_reclaimed": self.bytes_reclaimed,
+            "bytes_punched": self.bytes_punched,
             "index_size_bytes": self.flusher.index.size if self.flusher.index else 0,
             "index_fresh_bytes": self.fresh_bytes or 0,
             "index_snapshots": self.snapshots,
@@ -498,6 +625,34 @@ class Maintainer:
             "maintenance": self.doing,
             "maintenance_errors": self.errors,
         }
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _subtract(ranges: list[tuple[int, int]], minus: list[tuple[int, int]]
+              ) -> list[tuple[int, int]]:
+    """`ranges` without the parts in `minus` (both sorted, disjoint), pieces of at least
+    PUNCH_MIN_BYTES."""
+    out = []
+    for a, b in ranges:
+        pos = a
+        for c, d in minus:
+            if d <= pos or c >= b:
+                continue
+            if c - pos >= PUNCH_MIN_BYTES:
+                out.append((pos, c))
+            pos = max(pos, d)
+        if b - pos >= PUNCH_MIN_BYTES:
+            out.append((pos, b))
+    return out
 
 
 def logs_named_by_others(view) -> set[int]:

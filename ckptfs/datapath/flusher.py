@@ -59,13 +59,23 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-def fallocate(fd: int, offset: int, length: int) -> None:
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def fallocate(fd: int, offset: int, length: int, mode: int = 0) -> None:
     """fallocate(2) itself: glibc's posix_fallocate emulates a refused fallocate with a write
     per 4 KiB block (65,536 writes for 256 MiB on a FUSE or NFS store); this one fails with
     EOPNOTSUPP instead, and the flusher then does without preallocation."""
-    if _libc.fallocate(fd, 0, offset, length) != 0:
+    if _libc.fallocate(fd, mode, offset, length) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the blocks of [offset, offset+length) back (they read as zeros; the size stays).
+    OSError(EOPNOTSUPP) where the file system cannot (the cleaner copies instead)."""
+    fallocate(fd, offset, length, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)
 
 
 class _OpenLog:

@@ -129,6 +129,12 @@ class Reader:
         """A READ, a check or a load holds chunks of the log right now (pinned or loading)."""
         return any(k[0] == layer and k[1] == number for k in (*self.pins, *self.loading))
 
+    def range_in_use(self, layer: int, number: int, lo: int, hi: int) -> bool:
+        """A READ, a check or a load holds a chunk of bytes [lo, hi) of the log right now."""
+        first, last = lo // CHUNK_BYTES, (hi - 1) // CHUNK_BYTES
+        return any(k[0] == layer and k[1] == number and first <= k[2] <= last
+                   for k in (*self.pins, *self.loading))
+
     def hold(self, layer: int, number: int) -> None:
         """Open the log's descriptor now (worker thread; before its file is removed: the
         reads using it go on through the descriptor)."""
