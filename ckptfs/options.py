@@ -100,7 +100,7 @@ OPTIONS: tuple[Option, ...] = (
            "the cleaner moves the live bytes out of a data log whose live share fell below "
            "this (cost-benefit order), so the log can be retired; 0: never moves data (logs "
            "with no live byte are retired anyway)"),
-    Option("clean-idle", "clean_idle_s", "float", 2.0,
+    Option("clean-idle", "clean_idle_s", "float", 1.0,
            "seconds without writes before the cleaner and the index snapshot run (a save in "
            "progress has the disk to itself)", metavar="S"),
     Option("index-snapshot-ratio", "index_snapshot_ratio", "float", 2.0,

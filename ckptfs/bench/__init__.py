@@ -1,4 +1,5 @@
-"""Benchmarks: `ckptfs bench engine|micro|e2e|scaling`. Each module has `main(argv) -> int`."""
+"""Benchmarks: `ckptfs bench engine|micro|e2e|scaling|lifecycle`. Each module has
+`main(argv) -> int`."""
 
 import os
 

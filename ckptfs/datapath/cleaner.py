@@ -9,8 +9,9 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
   1. retire: a log with no live byte that no segment is being placed in gets a RETIRE record;
      once that is committed, its file is removed (a reader still using it keeps its open
      descriptor until done). At mount this finishes the logs a crash left dead or half retired.
-  2. the index snapshot, once writers have been idle for --clean-idle seconds and the index
-     is --index-snapshot-ratio times the size a fresh index of the tree would have: a worker
+  2. the index snapshot, once writers have been idle for --clean-idle seconds (at once for a
+     tree whose fresh index is under SNAPSHOT_ANYTIME_BYTES) and the index is
+     --index-snapshot-ratio times the size a fresh index of the tree would have: a worker
      thread replays the index's committed bytes into a tree of its own and writes that tree's
      records (mover.py) into a fresh index beside it; the flusher puts it in place between two
      commits (format/index.py: the groups committed meanwhile are copied after it). Writers
@@ -71,6 +72,9 @@ DISK_USAGE_S = 5.0  # how often it asks the backing store how much the logs take
 # (longer than another mount's view of this tree lags behind it: refresh.py).
 SHARED_GRACE_S = 60.0
 CLEAN_BATCH_BYTES = 16 << 20  # runs read back at once; between batches the cleaner looks up
+# An index snapshot of a tree this small (its fresh index) takes milliseconds: it does not
+# wait for the writers to be idle.
+SNAPSHOT_ANYTIME_BYTES = 1 << 20
 PUNCH_MIN_BYTES = 64 << 10  # a smaller dead range is left (the cleaner may move its neighbours)
 
 
@@ -161,7 +165,7 @@ class Maintainer:
         self._held: set[int] = set()  # retired logs a reader still held open when removed
         self.staging = None
         self.writer_id = os.path.basename(writer_dir)
-        self.idle_s = 2.0
+        self.idle_s = 1.0
         self.snapshot_ratio = 2.0
         self.snapshot_min = 64 << 10
         self.clean_below = 0.5
@@ -214,7 +218,8 @@ class Maintainer:
         dead = self.retirable()
         if dead:
             await self.retire(dead)
-        if self.idle() and await self.snapshot_due():
+        small = self.fresh_bytes is not None and self.fresh_bytes < SNAPSHOT_ANYTIME_BYTES
+        if (self.idle() or small) and await self.snapshot_due():
             await self.snapshot()
         if self.idle() and self.punch_ok:
             await self.punch()

@@ -1,0 +1,290 @@
+"""``ckptfs bench lifecycle``: a training job's life on one mount.
+
+One mount for the whole run. Every step saves a checkpoint of a GPT-shaped state (model
+weights and Adam state, one `torch.save` per tensor, ckptfs/bench/models.py) into
+`step_NNNNN/`, makes it durable (`ckptfs sync`), deletes the checkpoints older than the
+`--keep` newest the way Hugging Face Trainer's `save_total_limit` rotates them (after the new
+one is saved), then "trains" for `--interval` seconds (nothing is written: the mount is idle,
+as between a real job's checkpoints). At the end of each step it records:
+
+  durable_s     from the first torch.save to the end of the sync
+  disk_bytes    the backing directory's allocated blocks (du: st_blocks, not sizes)
+  live_bytes    the bytes the live tree's extents point at in the data logs (daemon status)
+  index_bytes   the size of the writer's index
+  rss_bytes     the daemon's resident memory (VmRSS)
+  and the daemon's lifecycle counters (logs retired, bytes punched and moved, snapshots)
+
+At the end: an unmount, a timed remount (the median of --remounts) of the backing directory,
+and the same remount of a fresh copy of the live tree (`ckptfs export` + `ckptfs import` into a
+new backing directory), whose index is the "fresh index" the targets compare with. The
+targets (docs/benchmarks.md) are judged at the end; a plot of the series per step and a JSON
+with everything are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from ckptfs import api
+from ckptfs.bench import models
+from ckptfs.format import backingdir
+from ckptfs.options import BY_NAME, parse_size
+
+WRITER = "lifecycle"
+FROM_STEP = 10  # the targets hold from this step on (the first ones fill the logs)
+
+
+def du(path: str) -> int:
+    """Bytes allocated to everything under `path` (st_blocks: what du counts)."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in files + dirs:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def save(state: dict, root: str) -> None:
+    import torch
+
+    for name, t in state.items():
+        path = os.path.join(root, models.file_name(name))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(t, path)
+
+
+def timed_mount(backing: str, mnt: str, log_file: str, opts: dict, times: int) -> list[float]:
+    """Mount and unmount `times` times; the seconds each mount took until ready."""
+    out = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER, **opts).start()
+        out.append(time.perf_counter() - t0)
+        os.listdir(mnt)
+        m.stop()
+    return out
+
+
+def judge(steps: list[dict], fresh_index: int, remount_s: float, fresh_remount_s: float,
+          log_bytes: int) -> list[dict]:
+    """The issue's targets, each with its figure and whether it held."""
+    later = [s for s in steps if s["step"] >= FROM_STEP]
+    out = []
+    if later:
+        worst = max(later, key=lambda s: s["disk_bytes"] - 1.5 * s["live_bytes"])
+        allowed = 1.5 * worst["live_bytes"] + log_bytes
+        out.append({"target": "disk", "what": f"backing bytes <= 1.5 x live + one data log "
+                    f"(steps {FROM_STEP}+; worst step {worst['step']})",
+                    "value": worst["disk_bytes"], "limit": allowed,
+                    "held": worst["disk_bytes"] <= allowed})
+        worst = max(later, key=lambda s: s["index_bytes"])
+        out.append({"target": "index", "what": f"index <= 2 x a fresh index of the live tree "
+                    f"(steps {FROM_STEP}+; largest at step {worst['step']})",
+                    "value": worst["index_bytes"], "limit": 2 * fresh_index,
+                    "held": worst["index_bytes"] <= 2 * fresh_index})
+    early = [s["durable_s"] for s in steps if FROM_STEP <= s["step"] <= 3 * FROM_STEP]
+    last = [s["durable_s"] for s in steps[-20:] if s["step"] >= FROM_STEP]
+    if early and last:
+        a, b = statistics.median(early), statistics.median(last)
+        out.append({"target": "save", "what": f"median save of the last {len(last)} steps "
+                    f"within 10% of steps {FROM_STEP}-{3 * FROM_STEP}",
+                    "value": b, "limit": 1.1 * a, "held": b <= 1.1 * a})
+    out.append({"target": "remount", "what": "remount <= 1.2 x the fresh copy's",
+                "value": remount_s, "limit": 1.2 * fresh_remount_s,
+                "held": remount_s <= 1.2 * fresh_remount_s})
+    at10 = next((s for s in steps if s["step"] == FROM_STEP), None)
+    if at10 is not None:
+        end = steps[-1]["rss_bytes"]
+        out.append({"target": "rss", "what": f"daemon RSS at the end <= 1.1 x step {FROM_STEP}'s",
+                    "value": end, "limit": 1.1 * at10["rss_bytes"],
+                    "held": end <= 1.1 * at10["rss_bytes"]})
+    return out
+
+
+def format_verdicts(verdicts: list[dict]) -> str:
+    def fmt(key: str, v: float) -> str:
+        return f"{v:.2f} s" if key in ("save", "remount") else f"{v / 1e6:.1f} MB"
+
+    lines = [f"{'target':<72} {'figure':>11} {'limit':>11}  held"]
+    for v in verdicts:
+        lines.append(f"{v['what']:<72} {fmt(v['target'], v['value']):>11} "
+                     f"{fmt(v['target'], v['limit']):>11}  {'yes' if v['held'] else 'NO'}")
+    lines.append(f"{sum(v['held'] for v in verdicts)} of {len(verdicts)} targets held")
+    return "\n".join(lines)
+
+
+def plot(path: str, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = res["steps"]
+    x = [s["step"] for s in steps]
+    mb = 1e6
+    fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    ax[0].plot(x, [s["durable_s"] for s in steps], ".-", ms=3, color="#d62728")
+    ax[0].set_ylabel("save until durable (s)")
+    ax[0].set_ylim(bottom=0)
+    ax[1].plot(x, [s["disk_bytes"] / mb for s in steps], label="backing directory (du)")
+    ax[1].plot(x, [s["live_bytes"] / mb for s in steps], label="live bytes")
+    ax[1].plot(x, [(1.5 * s["live_bytes"] + res["log_bytes"]) / mb for s in steps], "--",
+               color="grey", label="target: 1.5 x live + one data log")
+    ax[1].set_ylabel("MB")
+    ax[1].legend(fontsize=8)
+    ax[2].plot(x, [s["index_bytes"] / 1e3 for s in steps], label="index")
+    ax[2].axhline(2 * res["fresh"]["index_bytes"] / 1e3, ls="--", color="grey",
+                  label="target: 2 x a fresh index of the live tree")
+    ax[2].set_ylabel("kB")
+    ax[2].legend(fontsize=8)
+    ax[3].plot(x, [s["rss_bytes"] / mb for s in steps], color="#2ca02c")
+    ax[3].set_ylabel("daemon RSS (MB)")
+    ax[3].set_xlabel("step")
+    for a in ax:
+        a.axvline(FROM_STEP, color="#dddddd", lw=0.8)
+    fig.suptitle(f"ckptfs bench lifecycle: {len(steps)} checkpoints of "
+                 f"{res['checkpoint_bytes'] / mb:.0f} MB ({res['tensors']} tensors), "
+                 f"{res['keep']} kept; remount {res['remount_s']:.2f} s vs fresh copy "
+                 f"{res['fresh']['remount_s']:.2f} s", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ckptfs bench lifecycle", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200, help="checkpoints saved")
+    ap.add_argument("--size", type=parse_size, default=parse_size("150M"),
+                    help="checkpoint size (GPT-shaped state, model + Adam)")
+    ap.add_argument("--arch", choices=sorted(models.ARCHS), default="gpt2")
+    ap.add_argument("--tensors", type=int, default=0, metavar="N",
+                    help="instead: N small tensors (8 B - 64 KiB each) per checkpoint")
+    ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept")
+    ap.add_argument("--interval", type=float, default=3.0,
+                    help="seconds of 'training' (nothing written) after each save")
+    ap.add_argument("--remounts", type=int, default=3, help="timed remounts (median)")
+    ap.add_argument("--dir", default="/var/tmp", help="where the backing directories go "
+                    "(a disk, not tmpfs)")
+    ap.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a ckptfs mount option (e.g. log-size=256M); default: the defaults")
+    ap.add_argument("--json", default=None, help="results as JSON")
+    ap.add_argument("--plot", default=None, help="PNG of the series per step")
+    ap.add_argument("--keep-dir", action="store_true", help="leave the backing directories")
+    return ap
+
+
+def _mount_options(pairs: list[str]) -> dict:
+    out = {}
+    for p in pairs:
+        name, _, value = p.partition("=")
+        if name not in BY_NAME:
+            raise SystemExit(f"ckptfs bench lifecycle: unknown mount option {name!r}")
+        out[BY_NAME[name].dest] = value if value else True
+    return out
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    opts = _mount_options(a.option)
+    log_bytes = parse_size(opts["log_size"]) if "log_size" in opts else \
+        BY_NAME["log-size"].default
+    specs = models.small_tensor_specs(a.tensors) if a.tensors else \
+        models.tensor_specs(a.arch, a.size)
+    state = models.state_dict(specs)
+    payload = sum(models.sizes(specs))
+    work = tempfile.mkdtemp(prefix="ckptfs-lifecycle-", dir=a.dir)
+    backing, mnt = os.path.join(work, "backing"), os.path.join(work, "mnt")
+    fresh_backing = os.path.join(work, "fresh")
+    for d in (backing, mnt, fresh_backing):
+        os.makedirs(d)
+    log_file = os.path.join(work, "daemon.log")
+    index = os.path.join(backing, backingdir.WRITERS_DIR, WRITER, backingdir.INDEX_NAME)
+    print(f"lifecycle: {a.steps} checkpoints of {payload / 1e6:.1f} MB ({len(specs)} tensors, "
+          f"{a.arch}), {a.keep} kept, {a.interval:g} s between saves, in {work}", flush=True)
+    steps: list[dict] = []
+    m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER, **opts).start()
+    try:
+        for k in range(a.steps):
+            root = os.path.join(mnt, f"step_{k:05d}")
+            t0 = time.perf_counter()
+            save(state, root)
+            m.sync()
+            durable = time.perf_counter() - t0
+            for old in sorted(os.listdir(mnt))[:-a.keep]:  # (Trainer: after the save)
+                shutil.rmtree(os.path.join(mnt, old))
+            time.sleep(a.interval)
+            st = m.status()
+            s = {"step": k, "durable_s": durable, "disk_bytes": du(backing),
+                 "live_bytes": st["live_bytes"], "index_bytes": os.path.getsize(index),
+                 "rss_bytes": rss(m.pid), "file_bytes": st["file_bytes"]}
+            for key in ("data_logs", "logs_retired", "bytes_punched", "bytes_moved",
+                        "index_snapshots", "dead_bytes", "bytes_reclaimed"):
+                s[key] = st.get(key, 0)
+            steps.append(s)
+            print(f"step {k:4d}: durable {durable:6.2f} s  du {s['disk_bytes'] / 1e6:8.1f} MB  "
+                  f"live {s['live_bytes'] / 1e6:7.1f} MB  index {s['index_bytes'] / 1e3:7.1f} kB"
+                  f"  rss {s['rss_bytes'] / 1e6:6.1f} MB  logs {s['data_logs']}"
+                  f"  retired {s['logs_retired']}  snapshots {s['index_snapshots']}",
+                  flush=True)
+        t0 = time.perf_counter()
+        m.stop()
+        unmount_s = time.perf_counter() - t0
+    except BaseException:
+        m.stop()
+        raise
+    remounts = timed_mount(backing, mnt, log_file, opts, a.remounts)
+    export = os.path.join(work, "export")
+    for cmd in (["export", backing, export], ["import", export, fresh_backing, "--writer",
+                                              WRITER]):
+        res = subprocess.run([sys.executable, "-m", "ckptfs", *cmd], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            print(res.stdout + res.stderr, file=sys.stderr)
+            return 1
+    fresh_remounts = timed_mount(fresh_backing, mnt, log_file, opts, a.remounts)
+    fresh_index = os.path.getsize(os.path.join(fresh_backing, backingdir.WRITERS_DIR, WRITER,
+                                               backingdir.INDEX_NAME))
+    result = {
+        "steps": steps, "checkpoint_bytes": payload, "tensors": len(specs), "arch": a.arch,
+        "keep": a.keep, "interval_s": a.interval, "mount_options": opts, "log_bytes": log_bytes,
+        "unmount_s": unmount_s, "remount_s": statistics.median(remounts),
+        "remounts_s": remounts,
+        "fresh": {"remount_s": statistics.median(fresh_remounts), "remounts_s": fresh_remounts,
+                  "index_bytes": fresh_index, "disk_bytes": du(fresh_backing)},
+        "final_index_bytes": os.path.getsize(index), "final_disk_bytes": du(backing),
+    }
+    result["targets"] = judge(steps, fresh_index, result["remount_s"],
+                              result["fresh"]["remount_s"], log_bytes)
+    print(f"unmount {unmount_s:.2f} s; remount {result['remount_s']:.3f} s (fresh copy "
+          f"{result['fresh']['remount_s']:.3f} s); index {result['final_index_bytes']} bytes "
+          f"(fresh {fresh_index})")
+    print(format_verdicts(result["targets"]))
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        plot(a.plot, result)
+    if not a.keep_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0

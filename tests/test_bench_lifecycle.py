@@ -1,0 +1,55 @@
+"""`ckptfs bench lifecycle` with a few small steps: it runs on one mount, writes well-formed
+JSON and a PNG, judges the targets and leaves no mount behind. Speed is not tested here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckptfs.bench import lifecycle
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+
+def test_a_few_small_steps(tmp_path):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfs", "bench", "lifecycle", "--steps", "4", "--tensors",
+         "40", "--interval", "1.2", "--remounts", "1", "--dir", str(work), "-o",
+         "staging-size=32M", "-o", "segment-size=1M", "-o", "log-size=4M", "-o",
+         "index-snapshot-min=4K", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s["step"] for s in res["steps"]] == [0, 1, 2, 3] and res["tensors"] == 40
+    for s in res["steps"]:
+        assert s["durable_s"] > 0 and s["disk_bytes"] > 0 and s["index_bytes"] > 16
+        assert s["live_bytes"] > 0 and s["rss_bytes"] > 0
+    assert res["steps"][-1]["live_bytes"] <= 2 * res["checkpoint_bytes"] + (1 << 20)
+    assert res["remount_s"] > 0 and res["fresh"]["remount_s"] > 0
+    assert res["fresh"]["index_bytes"] > 16
+    assert {v["target"] for v in res["targets"]} == {"remount"}  # (no step 10 in 4 steps)
+    assert "targets held" in proc.stdout
+    assert not list(work.iterdir()), "the work directory stays only with --keep-dir"
+    with open("/proc/self/mountinfo") as f:
+        assert str(work) not in f.read()
+
+
+def test_the_targets_arithmetic():
+    steps = [{"step": k, "durable_s": 1.0 if k < 30 else 1.05, "disk_bytes": 100 + 2 * k,
+              "live_bytes": 60, "index_bytes": 10 + k % 3, "rss_bytes": 1000 + k}
+             for k in range(60)]
+    got = {v["target"]: v for v in lifecycle.judge(steps, 6, 1.0, 0.9, 20)}
+    assert got["disk"]["held"] is False and got["disk"]["value"] == 218  # 100 + 2 * 59
+    assert got["disk"]["limit"] == 1.5 * 60 + 20
+    assert got["index"]["held"] is True and got["index"]["value"] == 12
+    assert got["save"]["held"] is True and got["save"]["value"] == 1.05
+    assert got["remount"]["held"] is True and got["remount"]["limit"] == pytest.approx(1.08)
+    assert got["rss"]["held"] is True and got["rss"]["value"] == 1059
