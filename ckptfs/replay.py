@@ -411,7 +411,7 @@ class View:
                 continue  # not empty: a whiteout of a directory waits for that
             self.own_unlink(p, rec.name, x)
 
-    def own_unlink(self, p: Inode, name: bytes, x: Inode) -> None:
+    def own_unlink(self, p: Inode, name: bytes, x: Inode, notify: bool = True) -> None:
         """Remove the own entry `name` (inode x, visible or hidden by a conflict) from own
         directory p, journaled."""
         if x.is_dir:
@@ -425,8 +425,9 @@ class View:
                 p.nlink += 1
         self.hidden_own.pop((p, name), None)
         self.ns.change(UnlinkRec(p.ino, name))
-        self.gone.add(x.ino)
-        self.remerge(p, name, True)
+        if x.nlink <= 0:
+            self.gone.add(x.ino)
+        self.remerge(p, name, notify)
         self.own_removed(p)
 
     def own_removed(self, d: Inode) -> None:
@@ -436,6 +437,83 @@ class View:
             del self.wo_dirs[(0, d.ino)]
             self.adopt.append(XUnlinkRec(self.own or "", up[0], d.ino, up[1]))
             self._adopt_own()
+
+    # ------------------------------------------------------------ changes of other writers' entries
+    def whiteout_foreign(self, layer: int, parent: int, s: Inode, name: bytes) -> None:
+        """This writer removes another writer's entry (an XUNLINK record, journaled)."""
+        rec = XUnlinkRec(self.writer_of(layer), parent, s.ino, name)
+        self.ns.change(rec)
+        self._whiteout(rec, touch=False)
+
+    def remove_all(self, v: Inode, name: bytes) -> None:
+        """unlink, rmdir: every version at `name` in view directory v goes, the own one with
+        an UNLINK, those of other writers with XUNLINKs (a version a conflict hid would
+        otherwise show in its place)."""
+        for layer, s, parent in self._candidates(v, name):
+            if layer == 0:
+                self.own_unlink(v, name, s, notify=False)
+            else:
+                self.whiteout_foreign(layer, parent, s, name)
+        self.remerge(v, name, False)
+
+    def remove_others(self, v: Inode, name: bytes) -> None:
+        """The other writers' versions at `name` go (the own one stays: a rename moves or
+        replaces it)."""
+        for layer, s, parent in self._candidates(v, name):
+            if layer != 0:
+                self.whiteout_foreign(layer, parent, s, name)
+        self.remerge(v, name, False)
+
+    def take_over(self, v: Inode, name: bytes, x: Inode) -> None:
+        """Another writer's file x at `name` of own directory v is about to become an own
+        one (copy-up): every other version there goes, and x leaves the entry for the own
+        INODE record that follows."""
+        for layer, s, parent in self._candidates(v, name):
+            if layer == 0:
+                self.own_unlink(v, name, s, notify=False)
+            else:
+                self.whiteout_foreign(layer, parent, s, name)
+        if v.children.get(name) == x.ino:
+            del v.children[name]
+        self.names.pop(x.ino, None)
+        self.hidden_own.pop((v, name), None)
+        self.conflicts.pop((v, name), None)
+
+    def foreign_inside(self, d: Inode) -> bool:
+        """Whether view directory d holds (or merges) anything of another writer."""
+        stack = [d]
+        inodes = self.ns.inodes
+        while stack:
+            x = stack.pop()
+            if x.layer != 0 or self.members.get(x):
+                return True
+            for c in x.children.values():
+                ci = inodes[c]
+                if ci.layer != 0:
+                    return True
+                if ci.is_dir:
+                    stack.append(ci)
+        return False
+
+    def drop_members(self, d: Inode) -> None:
+        """Every other writer's directory merged into view directory d is removed (XUNLINK;
+        each is empty in the view by now: the whiteouts of what was in it came first)."""
+        for layer, src in list(self.members.get(d, {}).items()):
+            t = self.trees.get(layer)
+            s = t.inodes.get(src) if t is not None else None
+            if s is None or s.ino == ROOT_INO:
+                continue
+            p = t.inodes.get(s.parent)
+            name = next((n for n, i in p.children.items() if i == src), None) if p else None
+            if name is not None:
+                self.whiteout_foreign(layer, p.ino, s, name)
+        # (no longer merged here: the whited-out directories stay where they are, and what
+        # their writers may still put in them shows there)
+        self._set_members(d, {}, fresh=False)
+
+    def run_writer(self, run) -> str:
+        """The writer whose data log holds `run`."""
+        return self.writer_of(run.layer)
 
     # ------------------------------------------------------------ merging
     def _candidates(self, v: Inode, name: bytes) -> list[tuple[int, Inode, int]]:
@@ -578,6 +656,8 @@ class View:
         del v.children[name]
         if x.is_dir:
             v.nlink -= 1
+            if x.parent != v.ino:
+                return  # moved: attached in its new place already (a rename in its tree)
             self._clear(x)
         if x.layer == 0:
             return  # an own entry a conflict hides: it stays in the own tree

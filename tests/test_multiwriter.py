@@ -256,12 +256,6 @@ def test_late_writer_sees_committed_files_and_copies_up(mounts):
     late = mounts.mount(backing, writer_id="w2")  # joins while w0, w1 are mounted
     check_rank(late.mountpoint, 1, 0)
     check_rank(late.mountpoint, 1, 1)
-    foreign = os.path.join(rank_dir(late.mountpoint, 1, 0), models.file_name("model.embed.weight"))
-    for fn in (lambda: open(foreign, "r+b"), lambda: os.unlink(foreign),
-               lambda: os.truncate(foreign, 0)):
-        with pytest.raises(OSError) as ei:
-            fn()
-        assert ei.value.errno == errno.EROFS
 
     # new rank directory inside the others' step_1, and a file inside w0's own rank_0
     finish([start_rank(late, 1, 2)])
@@ -292,8 +286,10 @@ def test_late_writer_sees_committed_files_and_copies_up(mounts):
 @pytest.mark.timeout(90)
 def test_conflict_later_commit_wins(mounts):
     backing = mounts.backing()
-    a = mounts.mount(backing, writer_id="w0")
-    b = mounts.mount(backing, writer_id="w1")
+    # (they do not look at each other's changes while mounted: each creates its own file at
+    # a path the other has too, as two nodes do within one --refresh)
+    a = mounts.mount(backing, writer_id="w0", refresh=3600)
+    b = mounts.mount(backing, writer_id="w1", refresh=3600)
     va, vb, vc, vd = (torch.full((1000,), float(i)) for i in range(4))
 
     def save(m, rel, t):

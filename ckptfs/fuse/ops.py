@@ -21,7 +21,7 @@ from crc32c import crc32c
 
 from ckptfs.datapath.flusher import ExtentEntry, Flusher, Journal
 from ckptfs.datapath.reader import CHUNK_BYTES, Reader
-from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, Run, Staging
+from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Staging
 from ckptfs.format.records import (
     NAME_MAX,
     InodeRec,
@@ -30,6 +30,7 @@ from ckptfs.format.records import (
     SetattrRec,
     SizeRec,
     UnlinkRec,
+    XExtentRec,
 )
 from ckptfs.fuse import loop
 from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
@@ -198,9 +199,79 @@ class CkptOperations(pyfuse3.Operations):
                                 d.mtime_ns, d.ctime_ns))
         fresh = self.ns.inodes[ino]
         d.lookups += fresh.lookups
+        old = d.ino
         d.ino, d.layer, d.parent = ino, 0, fresh.parent
         self.ns.inodes[ino] = d  # the old (foreign) number stays an alias of the same inode
+        if self.view is not None:
+            self.view.renumbered(d, old)
         return d
+
+    def _owned(self, x: Inode, keep_data: bool = True) -> Inode:
+        """x made this writer's own, to change it: another writer's directory is adopted
+        (_own_dir), another writer's file copied up (_copy_up)."""
+        if self.readonly or x.layer < 0:
+            raise _err(errno.EROFS)
+        if x.layer == 0:
+            return x
+        if x.is_dir:
+            return self._own_dir(x)
+        where = self.view.names.get(x.ino) if self.view is not None else None
+        if where is None:
+            raise _err(errno.EROFS)  # no longer reachable by a name
+        return self._copy_up(where[0], where[1], x, keep_data)
+
+    def _copy_up(self, v: Inode, name: bytes, x: Inode, keep_data: bool = True) -> Inode:
+        """Another writer's file x at `name` of view directory v becomes an own file at the
+        same name, with the same attributes and bytes: an INODE record, XEXTENT records that
+        point at the other writer's runs (no byte is copied; `keep_data` off: an empty file,
+        for an O_TRUNC open), and XUNLINKs of every other writer's version there. The live
+        inode stays the same object and answers to its old number too (the kernel's cached
+        entries stay valid); handles open on it read on."""
+        view = self.view
+        v = self._own_dir(v)
+        view.take_over(v, name, x)
+        pieces = [list(p) for p in x.emap.pieces] if keep_data and x.emap is not None else []
+        size = x.size if keep_data else 0
+        ino = self.ns.new_ino()
+        self.ns.change(InodeRec(ino, v.ino, name, x.mode, x.uid, x.gid, x.rdev, x.atime_ns,
+                                x.mtime_ns, x.ctime_ns, x.target))
+        fresh = self.ns.inodes[ino]
+        old = x.ino
+        x.lookups += fresh.lookups
+        x.ino, x.layer, x.nlink, x.commit_ns = ino, 0, 1, 0
+        x.tail_run, x.tail_end = None, -1
+        if x.emap is not None:
+            x.emap, x.size = ExtentMap(), 0
+        self.ns.inodes[ino] = x  # the old number stays an alias of the same inode
+        for foff, n, run, roff in pieces:
+            self.ns.change(XExtentRec(ino, foff, n, view.run_writer(run), run.log, run.loff,
+                                      run.length, run.crc, roff))
+        if x.emap is not None and x.size != size:
+            self.ns.change(SizeRec(ino, size, x.mtime_ns, x.ctime_ns))
+        view.renumbered(x, old)
+        return x
+
+    def _copy_up_tree(self, d: Inode) -> None:
+        """View directory d and everything in it made own (to move it): other writers'
+        directories adopted, their files copied up, the versions a conflict hid and the
+        other writers' directories merged here removed."""
+        d = self._own_dir(d)
+        view = self.view
+        for name in list(d.children):
+            c = self.ns.inodes[d.children[name]]
+            if c.is_dir:
+                self._copy_up_tree(c)
+            elif c.layer != 0:
+                self._copy_up(d, name, c)
+            view.remove_others(d, name)
+        view.drop_members(d)
+
+    def _others_at(self, v: Inode, name: bytes) -> bool:
+        """Whether `name` in view directory v has a version of another writer (the one shown,
+        or one a conflict hides)."""
+        view = self.view
+        return (view is not None and not self.readonly and v.layer >= 0
+                and any(c[0] != 0 for c in view.versions(v, name)))
 
     @staticmethod
     def _check_name(name: bytes) -> None:
@@ -214,7 +285,7 @@ class CkptOperations(pyfuse3.Operations):
         # (Namespace._apply_inode); an UNLINK, RENAME or LINK record carries none, so those
         # changes journal the directory's new times as a SETATTR after it (docs/format.md).
         d.mtime_ns = d.ctime_ns = now
-        if journal:
+        if journal and d.layer == 0:  # (another writer's directory: only in this view)
             self.ns.change(SetattrRec(d.ino, d.mode, d.uid, d.gid, d.atime_ns, now, now))
 
     def _touch_linked(self, x: Inode, now: int) -> None:
@@ -304,7 +375,10 @@ class CkptOperations(pyfuse3.Operations):
         return self._inode(ino)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        x = self._writable(self._inode(inode))
+        x = self._inode(inode)
+        if x.layer > 0:  # another writer's: copied up first (its bytes unless cut to 0)
+            x = self._owned(x, keep_data=not (fields.update_size and attr.st_size == 0))
+        x = self._writable(x)
         now = time.time_ns()
         if fields.update_size:
             if x.emap is None:
@@ -388,7 +462,10 @@ class CkptOperations(pyfuse3.Operations):
         return self._file_info(x, fh, flags), x
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        x = self._writable(self._inode(inode))
+        x = self._inode(inode)
+        if x.layer > 0 and not x.is_dir:
+            x = self._owned(x)
+        x = self._writable(x)
         if x.is_dir:
             raise _err(errno.EPERM)
         parent = self._dir(new_parent_inode)
@@ -410,12 +487,21 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOENT)
         if x.is_dir:
             raise _err(errno.EISDIR)
+        if self._others_at(parent, name):  # every writer's version goes (docs/scaling.md)
+            self.view.remove_all(parent, name)
+            now = time.time_ns()
+            if x.layer == 0 and x.nlink > 0:
+                self._touch_linked(x, now)
+            self._touch_dir(parent, now)
+            return
         self._writable(x)
         self._writable(parent)
         self.ns.change(UnlinkRec(parent.ino, name))
         now = time.time_ns()
         self._touch_linked(x, now)  # another hard link may be left
         self._touch_dir(parent, now)
+        if self.view is not None:
+            self.view.own_removed(parent)
 
     async def rmdir(self, parent_inode, name, ctx):
         parent = self._dir(parent_inode)
@@ -426,10 +512,18 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOTDIR)
         if x.children:
             raise _err(errno.ENOTEMPTY)
+        if self._others_at(parent, name) or (self.view is not None and self.view.members.get(x)):
+            if self.readonly:
+                raise _err(errno.EROFS)
+            self.view.remove_all(parent, name)  # the directory of every writer merged there
+            self._touch_dir(parent, time.time_ns())
+            return
         self._writable(x)
         self._writable(parent)
         self.ns.change(UnlinkRec(parent.ino, name))
         self._touch_dir(parent, time.time_ns())
+        if self.view is not None:
+            self.view.own_removed(parent)
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         op = self._dir(parent_inode_old)
@@ -457,6 +551,24 @@ class CkptOperations(pyfuse3.Operations):
         if (flags & RENAME_EXCHANGE and target.is_dir
                 and self.ns.is_ancestor(target, op)):
             raise _err(errno.EINVAL)
+        view = self.view
+        if view is not None and not self.readonly and (
+                moving.layer != 0 or (target is not None and target.layer != 0)
+                or self._others_at(op, name_old)
+                or (target is not None and self._others_at(np_, name_new))
+                or (moving.is_dir and view.foreign_inside(moving))):
+            # other writers' entries take part: what moves becomes own first (copy-up), the
+            # other versions at both names go (docs/scaling.md)
+            if flags & RENAME_EXCHANGE:
+                raise _err(errno.EXDEV)
+            if moving.is_dir:
+                self._copy_up_tree(moving)
+            elif moving.layer != 0:
+                moving = self._copy_up(op, name_old, moving)
+            view.remove_others(op, name_old)
+            if target is not None:
+                view.remove_others(np_, name_new)
+                target = self.ns.child(np_, name_new)  # the own version, if there is one
         self._writable(moving)
         self._writable(op)
         if target is not None:
@@ -489,6 +601,8 @@ class CkptOperations(pyfuse3.Operations):
         if x.emap is None:
             raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
+            if x.layer > 0:  # another writer's file: copied up (docs/scaling.md)
+                x = self._owned(x, keep_data=not flags & os.O_TRUNC)
             self._writable(x)
         if x.ino == CTL_STATS_INO:
             fh = self._open_handle(x, flags)

@@ -64,7 +64,7 @@ class Refresher:
         self.backing = backing
         self.delay = delay_s
         self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
-        self.last = -1e9  # trio clock of the last look that started
+        self.last = trio.current_time()  # of the last look that started (the mount's own)
         self.running: trio.Event | None = None
         self.lock = trio.Lock()
         # what the looks cost the backing store, and this mount
