@@ -55,10 +55,10 @@ import trio
 from crc32c import crc32c
 
 from ckptfs.datapath import mover
-from ckptfs.datapath.flusher import ExtentEntry, punch_hole
+from ckptfs.datapath.flusher import ExtentEntry
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Segment, round_up
 from ckptfs.format import backingdir, records
-from ckptfs.format.logs import LogReader
+from ckptfs.format.logs import LogReader, punch_hole
 from ckptfs.format.records import RetireRec
 from ckptfs.namespace import ROOT_INO, Inode
 from ckptfs.replay import Union
@@ -546,9 +546,9 @@ class Maintainer:
                     i += 1
                 self.doing = f"cleaning data log {lg} ({moved >> 20} of {total >> 20} MiB moved)"
                 data = await trio.to_thread.run_sync(self._read_runs, list(runs))
-                for x, s, n, run, roff in batch:
-                    if run in data:
-                        moved += await self._move(x, s, n, run, roff, data[run])
+                for x, s, chunk, run, roff in mover.chunks(batch, data.get,
+                                                           self.checksum_block):
+                    moved += await self._move(x, s, run, roff, chunk)
         finally:
             self._logs.close()  # (its descriptors would keep the log's blocks allocated)
             self.doing = "idle"
@@ -570,13 +570,11 @@ class Maintainer:
                 self.damaged_runs.add((run.log, run.loff))
         return out
 
-    async def _move(self, x: Inode, s: int, n: int, run: Run, roff: int, data: bytes) -> int:
-        """Copy the part of file piece [s, s+n) (bytes [roff, roff+n) of `run`) that the file
-        still points at into staging; returns the bytes moved."""
+    async def _move(self, x: Inode, s: int, run: Run, roff: int, data: memoryview) -> int:
+        """Copy the part of file bytes [s, s + len(data)) (bytes `roff`... of `run`, whose
+        bytes `data` are) that the file still points at into staging; the bytes moved."""
         staging, journal = self.staging, self.journal
-        block = self.checksum_block
-        pos, end, moved = s, s + n, 0
-        view = memoryview(data)
+        pos, end, moved = s, s + len(data), 0
         while pos < end:
             seg = staging.open
             if seg is None:
@@ -590,9 +588,9 @@ class Maintainer:
             if not found:
                 return moved
             a, m = found[0][0], found[0][1]
-            k = min(m, staging.segment_bytes - seg.used, block)
+            k = min(m, staging.segment_bytes - seg.used)
             soff = seg.used
-            src = view[roff + (a - s):roff + (a - s) + k]
+            src = data[a - s:a - s + k]
             seg.view[soff:soff + k] = src
             seg.used = soff + k
             new = Run(seg, soff, k, crc=crc32c(src))

@@ -8,7 +8,8 @@ Two halves with one contract between them:
   is not on disk and replay always sees operations in their real order.
 - `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
   runs' CRC32C were taken as the bytes landed: fs.piece_recorder), writes each segment whole
-  (tail padded to the alignment) at the next aligned offset of the current data log,
+  (tail padded to the alignment) at the next aligned offset of the current data log
+  (format/logs.LogWriter),
   fdatasyncs, reports the segments durable to the trio thread, then appends the committable
   journal prefix to the index and fdatasyncs it (group commit).
 
@@ -19,8 +20,6 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
 import queue
@@ -31,17 +30,17 @@ from collections import deque
 import trio
 
 from ckptfs.datapath.staging import Run, Segment, Staging, round_up
-from ckptfs.format import backingdir, records
+from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
+from ckptfs.format.logs import LogWriter
 from ckptfs.format.records import CommitRec, ExtentRec, Record, RetireRec
-from ckptfs.io import alloc_aligned, open_engine
+from ckptfs.io import open_engine
 
 log = logging.getLogger("ckptfs.flusher")
 
 RETRY_S = 1.0
 SYNC_INTERVAL_S = 1.0  # the longest a written segment waits for its fdatasync + commit
 SYNC_BYTES = 1 << 30
-PREALLOC_BYTES = 256 << 20
 _COMMIT = "commit"
 _STOP = "stop"
 
@@ -53,42 +52,6 @@ class _Swap:
 
     def __init__(self, fresh: str, upto: int, version: int, done) -> None:
         self.fresh, self.upto, self.version, self.done = fresh, upto, version, done
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
-
-
-def fallocate(fd: int, offset: int, length: int, mode: int = 0) -> None:
-    """fallocate(2) itself: glibc's posix_fallocate emulates a refused fallocate with a write
-    per 4 KiB block (65,536 writes for 256 MiB on a FUSE or NFS store); this one fails with
-    EOPNOTSUPP instead, and the flusher then does without preallocation."""
-    if _libc.fallocate(fd, mode, offset, length) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Give the blocks of [offset, offset+length) back (they read as zeros; the size stays).
-    OSError(EOPNOTSUPP) where the file system cannot (the cleaner copies instead)."""
-    fallocate(fd, offset, length, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)
-
-
-class _OpenLog:
-    """A data log being appended to (flusher thread)."""
-
-    __slots__ = ("number", "fd", "off", "alloc", "dirty")
-
-    def __init__(self, number: int, fd: int, off: int) -> None:
-        self.number = number
-        self.fd = fd
-        self.off = off  # next free byte
-        self.alloc = off  # preallocated up to here
-        self.dirty = False  # written since the last fdatasync
 
 
 class ExtentEntry:
@@ -229,10 +192,9 @@ class Flusher:
         self.inflight_segments = 0
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        # flusher-thread state
-        self._slots: list[_OpenLog | None] = [None] * max(1, data_logs)
-        self._next_slot = 0
-        self.stripe = max(align, stripe_bytes)
+        self.data_logs = data_logs
+        self.stripe_bytes = stripe_bytes
+        self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -253,7 +215,7 @@ class Flusher:
         """The data logs segments are being placed in (read from the trio thread: a log
         missing here takes no new segment; those placed in it before are in `in_flight`
         until durable, with their `log` set)."""
-        return {lg.number for lg in self._slots if lg is not None}
+        return self.logs.open_numbers() if self.logs is not None else set()
 
     async def wait_committed(self, seq: int) -> None:
         """Return when the journal is committed up to `seq` (without sealing the open segment,
@@ -346,6 +308,10 @@ class Flusher:
                 self.engine.register_buffers(self.staging.buffers)
             except Exception as exc:  # registration is an optimisation only
                 log.info("buffer registration skipped: %s", exc)
+            self.logs = LogWriter(self.writer_dir, self.writer_id, self.engine,
+                                  direct=self.direct, align=self.align,
+                                  log_bytes=self.log_bytes, next_log=self.next_log,
+                                  data_logs=self.data_logs, stripe_bytes=self.stripe_bytes)
         except BaseException as exc:
             self._start_error = exc
             self._started.set()
@@ -354,7 +320,8 @@ class Flusher:
         try:
             self._loop()
         finally:
-            self._close_logs()
+            self.logs.close()
+            self.stats.data_syncs = self.logs.syncs
             self.engine.close()
 
     def _loop(self) -> None:
@@ -422,7 +389,8 @@ class Flusher:
                 continue
             try:
                 if written:
-                    self._sync_logs()
+                    self.logs.sync()
+                    self.stats.data_syncs = self.logs.syncs
                     self._call(self._on_durable, written)
                     written, written_bytes = [], 0
                 self._commit()
@@ -435,97 +403,11 @@ class Flusher:
                 return
 
     # ------------------------------------------------------------ data logs
-    # `self._slots` holds the data logs being appended to: one by default, --data-logs N to
-    # spread a writer's segments over N files (on a parallel file system, N storage targets).
-    # Segments go round robin; each log rolls over to a new number past --log-size.
-
-    def _open_log(self) -> _OpenLog:
-        number = self.next_log
-        path = os.path.join(self.writer_dir, backingdir.data_log_name(number))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        if self.direct:
-            flags |= os.O_DIRECT
-        fd = os.open(path, flags, 0o600)
-        try:
-            head = records.data_log_header(self.writer_id, number)
-            hbuf = alloc_aligned(records.DATA_HEADER_BYTES, populate=False)
-            hbuf[:] = head
-            self.engine.write_all([(fd, hbuf, 0)])
-            hbuf.close()
-            dfd = os.open(self.writer_dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        self.next_log = number + 1
-        start = round_up(records.DATA_HEADER_BYTES, self.stripe)
-        return _OpenLog(number, fd, start)
-
-    def _close_log(self, lg: _OpenLog) -> None:
-        """Sync a data log, give back its preallocated tail, close it."""
-        if lg.dirty:
-            self.engine.fsync(lg.fd, datasync=True)
-            self.stats.data_syncs += 1
-            lg.dirty = False
-        try:
-            if lg.alloc > lg.off:
-                os.ftruncate(lg.fd, lg.off)
-        except OSError as exc:
-            log.warning("could not trim data log %d: %s", lg.number, exc)
-        os.close(lg.fd)
-
-    def _close_logs(self) -> None:
-        for i, lg in enumerate(self._slots):
-            if lg is not None:
-                self._close_log(lg)
-                self._slots[i] = None
-
-    def _preallocate(self, lg: _OpenLog, end: int) -> None:
-        """Allocate the data log ahead of the write position: extending O_DIRECT writes are
-        serialised by ext4 (and cost a metadata update each), writes inside the file are not.
-        ENOSPC here surfaces the full disk before any data is written."""
-        if end <= lg.alloc:
-            return
-        ahead = min(max(end, lg.alloc + PREALLOC_BYTES), self.log_bytes)
-        for new in (ahead, end):  # a nearly full store: allocate just what this write needs
-            try:
-                fallocate(lg.fd, lg.alloc, new - lg.alloc)
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    lg.alloc = self.log_bytes  # not supported here: do not ask again
-                    return
-                if exc.errno == errno.ENOSPC and new != end:
-                    continue
-                raise
-            lg.alloc = new
-            return
-
     def _place(self, seg: Segment, nbytes: int) -> None:
-        i = self._next_slot % len(self._slots)
-        lg = self._slots[i]
-        if lg is None or round_up(lg.off, self.stripe) + nbytes > self.log_bytes:
-            if lg is not None:
-                self._close_log(lg)
-                self._slots[i] = None
-            lg = self._slots[i] = self._open_log()
-        off = round_up(lg.off, self.stripe)  # segments start on stripe boundaries
-        self._preallocate(lg, off + nbytes)
-        seg.log, seg.loff = lg.number, off
-        lg.off = off + nbytes
-        self._next_slot += 1
+        seg.log, seg.loff = self.logs.place(nbytes)
         for run in seg.runs:
             run.log = seg.log
             run.loff = seg.loff + run.soff
-
-    def _open_fd(self, number: int) -> int | None:
-        for lg in self._slots:
-            if lg is not None and lg.number == number:
-                return lg.fd
-        return None
 
     def _write_segments(self, segs: list[Segment]) -> None:
         t0 = time.perf_counter()
@@ -548,9 +430,8 @@ class Flusher:
                 nbytes = round_up(seg.used, self.align)
                 fd = by_log_fd.get(seg.log)
                 if fd is None:
-                    fd = self._open_fd(seg.log)
-                    if fd is None:
-                        fd = self._fd_for_retry(seg.log)
+                    fd, opened = self.logs.fd(seg.log)
+                    if opened:
                         extra.append(fd)
                     by_log_fd[seg.log] = fd
                 for off in range(0, nbytes, chunk):
@@ -561,10 +442,8 @@ class Flusher:
             self.engine.write_all(reqs)
             for fd in extra:  # a log closed since (rollover, retry): sync it now
                 self.engine.fsync(fd, datasync=True)
-                self.stats.data_syncs += 1
-            for lg in self._slots:
-                if lg is not None and lg.number in by_log_fd:
-                    lg.dirty = True
+                self.logs.syncs += 1
+            self.logs.written(by_log_fd)
         finally:
             for _, mv, _ in reqs:
                 mv.release()
@@ -574,17 +453,6 @@ class Flusher:
         self.stats.bytes_written += written
         self.stats.payload_bytes += payload
         self.stats.flush_seconds += time.perf_counter() - t0
-
-    def _sync_logs(self) -> None:
-        for lg in self._slots:
-            if lg is not None and lg.dirty:
-                self.engine.fsync(lg.fd, datasync=True)
-                self.stats.data_syncs += 1
-                lg.dirty = False
-
-    def _fd_for_retry(self, number: int) -> int:
-        path = os.path.join(self.writer_dir, backingdir.data_log_name(number))
-        return os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
 
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
         """Trio thread: have the flusher put the fresh index `fresh` (equivalent to the live

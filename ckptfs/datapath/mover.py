@@ -1,6 +1,7 @@
 """The one way a tree's history and data move: the records of a tree as a fresh index would
 hold them (an index snapshot, `ckptfs compact`), and the live extents of data logs read back,
-checked, for copying (the cleaner, `ckptfs compact`).
+checked and cut into extents for copying (`chunks`: the cleaner puts them into staging,
+`ckptfs compact` into a SegmentPacker over the one log writer, format/logs.LogWriter).
 
 `tree_records(ns, extents)` writes a tree as commit groups:
 
@@ -39,9 +40,11 @@ from ckptfs.format.records import (
     SizeRec,
     XExtentRec,
 )
+from ckptfs.datapath.staging import Run
 from ckptfs.format.index import FRESH_SUFFIX, write_fresh
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.format.logs import LogReader
+from ckptfs.io import alloc_aligned
 from ckptfs.replay import Union, apply_group, validate_extents
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
@@ -76,53 +79,63 @@ def fresh_index_bytes(inodes: Iterable[Inode], ns: Namespace) -> int:
     return total
 
 
+def walk(ns: Namespace):
+    """(directory, name, inode) of every entry of the tree, parents before children, in the
+    order a fresh index lists them (and `ckptfs compact` lays their data out)."""
+    stack = [ns.inodes[ROOT_INO]]
+    while stack:
+        d = stack.pop()
+        for name in sorted(d.children, reverse=True):
+            x = ns.inodes[d.children[name]]
+            yield d, name, x
+            if x.children is not None:
+                stack.append(x)
+
+
 def tree_records(ns: Namespace, extents: Callable[[Inode, int], Iterable[Record]], *,
-                 seq: int, last_time: int, renumber: bool = False,
-                 next_log: int = 0) -> tuple[bytes, int]:
+                 seq: int, last_time: int, renumber: bool = False, next_log: int = 0,
+                 numbers: bool = True, xunlinks: Iterable = ()) -> tuple[bytes, int]:
     """The commit groups of a fresh index of `ns` (module docstring) and the index version
     they need. `extents(x, ino)` yields the encoded extent records of file `x` (its number in
     the new index: `ino`); `renumber` gives the inodes fresh numbers 2, 3, ... in tree order
-    (else they keep theirs); every COMMIT carries sequence number `seq`; NUMBERS says no
-    data log below `next_log` (or one the tree names) is used again."""
-    numbers: dict[int, int] = {ROOT_INO: ROOT_INO}
+    (else they keep theirs); every COMMIT carries sequence number `seq`; with `numbers`, a
+    NUMBERS record says no inode number of the tree's history and no data log below
+    `next_log` (or one the tree names) is used again (index version 2); `xunlinks`: the other
+    writers' entries this writer removed (XUNLINK records, index version 3)."""
+    new_of: dict[int, int] = {ROOT_INO: ROOT_INO}  # inode number -> its number here
     out: list[bytes] = []
     enc = records.encode
-    version = records.RETIRE_INDEX_VERSION  # (the NUMBERS record)
+    version = records.RETIRE_INDEX_VERSION if numbers else 1
     by_time: dict[int, list[Inode]] = defaultdict(list)
     root = ns.inodes[ROOT_INO]
     by_time[root.commit_ns].append(root)
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        parent = numbers[d.ino]
-        for name in sorted(d.children, reverse=True):
-            x = ns.inodes[d.children[name]]
-            if x.ino in numbers:  # another name of a hard-linked file
-                out.append(enc(LinkRec(numbers[x.ino], parent, name)))
-                continue
-            new = numbers[x.ino] = len(numbers) + 1 if renumber else x.ino
-            out.append(enc(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
-                                    x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
-            by_time[x.commit_ns].append(x)
-            if x.children is not None:
-                stack.append(x)
-            elif x.emap is not None:
-                for rec in extents(x, new):
-                    if type(rec) in records.CROSS_WRITER_RECORDS:
-                        version = max(version, records.CROSS_INDEX_VERSION)
-                    out.append(enc(rec))
-                if x.size != x.emap.end():
-                    out.append(enc(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
-    for rec in getattr(ns, "xunlinks", ()):
+    for d, name, x in walk(ns):
+        parent = new_of[d.ino]
+        if x.ino in new_of:  # another name of a hard-linked file
+            out.append(enc(LinkRec(new_of[x.ino], parent, name)))
+            continue
+        new = new_of[x.ino] = len(new_of) + 1 if renumber else x.ino
+        out.append(enc(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
+                                x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
+        by_time[x.commit_ns].append(x)
+        if x.emap is not None:
+            for rec in extents(x, new):
+                if type(rec) in records.CROSS_WRITER_RECORDS:
+                    version = max(version, records.CROSS_INDEX_VERSION)
+                out.append(enc(rec))
+            if x.size != x.emap.end():
+                out.append(enc(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
+    for rec in xunlinks:
         out.append(enc(rec))
         version = max(version, records.CROSS_INDEX_VERSION)
-    next_ino = len(numbers) + 1 if renumber else ns.next_ino
-    out.append(enc(NumbersRec(next_ino, max(next_log, ns.last_log + 1))))
+    if numbers:
+        next_ino = len(new_of) + 1 if renumber else ns.next_ino
+        out.append(enc(NumbersRec(next_ino, max(next_log, ns.last_log + 1))))
     first = min(by_time)
     out.append(enc(CommitRec(seq, first)))
     for when in sorted(by_time):
         for x in by_time[when]:
-            out.append(enc(SetattrRec(numbers[x.ino], x.mode, x.uid, x.gid, x.atime_ns,
+            out.append(enc(SetattrRec(new_of[x.ino], x.mode, x.uid, x.gid, x.atime_ns,
                                       x.mtime_ns, x.ctime_ns)))
         out.append(enc(CommitRec(seq, when)))
     out.append(enc(CommitRec(seq, max(last_time, first))))
@@ -181,9 +194,80 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
         blob, version = tree_records(
             ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
             last_time=scan.group_times[-1] if scan.group_times else 0,
-            next_log=max(backingdir.data_logs(writer_dir), default=0) + 1)
+            next_log=max(backingdir.data_logs(writer_dir), default=0) + 1,
+            xunlinks=ns.xunlinks)
     finally:
         pieces_of.close()
     fresh = index_path + FRESH_SUFFIX
     size = write_fresh(fresh, blob, version)
     return fresh, size, version
+
+
+# ---------------------------------------------------------------- copying extents
+def live_pieces(x: Inode) -> list[tuple[Inode, int, int, Run, int]]:
+    """The pieces (file, start, length, run, offset in the run) of file `x`, in file order."""
+    return [(x, s, n, run, roff) for s, n, run, roff in x.emap.pieces]
+
+
+def chunks(pieces, data_of: Callable[[Run], bytes | None], block: int):
+    """Copying extents: the bytes of each piece (x, start, n, run, roff) whose run's bytes
+    `data_of(run)` has (read and checked against the run's checksum: LogReader.read_run; None:
+    skipped), in chunks of at most `block` bytes (a reader checks an extent whole): yields
+    (x, file offset, bytes, run, offset in the run)."""
+    for x, s, n, run, roff in pieces:
+        data = data_of(run)
+        if data is None:
+            continue
+        view = memoryview(data)
+        for k in range(0, n, block):
+            m = min(block, n - k)
+            yield x, s + k, view[roff + k:roff + k + m], run, roff + k
+
+
+class SegmentPacker:
+    """Extents packed back to back into aligned segments, each written whole (its tail padded
+    to the alignment) through the one LogWriter: what staging and the flusher do in a mount,
+    for `ckptfs compact`. `extents[key]` collects (file offset, length, log, log offset, crc)
+    of every extent put for `key` once its segment is placed."""
+
+    def __init__(self, logs, engine, segment_bytes: int, align: int) -> None:
+        self.logs, self.engine, self.align = logs, engine, align
+        self.buf = alloc_aligned(segment_bytes, populate=False)
+        self.view = memoryview(self.buf)
+        self.used = 0
+        self.pending: list[tuple] = []  # (key, foff, segment offset, length, crc)
+        self.extents: dict = defaultdict(list)
+        self.bytes = 0
+
+    def put(self, key, foff: int, data) -> None:
+        n = len(data)
+        if self.used + n > len(self.buf):
+            self.flush()
+        self.view[self.used:self.used + n] = data
+        self.pending.append((key, foff, self.used, n, crc32c(data)))
+        self.used += n
+        self.bytes += n
+
+    def flush(self) -> None:
+        if not self.used:
+            return
+        nbytes = -(-self.used // self.align) * self.align
+        self.view[self.used:nbytes] = bytes(nbytes - self.used)
+        lg, off = self.logs.place(nbytes)
+        fd, opened = self.logs.fd(lg)
+        try:
+            self.engine.write_all([(fd, self.view[:nbytes], off)])
+            if opened:
+                self.engine.fsync(fd, datasync=True)
+        finally:
+            if opened:
+                os.close(fd)
+        self.logs.written({lg})
+        for key, foff, soff, n, crc in self.pending:
+            self.extents[key].append((foff, n, lg, off + soff, crc))
+        self.pending.clear()
+        self.used = 0
+
+    def close(self) -> None:
+        self.view.release()
+        self.buf.close()

@@ -13,7 +13,11 @@ fresh data logs and a fresh index, then switches over atomically:
   name and renamed into place, then the old writer directories are removed. A crash in between
   leaves both, which show the same content (the newer commit wins).
 
-Compaction needs the writers it rewrites to be unmounted (it takes their locks).
+Compaction needs the writers it rewrites to be unmounted (it takes their locks). It moves data
+the one way a mount's cleaner does (datapath/mover.py: the live pieces read back and checked,
+cut into extents of at most the default checksum block; the fresh index's records), and
+writes the data logs through the one log writer (format/logs.LogWriter: aligned segments,
+O_DIRECT where the store allows it, the io engine). It loads no FUSE binding.
 """
 
 from __future__ import annotations
@@ -25,109 +29,86 @@ import socket
 import sys
 import time
 
-from crc32c import crc32c
-
+from ckptfs.datapath import mover
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir, WriterInUse
-from ckptfs.format.logs import LogReader
-from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, LinkRec, SetattrRec, SizeRec
-from ckptfs.namespace import ROOT_INO, Inode, Namespace
+from ckptfs.format.index import write_fresh
+from ckptfs.format.logs import LogReader, LogWriter
+from ckptfs.format.records import ExtentRec
+from ckptfs.io import open_engine, probe_direct
+from ckptfs.namespace import Namespace
+from ckptfs.options import BY_NAME
 from ckptfs.replay import Union, load_foreign
 from ckptfs.tools.snapshot import Progress
 
+SEGMENT_BYTES = BY_NAME["segment-size"].default  # the unit of a write, as a mount's
 
-class _Out:
-    """Fresh data logs + index records for a tree."""
+
+class _Copy:
+    """Fresh data logs for a tree, written as a mount writes them: extents packed into
+    aligned segments (mover.SegmentPacker), each written whole with the io engine through the
+    one log writer (format/logs.LogWriter; O_DIRECT where the backing store allows it)."""
 
     def __init__(self, out_dir: str, writer_id: str, first_log: int, log_bytes: int) -> None:
-        self.dir = out_dir
-        self.writer = writer_id
-        self.log = first_log - 1
-        self.log_bytes = log_bytes
-        self.fd = -1
-        self.off = 0
-        self.logs: list[int] = []
-        self.records: list[bytes] = []
-        self.bytes = 0
+        info = probe_direct(out_dir)
+        align = max(info.offset_align, info.mem_align, 4096) if info.supported else 4096
+        segment = min(SEGMENT_BYTES, log_bytes - records.DATA_HEADER_BYTES) // align * align
+        self.engine = open_engine("auto", depth=8)
+        self.logs = LogWriter(out_dir, writer_id, self.engine, direct=info.supported,
+                              align=align, log_bytes=log_bytes, next_log=first_log)
+        self.packer = mover.SegmentPacker(self.logs, self.engine, segment, align)
 
-    def _roll(self) -> None:
-        self._close()
-        self.log += 1
-        path = os.path.join(self.dir, backingdir.data_log_name(self.log))
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(self.fd, records.data_log_header(self.writer, self.log))
-        self.off = records.DATA_HEADER_BYTES
-        self.logs.append(self.log)
+    def copy(self, ns: Namespace, reader: LogReader, prog: Progress) -> None:
+        """Every file's live bytes, in tree order, read back and checked, in extents of at
+        most the default checksum block (a reader checks a run whole)."""
+        last: list = [None, b""]
 
-    def _close(self) -> None:
-        if self.fd >= 0:
-            os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = -1
+        def data_of(run) -> bytes:
+            if run is not last[0]:
+                last[:] = [run, reader.read_run(run)]
+            return last[1]
+        seen: set[int] = set()
+        for _, _, x in mover.walk(ns):
+            if x.emap is None or id(x) in seen:
+                continue
+            seen.add(id(x))
+            for _, foff, chunk, _, _ in mover.chunks(mover.live_pieces(x), data_of,
+                                                      CHECKSUM_BLOCK_BYTES):
+                self.packer.put(id(x), foff, chunk)
+                prog.add(len(chunk))
+        self.packer.flush()
 
-    def extent(self, ino: int, foff: int, data: memoryview) -> None:
-        if self.fd < 0 or self.off + len(data) > self.log_bytes:
-            self._roll()
-        os.pwrite(self.fd, data, self.off)
-        self.records.append(records.encode(ExtentRec(ino, foff, len(data), self.log, self.off,
-                                                    crc32c(data))))
-        self.off += len(data)
-        self.bytes += len(data)
+    def extents(self, x, ino: int) -> list[ExtentRec]:
+        return [ExtentRec(ino, foff, n, lg, loff, crc)
+                for foff, n, lg, loff, crc in self.packer.extents[id(x)]]
 
     def finish(self) -> None:
-        self._close()
+        """Everything written durable, the logs trimmed and closed."""
+        try:
+            self.packer.flush()
+            self.logs.close()
+        finally:
+            self.packer.close()
+            self.engine.close()
+
+    def abort(self) -> None:
+        try:
+            self.finish()
+        except OSError:
+            pass
+        for n in self.logs.opened:  # nothing references them: the old index is in place
+            try:
+                os.unlink(self.logs.path(n))
+            except FileNotFoundError:
+                pass
 
 
-def _write_tree(ns: Namespace, logs: LogReader, out: _Out, prog: Progress) -> None:
-    """Records for every live inode, parents before children, fresh inode numbers."""
-    numbers: dict[int, int] = {ROOT_INO: ROOT_INO}
-    rec = out.records
-    root = ns.inodes[ROOT_INO]
-    rec.append(records.encode(SetattrRec(ROOT_INO, root.mode, root.uid, root.gid, root.atime_ns,
-                                        root.mtime_ns, root.ctime_ns)))
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        for name in sorted(d.children, reverse=True):
-            x = ns.inodes[d.children[name]]
-            parent = numbers[d.ino]
-            if x.ino in numbers:  # another name of a hard-linked file
-                rec.append(records.encode(LinkRec(numbers[x.ino], parent, name)))
-                continue
-            new = numbers[x.ino] = len(numbers) + 1
-            rec.append(records.encode(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
-                                              x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
-            if x.children is not None:
-                stack.append(x)
-            elif x.emap is not None:
-                _copy_file(x, new, logs, out, prog)
-                rec.append(records.encode(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
-
-
-def _copy_file(x: Inode, new: int, logs: LogReader, out: _Out, prog: Progress) -> None:
-    cached_run, cached = None, b""
-    for start, length, run, roff in x.emap.pieces:
-        if run is not cached_run:
-            cached_run, cached = run, logs.read_run(run)
-        view = memoryview(cached)[roff:roff + length]
-        # extents of at most what a mount writes by default: a reader checks a run whole
-        for k in range(0, length, CHECKSUM_BLOCK_BYTES):
-            out.extent(new, start + k, view[k:k + CHECKSUM_BLOCK_BYTES])
-        prog.add(length)
-
-
-def _write_index(path: str, blobs: list[bytes], seq: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, records.index_header())
-        blob = b"".join(blobs) + records.encode(CommitRec(seq, time.time_ns()))
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _index_blob(ns: Namespace, out: _Copy, seq: int, last_time: int,
+                xunlinks=()) -> tuple[bytes, int]:
+    """The fresh index of the tree copied (mover.tree_records; fresh inode numbers)."""
+    return mover.tree_records(ns, out.extents, seq=seq, last_time=last_time, renumber=True,
+                              numbers=False, xunlinks=xunlinks)
 
 
 def _fsync_dir(path: str) -> None:
@@ -148,35 +129,39 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
     try:
         ns = Namespace(now_ns=0)
         union = Union()
-        load_foreign(ns, backing, None, union, only=writer)
+        view = load_foreign(ns, backing, None, union, only=writer)
+        tree = view.trees.get(union.layers.get(writer))
         before = _sizes(wd.path)
         old_logs = set(backingdir.data_logs(wd.path))
         index = os.path.join(wd.path, backingdir.INDEX_NAME)
-        seq = records.read_index(index).last_seq if os.path.exists(index) else 0
+        scan = records.read_index(index) if os.path.exists(index) else records.IndexScan()
         logs = LogReader(union)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, f"compact {writer}", force=progress)
-        out = _Out(wd.path, writer, max(old_logs, default=0) + 1, log_bytes)
+        # (new logs above every number the index ever named: retired ones too)
+        first = max(max(old_logs, default=0), tree.last_log if tree else 0) + 1
+        out = _Copy(wd.path, writer, first, log_bytes)
         try:
-            _write_tree(ns, logs, out, prog)
+            out.copy(ns, logs, prog)
             out.finish()
         except BaseException:
-            out.finish()
-            for n in out.logs:  # nothing references them: the old index is still in place
-                os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
+            out.abort()
             raise
         finally:
             logs.close()
             prog.finish()
+        blob, version = _index_blob(ns, out, scan.last_seq + 1,
+                                    scan.group_times[-1] if scan.group_times else 0,
+                                    tree.xunlinks if tree else ())
         tmp = index + ".compact"
-        _write_index(tmp, out.records, seq + 1)
+        write_fresh(tmp, blob, version)
         os.rename(tmp, index)
         _fsync_dir(wd.path)
         for n in old_logs:
             os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
         _fsync_dir(wd.path)
         return {"writer": writer, "log_bytes_before": before, "log_bytes_after":
-                _sizes(wd.path), "live_bytes": out.bytes, "warnings": union.warnings}
+                _sizes(wd.path), "live_bytes": out.packer.bytes, "warnings": union.warnings}
     finally:
         wd.close()
 
@@ -192,7 +177,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             locks.append(w)
         ns = Namespace(now_ns=0)
         union = Union()
-        load_foreign(ns, backing, None, union)
+        view = load_foreign(ns, backing, None, union)
         before = sum(_sizes(d) for d in dirs)
         root = os.path.join(backing, backingdir.WRITERS_DIR)
         tmp_dir = os.path.join(root, f".compact-{into}-{os.getpid()}")
@@ -204,13 +189,14 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         logs = LogReader(union)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, "compact --merge", force=progress)
-        out = _Out(tmp_dir, into, 1, log_bytes)
+        out = _Copy(tmp_dir, into, 1, log_bytes)
         try:
-            _write_tree(ns, logs, out, prog)
+            out.copy(ns, logs, prog)
             out.finish()
-            _write_index(os.path.join(tmp_dir, backingdir.INDEX_NAME), out.records, 1)
+            blob, version = _index_blob(ns, out, 1, view.max_stamp)
+            write_fresh(os.path.join(tmp_dir, backingdir.INDEX_NAME), blob, version)
         except BaseException:
-            out.finish()
+            out.abort()
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
         finally:
@@ -232,7 +218,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             shutil.rmtree(t, ignore_errors=True)
         return {"writer": into, "merged": [os.path.basename(d) for d in dirs],
                 "log_bytes_before": before, "log_bytes_after": _sizes(final),
-                "live_bytes": out.bytes, "warnings": union.warnings}
+                "live_bytes": out.packer.bytes, "warnings": union.warnings}
     finally:
         for w in locks:
             w.close()
