@@ -910,6 +910,8 @@ class CkptOperations(pyfuse3.Operations):
             return json.dumps(self.status()).encode()
         if inode == ROOT_INO and name == XATTR_PREFIX + b"sync":
             await self._barrier()
+            if self.refresher is not None:  # and what the others made durable before it
+                await self.refresher.refresh()
             return b"ok"
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
@@ -1017,7 +1019,10 @@ METRICS = {
                              "Requests answered early because their caller was being killed"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),
     "live_bytes": ("data_log_live_bytes", "gauge", "Data log bytes that files still use"),
-    "dead_bytes": ("data_log_dead_bytes", "gauge", "Data log bytes no file uses any more"),
+    "dead_bytes": ("data_log_dead_bytes", "gauge",
+                   "Data log bytes no file uses any more that still take up space"),
+    "data_logs_dead": ("data_logs_dead", "gauge",
+                       "Data logs with no live byte, not yet retired"),
     "data_log_bytes": ("data_log_bytes", "gauge", "Size of this writer's data logs"),
     "data_log_disk_bytes": ("data_log_disk_bytes", "gauge",
                             "Disk space this writer's data logs take"),
@@ -1026,6 +1031,17 @@ METRICS = {
     "index_size_bytes": ("index_size_bytes", "gauge", "Size of the index file"),
     "maintenance_errors": ("maintenance_errors_total", "counter",
                            "Failed space reclamation steps"),
+    "bytes_punched": ("punched_bytes_total", "counter",
+                      "Dead data log bytes given back by punching holes"),
+    "logs_cleaned": ("data_logs_cleaned_total", "counter",
+                     "Data logs whose live bytes the cleaner moved out"),
+    "bytes_moved": ("cleaner_moved_bytes_total", "counter",
+                    "Live bytes the cleaner copied into the current data log"),
+    "clean_seconds": ("cleaner_seconds_total", "counter", "Time the cleaner spent moving"),
+    "index_fresh_bytes": ("index_fresh_bytes", "gauge",
+                          "About the size of a fresh index of the tree (estimate, or the "
+                          "last index snapshot's size)"),
+    "index_snapshots": ("index_snapshots_total", "counter", "Index snapshots put in place"),
     "refresh_s": ("refresh_interval_seconds", "gauge",
                   "How often other writers' indexes are looked at (--refresh)"),
     "refresh_polls": ("refresh_polls_total", "counter",
