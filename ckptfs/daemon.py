@@ -33,7 +33,8 @@ from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
-from ckptfs.fuse.ops import CkptOperations, idle_sealer, stats_exporter
+from ckptfs.fuse.ops import CkptOperations, idle_sealer
+from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import Namespace

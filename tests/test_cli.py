@@ -275,7 +275,7 @@ def test_stats_file_and_prometheus(mounts, tmp_path):
     # with help, the mount's labels; one written after the sync counts the file's bytes
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ckptfs.fuse.ops import METRICS, NOT_METRICS
+    from ckptfs.metrics import METRICS, NOT_METRICS
     deadline = __import__("time").monotonic() + 20
     while True:
         fams = {f.name: f for f in text_string_to_metric_families(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import parser
 
-from ckptfs.fuse.ops import INFO_LABELS, METRICS, NOT_METRICS, prometheus_text
+from ckptfs.metrics import INFO_LABELS, METRICS, NOT_METRICS, prometheus_text
 
 
 def status(**extra) -> dict:

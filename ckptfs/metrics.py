@@ -1,0 +1,170 @@
+"""The status figures as Prometheus text (--prometheus FILE, for node_exporter's textfile
+collector): each figure's name, type and help in METRICS, the file written by
+stats_exporter on the trio thread every few seconds."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import trio
+
+log = logging.getLogger("ckptfs.metrics")
+
+
+def _label(value) -> str:
+    """A label value as the text format writes it: backslash, double quote, newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(st: dict) -> str:
+    """The status figures in the Prometheus text exposition format (node_exporter's textfile
+    collector picks the file up): each figure under its METRICS name, type and help text,
+    labelled with the mount point and writer; `ckptfs_info` carries the settings that are
+    words, as labels. A figure METRICS does not know yet goes out untyped under its key."""
+    labels = f'mountpoint="{_label(st["mountpoint"])}",writer="{_label(st["writer"])}"'
+    info = "".join(f',{k}="{_label(str(st[k]).lower() if isinstance(st[k], bool) else st[k])}"'
+                   for k in INFO_LABELS if k in st)
+    lines = ["# HELP ckptfs_info The mount's settings and daemon, as labels (value 1)",
+             "# TYPE ckptfs_info gauge", f"ckptfs_info{{{labels}{info}}} 1"]
+    for key, value in st.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key in NOT_METRICS:
+            continue
+        name, kind, text, *scale = METRICS.get(key, (key, "untyped", f"status figure {key}"))
+        lines += [f"# HELP ckptfs_{name} {text}", f"# TYPE ckptfs_{name} {kind}",
+                  f"ckptfs_{name}{{{labels}}} {value * scale[0] if scale else value}"]
+    return "\n".join(lines) + "\n"
+
+
+# status key -> (metric name without the ckptfs_ prefix, type, help[, factor to the base
+# unit]). The exposition format's conventions: base units (bytes, seconds) in the name,
+# counters (figures that only grow while the daemon runs) end in _total. docs/operations.md
+# lists them.
+METRICS = {
+    "uptime_s": ("uptime_seconds", "gauge", "Seconds since the daemon started"),
+    "queue_depth": ("queue_depth", "gauge", "Writes in flight at most (--queue-depth)"),
+    "segment_bytes": ("segment_size_bytes", "gauge", "Size of a staging segment"),
+    "writers": ("writers", "gauge", "Writers whose trees the mount shows"),
+    "replay_warnings": ("replay_warnings", "gauge", "Problems replay reported at mount time"),
+    "conflicts": ("conflicts", "gauge", "Paths that several writers hold (the newest shows)"),
+    "bytes_written": ("written_bytes_total", "counter", "Bytes written into files"),
+    "write_requests": ("write_requests_total", "counter", "WRITE requests"),
+    "read_requests": ("read_requests_total", "counter", "READ requests"),
+    "bytes_read": ("read_bytes_total", "counter",
+                   "Bytes served to READ requests (a re-read counts again)"),
+    "bytes_staged": ("staged_bytes", "gauge", "Staging memory holding data not yet durable"),
+    "staging_bytes": ("staging_capacity_bytes", "gauge", "Staging memory (--staging-size)"),
+    "segments_flushed": ("segments_flushed_total", "counter", "Segments written to data logs"),
+    "bytes_durable": ("durable_bytes_total", "counter", "File bytes made durable"),
+    "log_bytes_written": ("data_log_written_bytes_total", "counter",
+                          "Bytes written to data logs, alignment padding included"),
+    "flush_seconds": ("flush_seconds_total", "counter", "Time the flusher spent writing"),
+    "index_bytes": ("index_written_bytes_total", "counter", "Bytes appended to the index"),
+    "index_commits": ("index_commits_total", "counter", "Commit groups appended to the index"),
+    "data_syncs": ("data_syncs_total", "counter", "fdatasync calls on data logs"),
+    "segments_in_flight": ("segments_in_flight", "gauge", "Sealed segments not yet durable"),
+    "writers_waiting": ("writers_waiting", "gauge", "Writes waiting for staging memory"),
+    "uncommitted_changes": ("uncommitted_changes", "gauge",
+                            "Changes not yet in the index (journal entries)"),
+    "fsyncs": ("fsyncs_total", "counter", "fsync and fsyncdir requests"),
+    "errors": ("flush_errors_total", "counter",
+               "Writes the backing store refused (ENOSPC, EIO, ...); retried"),
+    "inodes": ("inodes", "gauge", "Inodes in the tree"),
+    "file_bytes": ("file_bytes", "gauge", "Sum of the sizes of the files in the tree"),
+    "read_disk_bytes": ("read_disk_bytes_total", "counter", "Bytes read from data logs"),
+    "read_cache_bytes": ("read_cache_bytes", "gauge", "Data log bytes in the read cache"),
+    "read_cache_allocated_bytes": ("read_cache_allocated_bytes", "gauge",
+                                   "Memory allocated to the read cache"),
+    "read_chunks_recycled": ("read_chunks_recycled_total", "counter",
+                             "Read cache chunks reused once all their bytes were served"),
+    "read_runs_verified_ahead": ("read_runs_verified_ahead_total", "counter",
+                                 "Run checksums checked by readahead, off the request path"),
+    "read_load_seconds": ("read_load_seconds_total", "counter",
+                          "Time spent reading data logs (worker threads)"),
+    "read_wait_seconds": ("read_wait_seconds_total", "counter",
+                          "Time READ requests waited for the disk"),
+    "requests_found_queued": ("requests_found_queued_total", "counter",
+                              "Requests already queued when the request loop asked"),
+    "requests_waited_for": ("requests_waited_for_total", "counter",
+                            "Requests the request loop slept in epoll for"),
+    "requests_caught_spinning": ("requests_caught_spinning_total", "counter",
+                                 "Requests that came while the loop polled (--request-spin)"),
+    "writes_in_place": ("writes_in_place_total", "counter",
+                        "WRITE requests read straight into staging segments"),
+    "bytes_in_place": ("in_place_bytes_total", "counter",
+                       "WRITE payload bytes read straight into staging segments"),
+    "bytes_copied_in": ("copied_in_bytes_total", "counter",
+                        "WRITE payload bytes copied into staging segments"),
+    "reads_direct": ("reads_direct_total", "counter", "READ requests answered by the fast path"),
+    "requests_forwarded": ("requests_forwarded_total", "counter",
+                           "Requests the fast path handed to pyfuse3"),
+    "requests_answered_here": ("requests_answered_here_total", "counter",
+                               "Requests the fast path answered itself"),
+    "requests_interrupted": ("requests_interrupted_total", "counter",
+                             "Requests answered early because their caller was being killed"),
+    "data_logs": ("data_logs", "gauge", "Data logs of this writer"),
+    "live_bytes": ("data_log_live_bytes", "gauge", "Data log bytes that files still use"),
+    "dead_bytes": ("data_log_dead_bytes", "gauge",
+                   "Data log bytes no file uses any more that still take up space"),
+    "data_logs_dead": ("data_logs_dead", "gauge",
+                       "Data logs with no live byte, not yet retired"),
+    "data_log_bytes": ("data_log_bytes", "gauge", "Size of this writer's data logs"),
+    "data_log_disk_bytes": ("data_log_disk_bytes", "gauge",
+                            "Disk space this writer's data logs take"),
+    "logs_retired": ("data_logs_retired_total", "counter", "Data logs retired (deleted)"),
+    "bytes_reclaimed": ("reclaimed_bytes_total", "counter", "Disk space given back"),
+    "index_size_bytes": ("index_size_bytes", "gauge", "Size of the index file"),
+    "maintenance_errors": ("maintenance_errors_total", "counter",
+                           "Failed space reclamation steps"),
+    "bytes_punched": ("punched_bytes_total", "counter",
+                      "Dead data log bytes given back by punching holes"),
+    "logs_cleaned": ("data_logs_cleaned_total", "counter",
+                     "Data logs whose live bytes the cleaner moved out"),
+    "bytes_moved": ("cleaner_moved_bytes_total", "counter",
+                    "Live bytes the cleaner copied into the current data log"),
+    "clean_seconds": ("cleaner_seconds_total", "counter", "Time the cleaner spent moving"),
+    "index_fresh_bytes": ("index_fresh_bytes", "gauge",
+                          "About the size of a fresh index of the tree (estimate, or the "
+                          "last index snapshot's size)"),
+    "index_snapshots": ("index_snapshots_total", "counter", "Index snapshots put in place"),
+    "refresh_s": ("refresh_interval_seconds", "gauge",
+                  "How often other writers' indexes are looked at (--refresh)"),
+    "refresh_polls": ("refresh_polls_total", "counter",
+                      "Looks at the backing directory for other writers' commits"),
+    "refresh_listdirs": ("refresh_listdirs_total", "counter", "Directory listings of the looks"),
+    "refresh_stats": ("refresh_stats_total", "counter", "Index stats of the looks"),
+    "refresh_reads": ("refresh_reads_total", "counter", "Reads of other writers' indexes"),
+    "refresh_bytes_read": ("refresh_read_bytes_total", "counter",
+                           "Bytes read from other writers' indexes"),
+    "refresh_groups": ("refresh_groups_total", "counter",
+                       "Commit groups of other writers applied"),
+    "refresh_records": ("refresh_records_total", "counter", "Records of other writers applied"),
+    "refresh_apply_seconds": ("refresh_apply_seconds_total", "counter",
+                              "Time spent applying other writers' commits"),
+    "refresh_apply_max_ms": ("refresh_apply_max_seconds", "gauge",
+                             "Longest application of one index tail", 1e-3),
+    "refresh_notifications": ("refresh_notifications_total", "counter",
+                              "Kernel cache invalidations for other writers' changes"),
+    "writers_joined": ("writers_joined_total", "counter", "Writers that appeared while mounted"),
+    "writers_reread": ("writers_reread_total", "counter",
+                       "Other writers' indexes read whole again (replaced by a rewrite)"),
+}
+# words and flags: labels of ckptfs_info
+INFO_LABELS = ("pid", "backing", "engine", "io_mode", "readonly", "direct_reads",
+               "shared_mmap_of_direct_files")
+# derived (ckptfs_data_log_written_bytes_total / ckptfs_flush_seconds_total), or in ckptfs_info
+NOT_METRICS = {"flush_gbps", "pid"}
+
+
+async def stats_exporter(ops, path: str, interval_s: float) -> None:
+    """Write the status as a Prometheus text file every `interval_s` (atomically)."""
+    while True:
+        text = prometheus_text(ops.status())
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+        await trio.sleep(interval_s)
