@@ -48,9 +48,16 @@ def exists(m, rel: str) -> bool:
 @pytest.mark.timeout(90)
 def test_durable_on_one_mount_shows_on_the_others_within_the_delay(mounts):
     backing = mounts.backing()
+    visibility(mounts, backing, backing)
+
+
+def visibility(mounts, backing: str, other: str) -> float:
+    """Mount b writes (over `other`: the same backing directory, maybe through another
+    client of a network file system), mounts a (--refresh 1) and `now` (--refresh 0) over
+    `backing` see it. Returns how long a took to see the first file."""
     a = mounts.mount(backing, writer_id="w0", refresh=1.0)
     now = mounts.mount(backing, writer_id="w2", refresh=0)  # looks at every open and lookup
-    b = mounts.mount(backing, writer_id="w1")  # joins after both: a new writer directory
+    b = mounts.mount(other, writer_id="w1")  # joins after both: a new writer directory
     v1, v2 = torch.arange(5000, dtype=torch.float32), torch.full((3000,), 7.0)
     assert not exists(a, "step_1/x.pt")  # (a negative lookup, nothing cached)
     save(b, "step_1/x.pt", v1)
@@ -80,6 +87,7 @@ def test_durable_on_one_mount_shows_on_the_others_within_the_delay(mounts):
     st = a.status()
     assert st["writers"] == 3 and st["refresh_polls"] > 0 and st["writers_joined"] == 2
     print(f"visible on the 1 s mount after {dt:.2f} s")
+    return dt
 
 
 @pytest.mark.timeout(60)
@@ -137,8 +145,14 @@ def test_changes_to_other_writers_entries_hold_everywhere(mounts, tmp_path):
     (b carries out the deletes of its own entries), and so do both after a remount, a
     read-only mount, ls, verify and export."""
     backing = mounts.backing()
+    cross_writer_changes(mounts, backing, backing, str(tmp_path))
+
+
+def cross_writer_changes(mounts, backing: str, other: str, tmp: str) -> None:
+    """The changes of test_changes_to_other_writers_entries_hold_everywhere; mount b is over
+    `other` (the same backing directory, maybe through another client)."""
     a = mounts.mount(backing, writer_id="w0", refresh=0)
-    b = mounts.mount(backing, writer_id="w1", refresh=0)
+    b = mounts.mount(other, writer_id="w1", refresh=0)
     c = mounts.mount(backing, writer_id="w2", refresh=0)
     for step in (1, 2, 3):
         shards(a, step, 0)
@@ -179,8 +193,8 @@ def test_changes_to_other_writers_entries_hold_everywhere(mounts, tmp_path):
     for m in (a, b, c):
         m.stop()
     a2 = mounts.mount(backing, writer_id="w0")
-    b2 = mounts.mount(backing, writer_id="w1")
-    ro = mounts.mount(backing, ro=True)
+    b2 = mounts.mount(other, writer_id="w1")
+    ro = mounts.mount(other, ro=True)
     for m in (a2, b2, ro):
         assert tree_of(m.mountpoint) == want, m.mountpoint
     assert bits(load(ro, "shared/latest")) == bits(new_latest)
@@ -189,10 +203,10 @@ def test_changes_to_other_writers_entries_hold_everywhere(mounts, tmp_path):
     assert "0 index warnings" in r.stdout, r.stdout + r.stderr
     names = {p for p in listed(backing) if p}
     assert names == {"/" + k.rstrip("/") for k in want} | {"/"}
-    out = tmp_path / "export"
-    r = cli("export", backing, str(out))
+    out = os.path.join(tmp, "export")
+    r = cli("export", backing, out)
     assert r.returncode == 0, r.stderr
-    assert {k: v[1] for k, v in tree_of(str(out)).items()} == {k: v[1] for k, v in want.items()}
+    assert {k: v[1] for k, v in tree_of(out).items()} == {k: v[1] for k, v in want.items()}
     # a's index holds the whiteouts of b's entries (XUNLINK) under the new index version;
     # b's own index the UNLINKs it made of them
     from ckptfs.format import records
@@ -261,3 +275,74 @@ def test_an_overwrite_after_seeing_wins_over_a_clock_an_hour_ahead(mounts):
     assert scan.group_times and min(scan.group_times) > ahead
     assert a2.status()["conflicts"] == 0
     verify_ok(backing)
+
+
+def run_dcp_job(a, b, out: str, steps: int = 5, kill_at: int = 3, timeout: float = 240):
+    """tests/dcp_rotation_job.py under torchrun: 4 ranks (gloo), two per mount, in a network
+    namespace of its own that has only the loopback interface (the rendezvous and gloo can
+    reach nothing else), restarted once (--max-restarts 1) after one rank is killed."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        pytest.skip("needs root, unshare and ip (a network namespace with loopback only)")
+    with socket.socket() as s:  # (a free port number; the namespace has its own ports anyway)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_rotation_job.py")
+    cmd = (f"ip link set lo up && exec {torchrun} --nnodes 1 --nproc-per-node 4 "
+           f"--max-restarts 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} "
+           "--local-addr 127.0.0.1 "
+           f"{job} {a.mountpoint} {b.mountpoint} {steps} {kill_at} {out}")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    r = subprocess.run(["unshare", "--net", "sh", "-c", cmd], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    return r
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_dcp_rotation_and_a_restarted_rank(mounts, tmp_path):
+    """The job: DCP saves into step_N every step from 4 ranks on two mounts, rank 0 removes
+    step_N-2 (both mounts' shards), a rank is killed after step 3 and torchrun restarts the
+    group; every rank reloads step 3 through its own mount (mounted all along) bit for bit
+    and the job runs to step 5. Then both mounts, a remount and ls/verify show steps 4 and 5
+    only, complete."""
+    dcp_job(mounts, mounts.backing(), None, tmp_path)
+
+
+def dcp_job(mounts, backing: str, other: str | None, tmp_path) -> float:
+    """The job of test_torchrun_dcp_rotation_and_a_restarted_rank; the second mount over
+    `other` (another client's path of the backing directory) when given."""
+    import json
+    a = mounts.mount(backing, writer_id="node0")
+    b = mounts.mount(other or backing, writer_id="node1")
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    run_dcp_job(a, b, str(out))
+    took = time.monotonic() - t0
+    reports = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+    assert sorted(reports) == [f"rank{r}-1.json" for r in range(4)], sorted(reports)
+    for rep in reports.values():
+        assert rep["loopback"] and rep["master"] == "127.0.0.1", rep
+        assert rep["loaded"] == 3 and rep["exact"] is True, rep
+        assert rep["steps_seen"] == [4, 5], rep
+    for m in (a, b):
+        root = os.path.join(m.mountpoint, "ckpt")
+        assert sorted(os.listdir(root)) == ["step_4", "step_5"], (m.mountpoint,
+                                                                  os.listdir(root))
+        for s in ("step_4", "step_5"):
+            names = sorted(os.listdir(os.path.join(root, s)))
+            assert ".metadata" in names and len([n for n in names if n.endswith(".distcp")]) == 4
+    a.stop()
+    b.stop()
+    ro = mounts.mount(backing, ro=True)
+    assert sorted(os.listdir(os.path.join(ro.mountpoint, "ckpt"))) == ["step_4", "step_5"]
+    verify_ok(backing)
+    assert {p for p in listed(backing) if p.count("/") == 2} == {"/ckpt/step_4", "/ckpt/step_5"}
+    print(f"job with one restart: {took:.1f} s")
+    return took

@@ -1,0 +1,30 @@
+"""Many ckptfs mounts, one live tree, over the GlusterFS volume (tests/test_glusterfs.py's
+fixtures): each ckptfs mount stands for a node, and the second one goes through a second
+gluster client (its own caches, as on another node). What one mount makes durable shows on
+the other within --refresh; deletes, renames and overwrites of the other writer's entries
+hold after remounts and in ls/verify/export; the torchrun job of tests/dcp_rotation_job.py
+(DCP saves, rotation by rank 0, a killed rank restarted) over both clients."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_glusterfs import gdir, gluster, second_client  # noqa: F401  (fixtures)
+from test_live_writers import SLACK_S, cross_writer_changes, dcp_job, visibility
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]
+
+
+def test_visible_through_another_client_within_the_delay(gdir, mounts, second_client):  # noqa: F811
+    dt = visibility(mounts, gdir, second_client(gdir))
+    assert dt <= 1.0 + SLACK_S
+
+
+def test_changes_to_other_writers_entries_through_two_clients(gdir, mounts, second_client,  # noqa: F811
+                                                            tmp_path):
+    cross_writer_changes(mounts, gdir, second_client(gdir), str(tmp_path))
+
+
+def test_torchrun_job_over_two_clients(gdir, mounts, second_client, tmp_path):  # noqa: F811
+    dcp_job(mounts, gdir, second_client(gdir), tmp_path)
