@@ -51,7 +51,9 @@ test-quick: setup
 soak: setup
 	CKPTFS_SOAK_S=600 $(PY) -m pytest -q tests/test_load.py
 
+# fio is a contender of the benchmark (the disk's own O_DIRECT write of the same bytes)
 bench: setup
+	@dpkg -s fio >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q fio; }
 	$(VENV)/bin/ckptfs bench e2e
 
 lint: setup
