@@ -511,6 +511,29 @@ class View:
         # their writers may still put in them shows there)
         self._set_members(d, {}, fresh=False)
 
+    def carry_out(self, layer: int) -> int:
+        """Remove from writer `layer`'s own tree the entries other writers' whiteouts hide, as
+        that writer does when it next mounts (`ckptfs compact` of that writer does it for it:
+        its fresh index must not bring them back). Returns how many entries went."""
+        t = self.trees[layer]
+        wo = self.wo.get(self.writer_of(layer), set())
+
+        def remove(parent: int, ino: int, name: bytes) -> None:
+            x = t.inodes.get(ino)
+            if x is not None and x.is_dir:  # (all of it whited out: what _whited asks)
+                for cname, ci in list(x.children.items()):
+                    remove(ino, ci, cname)
+            t.apply(UnlinkRec(parent, name))
+        gone = 0
+        for parent, ino, name in sorted(wo):
+            p = t.inodes.get(parent)
+            if p is None or p.children is None or p.children.get(name) != ino:
+                continue
+            if self._whited(layer, parent, t.inodes[ino], name):
+                remove(parent, ino, name)
+                gone += 1
+        return gone
+
     def run_writer(self, run) -> str:
         """The writer whose data log holds `run`."""
         return self.writer_of(run.layer)

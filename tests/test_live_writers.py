@@ -346,3 +346,35 @@ def dcp_job(mounts, backing: str, other: str | None, tmp_path) -> float:
     assert {p for p in listed(backing) if p.count("/") == 2} == {"/ckpt/step_4", "/ckpt/step_5"}
     print(f"job with one restart: {took:.1f} s")
     return took
+
+
+@pytest.mark.timeout(120)
+def test_compaction_keeps_what_other_writers_removed_removed(mounts):
+    """Writer w1 goes away before it sees what w0 did to its entries (rm -rf of its step_1, a
+    rename of its step_2/y, an overwrite of its latest). `ckptfs compact` of w1 alone, then of
+    every writer, then --merge: the tree stays the same each time (nothing w0 removed comes
+    back, whose inode numbers w0's records name), and verify is clean."""
+    backing = mounts.backing()
+    b = mounts.mount(backing, writer_id="w1", refresh=3600)
+    for rel in ("step_1/rank_1/x.pt", "step_1/rank_1/x2.pt", "step_2/y.pt", "latest.pt"):
+        save(b, rel, torch.arange(2000 + len(rel)))
+    b.stop()
+    a = mounts.mount(backing, writer_id="w0", refresh=0)
+    import shutil
+    shutil.rmtree(os.path.join(a.mountpoint, "step_1"))
+    os.rename(os.path.join(a.mountpoint, "step_2/y.pt"), os.path.join(a.mountpoint, "step_2/z.pt"))
+    save(a, "latest.pt", torch.ones(3))
+    save(a, "step_3/own.pt", torch.zeros(5))
+    want = tree_of(a.mountpoint)
+    a.stop()
+    for args in (["--writer", "w1"], [], ["--merge", "--into", "merged"]):
+        r = cli("compact", backing, *args, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        ro = mounts.mount(backing, ro=True)
+        assert tree_of(ro.mountpoint) == want, args
+        ro.stop()
+        verify_ok(backing)
+        if args == ["--writer", "w1"]:  # w1 mounts again: its logs w0 still uses stay
+            mounts.mount(backing, writer_id="w1").stop()
+            verify_ok(backing)
+    assert os.listdir(os.path.join(backing, "writers")) == ["merged"]

@@ -19,6 +19,15 @@ counted (files + directories): that is what the metadata server sees per checkpo
 Next to it, what plain `torch.save` straight into a directory creates for the same checkpoint:
 one file per tensor plus every directory of the tree.
 
+What the mounts' looks at each other cost (docs/scaling.md, visibility): every mount looks at
+the other writers' indexes every `--refresh` seconds, and at a lookup or open when its last
+look is older. Per run: the calls those looks made on the backing store while the checkpoint
+was saved (listings, stats, index reads, from the mounts' own counters), how long after the
+last `sync` returned every mount lists the whole checkpoint, the longest the trio thread spent
+applying one batch of other writers' records, and, with the checkpoint saved and nothing
+happening (`--idle` seconds), the calls per second the looks alone make. `--refresh 1,0`
+alternates the refresh settings too (0: a look before every lookup and open).
+
 Heavy runs share the disk with other benchmarks: run them under
 `flock /tmp/ckptfs-bench.lock ckptfs bench scaling ...`.
 """
@@ -222,7 +231,24 @@ def shard_specs(arch: str, total: int, writers: int, optimizer: bool = True) -> 
     return [sorted(s, key=lambda x: order[x[0]]) for s in shards]
 
 
-def run_once(a, writers: int, label: str) -> dict:
+LOOK_KEYS = ("refresh_listdirs", "refresh_stats", "refresh_reads")
+
+
+def _looks(mounts: list[api.Mount]) -> list[dict]:
+    return [{k: st.get(k, 0) for k in (*LOOK_KEYS, "refresh_polls", "refresh_apply_max_ms",
+                                      "refresh_bytes_read")}
+            for st in (m.status() for m in mounts)]
+
+
+def _calls(before: list[dict], after: list[dict]) -> int:
+    return sum(b[k] - a[k] for a, b in zip(before, after) for k in LOOK_KEYS)
+
+
+def _whole(mount: api.Mount, tensors: int) -> bool:
+    return count_entries(os.path.join(mount.mountpoint, "step_1"))[0] >= tensors
+
+
+def run_once(a, writers: int, label: str, refresh: float = 1.0) -> dict:
     """One checkpoint with `writers` writers; returns the measurements."""
     work = tempfile.mkdtemp(prefix="ckptfs-scaling-", dir=a.dir)
     backing = os.path.join(work, "backing")
@@ -236,7 +262,7 @@ def run_once(a, writers: int, label: str) -> dict:
             mp_ = os.path.join(work, f"mnt{i}")
             os.makedirs(mp_)
             mounts.append(api.Mount(backing, mp_, writer_id=f"w{i}", staging_size=a.staging,
-                                    segment_size=a.segment, timeout=120.0,
+                                    segment_size=a.segment, timeout=120.0, refresh=refresh,
                                     log_file=os.path.join(work, f"daemon{i}.log")))
         parallel([m.start for m in mounts])  # the daemons come up at once, as on a cluster
         for i, specs in enumerate(shards):
@@ -246,6 +272,8 @@ def run_once(a, writers: int, label: str) -> dict:
             p.wait_ready()
         payload = sum(p.nbytes for p in procs)
         res["caches_dropped"] = drop_caches() if a.drop_caches else False
+        res["refresh_s"] = refresh
+        looks0 = _looks(mounts)
         t0 = time.perf_counter()
         for p in procs:
             p.go()
@@ -259,7 +287,33 @@ def run_once(a, writers: int, label: str) -> dict:
         t_durable = time.perf_counter() - t0
         if sync_err:
             raise sync_err[0]
+        looks1 = _looks(mounts)
         durable = sum(m.status()["bytes_durable"] for m in mounts)
+        tensors = sum(len(s) for s in shards)
+        # every mount shows the whole checkpoint (without a sync: the contract's delay)
+        t1 = time.perf_counter()
+        while not all(_whole(m, tensors) for m in mounts):
+            if time.perf_counter() - t1 > 60:
+                raise RuntimeError("the checkpoint is not whole on every mount after 60 s")
+            time.sleep(0.02)
+        res["visible_s"] = time.perf_counter() - t1
+        looks2 = _looks(mounts)
+        time.sleep(a.idle)
+        looks3 = _looks(mounts)
+        res.update({
+            "look_calls_saving": _calls(looks0, looks1),
+            "look_calls_per_s_saving": _calls(looks0, looks1) / t_durable,
+            "look_bytes_read_saving": sum(b["refresh_bytes_read"] - x["refresh_bytes_read"]
+                                          for x, b in zip(looks0, looks1)),
+            "apply_max_ms": max(x["refresh_apply_max_ms"] for x in looks3),
+            "idle_s": a.idle,
+            "idle_calls_per_s": _calls(looks2, looks3) / a.idle if a.idle else 0.0,
+            "idle_calls_per_s_per_mount": [
+                sum(b[k] - x[k] for k in LOOK_KEYS) / a.idle if a.idle else 0.0
+                for x, b in zip(looks2, looks3)],
+            "idle_reads": sum(b["refresh_reads"] - x["refresh_reads"]
+                              for x, b in zip(looks2, looks3)),
+        })
         parallel([m.stop for m in mounts])
         mounts.clear()
         files, dirs = count_entries(backing)
@@ -268,7 +322,7 @@ def run_once(a, writers: int, label: str) -> dict:
             "ok": durable >= payload,
             "payload_bytes": payload,
             "bytes_durable": durable,
-            "tensors": sum(len(s) for s in shards),
+            "tensors": tensors,
             "saved_s": t_saved,
             "durable_s": t_durable,
             "gbps": payload / t_durable / 1e9,
@@ -320,28 +374,45 @@ def machine() -> dict:
             "kernel": platform.release(), "python": platform.python_version()}
 
 
-def summarize(runs: list[dict], writers: list[int]) -> dict:
+def summary_key(n: int, refresh: float, refreshes: list[float]) -> str:
+    return str(n) if refresh == refreshes[0] else f"{n}@refresh={refresh:g}"
+
+
+def summarize(runs: list[dict], writers: list[int], refreshes: list[float] = (1.0,)) -> dict:
     out = {}
-    for n in writers:
-        rs = [r for r in runs if r["writers"] == n and r["label"] == "measured"]
-        ok = [r for r in rs if r["ok"]]
-        s: dict = {"runs": len(rs), "runs_ok": len(ok),
-                   "errors": [r.get("error") for r in rs if not r["ok"]]}
-        if ok:
-            g = [r["gbps"] for r in ok]
-            s.update({
-                "payload_bytes": ok[0]["payload_bytes"],
-                "tensors": ok[0]["tensors"],
-                "gbps_median": statistics.median(g), "gbps_min": min(g), "gbps_max": max(g),
-                "durable_s_median": statistics.median(r["durable_s"] for r in ok),
-                "saved_s_median": statistics.median(r["saved_s"] for r in ok),
-                "backing_entries": ok[0]["backing_entries"],
-                "backing_files": ok[0]["backing_files"],
-                "plain_entries": ok[0]["plain_entries"],
-                "plain_files": ok[0]["plain_files"],
-            })
-        out[str(n)] = s
+    for refresh in refreshes:
+        for n in writers:
+            _summary(out, runs, n, refresh, refreshes)
     return out
+
+
+def _summary(out: dict, runs: list[dict], n: int, refresh: float, refreshes) -> None:
+    """The summary of the measured runs with `n` writers and --refresh `refresh`."""
+    rs = [r for r in runs if r["writers"] == n and r["label"] == "measured"
+          and r.get("refresh_s", refreshes[0]) == refresh]
+    ok = [r for r in rs if r["ok"]]
+    s: dict = {"runs": len(rs), "runs_ok": len(ok),
+               "errors": [r.get("error") for r in rs if not r["ok"]]}
+    if ok:
+        g = [r["gbps"] for r in ok]
+        s.update({
+            "payload_bytes": ok[0]["payload_bytes"],
+            "tensors": ok[0]["tensors"],
+            "gbps_median": statistics.median(g), "gbps_min": min(g), "gbps_max": max(g),
+            "durable_s_median": statistics.median(r["durable_s"] for r in ok),
+            "saved_s_median": statistics.median(r["saved_s"] for r in ok),
+            "backing_entries": ok[0]["backing_entries"],
+            "backing_files": ok[0]["backing_files"],
+            "plain_entries": ok[0]["plain_entries"],
+            "plain_files": ok[0]["plain_files"],
+            "refresh_s": refresh,
+            "visible_s_median": statistics.median(r["visible_s"] for r in ok),
+            "look_calls_per_s_saving_median": statistics.median(
+                r["look_calls_per_s_saving"] for r in ok),
+            "idle_calls_per_s_median": statistics.median(r["idle_calls_per_s"] for r in ok),
+            "apply_max_ms": max(r["apply_max_ms"] for r in ok),
+        })
+    out[summary_key(n, refresh, refreshes)] = s
 
 
 def table(summary: dict) -> str:
@@ -356,6 +427,20 @@ def table(summary: dict) -> str:
                      f"{s['durable_s_median']:.2f} | {s['gbps_median']:.2f} | "
                      f"{s['gbps_min']:.2f} | {s['gbps_max']:.2f} | {s['saved_s_median']:.2f} | "
                      f"{s['backing_entries']} | {s['plain_entries']} |")
+    return "\n".join(lines)
+
+
+def looks_table(summary: dict) -> str:
+    """What the mounts' looks at each other cost (medians)."""
+    lines = ["| writers | --refresh s | backing calls/s of the looks while saving | "
+             "whole checkpoint on every mount after s | longest apply ms | "
+             "backing calls/s idle (all mounts) |", "|---:|---:|---:|---:|---:|---:|"]
+    for n, s in summary.items():
+        if s["runs_ok"]:
+            lines.append(f"| {n.split('@')[0]} | {s['refresh_s']:g} | "
+                         f"{s['look_calls_per_s_saving_median']:.1f} | "
+                         f"{s['visible_s_median']:.2f} | {s['apply_max_ms']:.1f} | "
+                         f"{s['idle_calls_per_s_median']:.1f} |")
     return "\n".join(lines)
 
 
@@ -380,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-timeout", type=float, default=600.0)
     ap.add_argument("--keep-failed", action="store_true",
                     help="keep the work directory of a failed run")
+    ap.add_argument("--refresh", default="1",
+                    help="the mounts' --refresh, comma separated values alternate (e.g. 1,0)")
+    ap.add_argument("--idle", type=float, default=None,
+                    help="seconds of nothing after each checkpoint, to count the looks' calls "
+                    "(default 5; 1 with --quick)")
     ap.add_argument("--json", default=None, help="write all results as JSON here")
     return ap
 
@@ -394,6 +484,15 @@ def main(argv: list[str]) -> int:
     if not writers or min(writers) < 1:
         print("ckptfs bench scaling: --writers must be >= 1", file=sys.stderr)
         return 2
+    try:
+        refreshes = [float(x) for x in a.refresh.split(",") if x.strip()]
+    except ValueError:
+        print("ckptfs bench scaling: --refresh takes seconds, e.g. 1,0", file=sys.stderr)
+        return 2
+    if not refreshes or min(refreshes) < 0:
+        print("ckptfs bench scaling: --refresh must be >= 0", file=sys.stderr)
+        return 2
+    a.idle = a.idle if a.idle is not None else (1.0 if a.quick else 5.0)
     if a.quick:
         a.total = a.total or QUICK_TOTAL
         a.rounds = a.rounds or 1
@@ -413,25 +512,32 @@ def main(argv: list[str]) -> int:
         print(f"warm-up ({writers[0]} writer): "
               + (f"{r['gbps']:.2f} GB/s" if r["ok"] else f"FAILED {r.get('error')}"), flush=True)
     for rnd in range(a.rounds):
-        for n in writers:
-            r = run_once(a, n, "measured")
-            r["round"] = rnd
-            runs.append(r)
-            print(f"round {rnd + 1}/{a.rounds}, {n} writer(s): "
-                  + (f"{r['payload_bytes'] / 1e6:.0f} MB durable in {r['durable_s']:.2f} s = "
-                     f"{r['gbps']:.2f} GB/s; backing entries {r['backing_entries']} vs plain "
-                     f"{r['plain_entries']}" if r["ok"] else f"FAILED {r.get('error')}"),
-                  flush=True)
-    summary = summarize(runs, writers)
+        for refresh in refreshes:
+            for n in writers:
+                r = run_once(a, n, "measured", refresh)
+                r["round"] = rnd
+                runs.append(r)
+                print(f"round {rnd + 1}/{a.rounds}, {n} writer(s), --refresh {refresh:g}: "
+                      + (f"{r['payload_bytes'] / 1e6:.0f} MB durable in {r['durable_s']:.2f} s "
+                         f"= {r['gbps']:.2f} GB/s; backing entries {r['backing_entries']} vs "
+                         f"plain {r['plain_entries']}; looks {r['look_calls_per_s_saving']:.1f}"
+                         f" calls/s saving, {r['idle_calls_per_s']:.1f} idle, whole on every "
+                         f"mount {r['visible_s']:.2f} s after sync"
+                         if r["ok"] else f"FAILED {r.get('error')}"),
+                      flush=True)
+    summary = summarize(runs, writers, refreshes)
     result = {"bench": "scaling", "command": "ckptfs bench scaling " + " ".join(argv),
               "machine": machine(), "started": t_start, "seconds": time.time() - t_start,
               "config": {"writers": writers, "total_bytes": a.total, "arch": a.arch,
                          "rounds": a.rounds, "warmup": not a.no_warmup, "dir": a.dir,
                          "staging": a.staging, "segment": a.segment,
+                         "refresh": refreshes, "idle_s": a.idle,
                          "drop_caches": a.drop_caches, "root": os.geteuid() == 0},
               "runs": runs, "summary": summary}
     print()
     print(table(summary))
+    print()
+    print(looks_table(summary))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -105,10 +105,11 @@ class _Copy:
 
 
 def _index_blob(ns: Namespace, out: _Copy, seq: int, last_time: int,
-                xunlinks=()) -> tuple[bytes, int]:
-    """The fresh index of the tree copied (mover.tree_records; fresh inode numbers)."""
-    return mover.tree_records(ns, out.extents, seq=seq, last_time=last_time, renumber=True,
-                              numbers=False, xunlinks=xunlinks)
+                xunlinks=(), renumber: bool = True) -> tuple[bytes, int]:
+    """The fresh index of the tree copied (mover.tree_records; fresh inode numbers, or with
+    `renumber` off the tree's own and a NUMBERS record)."""
+    return mover.tree_records(ns, out.extents, seq=seq, last_time=last_time,
+                              renumber=renumber, numbers=not renumber, xunlinks=xunlinks)
 
 
 def _fsync_dir(path: str) -> None:
@@ -129,8 +130,19 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
     try:
         ns = Namespace(now_ns=0)
         union = Union()
-        view = load_foreign(ns, backing, None, union, only=writer)
-        tree = view.trees.get(union.layers.get(writer))
+        # Every writer's index: the writer's entries other writers removed (their XUNLINK
+        # records) leave its tree here, and its inode numbers stay (other writers' records
+        # name them), so nothing another writer deleted comes back.
+        view = load_foreign(ns, backing, None, union)
+        layer = union.layers.get(writer)
+        tree = view.trees.get(layer)
+        named: set[int] = set()  # its logs that other writers' XEXTENT records point into
+        if tree is not None:
+            view.carry_out(layer)
+            ns = tree
+            named = {p[2].log for other, t in view.trees.items() if other != layer
+                     for x in t.inodes.values() if x.emap is not None
+                     for p in x.emap.pieces if p[2].layer == layer}
         before = _sizes(wd.path)
         old_logs = set(backingdir.data_logs(wd.path))
         index = os.path.join(wd.path, backingdir.INDEX_NAME)
@@ -152,12 +164,12 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
             prog.finish()
         blob, version = _index_blob(ns, out, scan.last_seq + 1,
                                     scan.group_times[-1] if scan.group_times else 0,
-                                    tree.xunlinks if tree else ())
+                                    tree.xunlinks if tree else (), renumber=tree is None)
         tmp = index + ".compact"
         write_fresh(tmp, blob, version)
         os.rename(tmp, index)
         _fsync_dir(wd.path)
-        for n in old_logs:
+        for n in old_logs - named:  # (the others' stay until nothing names them)
             os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
         _fsync_dir(wd.path)
         return {"writer": writer, "log_bytes_before": before, "log_bytes_after":
