@@ -182,7 +182,9 @@ class View:
         self.members: dict[Inode, dict[int, int]] = {self.root: {}}
         self.placed: dict[tuple[int, int], Inode] = {}  # (layer, its dir) -> view directory
         self.wo: dict[str, set[tuple[int, int, bytes]]] = {}  # writer -> (parent, ino, name)
-        self.wo_dirs: dict[tuple[int, int], tuple[int, bytes]] = {}  # whited-out directories
+        # (writer, ino) -> (parent, name) of each whiteout: where a directory's entry is, to
+        # look at it again when something inside it changes (it hides it only while empty)
+        self.wo_dirs: dict[tuple[str, int], set[tuple[int, bytes]]] = {}
         self.hidden_own: dict[tuple[Inode, bytes], int] = {}  # own entries a conflict hides
         self.conflicts: dict[tuple[Inode, bytes], list[tuple[int, Inode]]] = {}
         self.names: dict[int, tuple[Inode, bytes]] = {}  # view ino -> where it is (one name)
@@ -341,15 +343,14 @@ class View:
     # ------------------------------------------------------------ whiteouts
     def _whiteout(self, rec: XUnlinkRec, touch: bool = True) -> None:
         self.wo.setdefault(rec.writer, set()).add((rec.parent, rec.ino, rec.name))
+        # (kept for every whiteout: the inode may not be in its writer's tree as read so far)
+        self.wo_dirs.setdefault((rec.writer, rec.ino), set()).add((rec.parent, rec.name))
         layer = self.union.layers.get(rec.writer)
         if layer is None:
             return  # (a writer not in this view: applied if it appears)
         tree = self.ns if layer == 0 else self.trees.get(layer)
         if tree is None:
             return
-        target = tree.inodes.get(rec.ino)
-        if target is not None and target.is_dir:
-            self.wo_dirs[(layer, rec.ino)] = (rec.parent, rec.name)
         if layer == 0:
             if self.own:
                 self.adopt.append(rec)
@@ -374,19 +375,23 @@ class View:
         return True
 
     def _touch(self, layer: int, parent: int, name: bytes) -> None:
+        wid = self.writer_of(layer)
         v = self.placed.get((layer, parent))
         if v is not None:
             self.remerge(v, name, True)
-        # a whited-out directory that has become empty (or not) changes its own entry
-        d = parent
-        for _ in range(4096):
-            up = self.wo_dirs.get((layer, d))
-            if up is None:
-                break
-            v = self.placed.get((layer, up[0]))
-            if v is not None:
-                self.remerge(v, up[1], True)
-            d = up[0]
+        # a whited-out directory that has become empty (or not) changes its own entry, and
+        # so on up (a whiteout may name it at any place it has been)
+        todo, seen = [parent], set()
+        while todo and len(seen) < 4096:
+            d = todo.pop()
+            for up in self.wo_dirs.get((wid, d), ()):
+                if up in seen:
+                    continue
+                seen.add(up)
+                v = self.placed.get((layer, up[0]))
+                if v is not None:
+                    self.remerge(v, up[1], True)
+                todo.append(up[0])
 
     def _own_children(self, d: Inode) -> bool:
         inodes = self.ns.inodes
@@ -407,8 +412,7 @@ class View:
                 continue  # not there any more
             x = self.ns.inodes[rec.ino]
             if x.is_dir and self._own_children(x):
-                self.wo_dirs[(0, x.ino)] = (rec.parent, rec.name)
-                continue  # not empty: a whiteout of a directory waits for that
+                continue  # not empty: a whiteout of a directory waits for that (own_removed)
             self.own_unlink(p, rec.name, x)
 
     def own_unlink(self, p: Inode, name: bytes, x: Inode, notify: bool = True) -> None:
@@ -432,10 +436,10 @@ class View:
 
     def own_removed(self, d: Inode) -> None:
         """An own entry left own directory d: a whiteout waiting for d to empty may apply."""
-        up = self.wo_dirs.get((0, d.ino))
-        if up is not None and not self._own_children(d):
-            del self.wo_dirs[(0, d.ino)]
-            self.adopt.append(XUnlinkRec(self.own or "", up[0], d.ino, up[1]))
+        ups = self.wo_dirs.get((self.own or "", d.ino))
+        if ups and not self._own_children(d):
+            for up in ups:
+                self.adopt.append(XUnlinkRec(self.own or "", up[0], d.ino, up[1]))
             self._adopt_own()
 
     # ------------------------------------------------------------ changes of other writers' entries
@@ -679,7 +683,7 @@ class View:
         del v.children[name]
         if x.is_dir:
             v.nlink -= 1
-            if x.parent != v.ino:
+            if x.layer != 0 and self.names.get(x.ino) != (v, name):
                 return  # moved: attached in its new place already (a rename in its tree)
             self._clear(x)
         if x.layer == 0:
@@ -717,6 +721,10 @@ class View:
                 s = self.trees[layer].inodes.get(src) if layer in self.trees else None
                 if s is not None and s.children is not None:
                     names.update(s.children)
+                # (and whatever it showed or hid here under names it has no more: a rename in
+                # the same commit group may not have been looked at yet)
+                names.update(d.children)
+                names.update(n for (v, n) in self.conflicts if v is d)
         for layer, src in members.items():
             self.placed[(layer, src)] = d
             if fresh or old.get(layer) != src:

@@ -1,0 +1,182 @@
+"""The view of many writers (replay.View) is a function of their records, not of the order a
+mount reads them in: random histories of three writers (mkdir, create, unlink, rename in
+their own trees at a few shared names, and whiteouts of each other's entries), read whole by
+a fresh view and, by another, one commit group at a time in a random interleaving of the
+writers (as a mount reads their index tails), give the same tree. No mount: the indexes are
+written by hand into a backing directory."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ckptfs.format import backingdir, records
+from ckptfs.format.records import (
+    CommitRec,
+    ExtentRec,
+    InodeRec,
+    RenameRec,
+    UnlinkRec,
+    XUnlinkRec,
+)
+from ckptfs.namespace import ROOT_INO, Namespace
+from ckptfs.replay import LAYER_SHIFT, Union, View, load_foreign, replay
+
+WRITERS = ("w0", "w1", "w2")
+NAMES = [b"a", b"b", b"c", b"d"]
+
+
+class History:
+    """Random changes of the writers, as commit groups, checked against each writer's tree."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.trees = {w: Namespace(now_ns=0) for w in WRITERS}
+        self.groups: dict[str, list[tuple[list, int]]] = {w: [] for w in WRITERS}
+        self.stamp = 10**18
+
+    def entries(self, w: str):
+        t = self.trees[w]
+        return [(d.ino, n, i) for d in t.inodes.values() if d.children
+                for n, i in d.children.items()]
+
+    def dirs(self, w: str):
+        return [d for d in self.trees[w].inodes.values() if d.children is not None]
+
+    def step(self) -> None:
+        rng, w = self.rng, self.rng.choice(WRITERS)
+        t = self.trees[w]
+        kind = rng.choice(["mkdir", "mkdir", "create", "create", "unlink", "rename", "xunlink",
+                           "xunlink"])
+        recs: list = []
+        if kind in ("mkdir", "create"):
+            d = rng.choice(self.dirs(w))
+            name = rng.choice(NAMES)
+            if name in d.children:
+                return
+            ino = t.new_ino()
+            mode = 0o40755 if kind == "mkdir" else 0o100644
+            recs.append(InodeRec(ino, d.ino, name, mode, 0, 0, 0, 1, 1, 1))
+            if kind == "create":
+                recs.append(ExtentRec(ino, 0, 10, 1, records.DATA_HEADER_BYTES + 10 * ino, 7))
+        elif kind == "unlink":
+            es = [e for e in self.entries(w) if not t.inodes[e[2]].children]
+            if not es:
+                return
+            p, n, _ = rng.choice(es)
+            recs.append(UnlinkRec(p, n))
+        elif kind == "rename":
+            es = self.entries(w)
+            if not es:
+                return
+            p, n, i = rng.choice(es)
+            d = rng.choice(self.dirs(w))
+            new = rng.choice(NAMES)
+            x = t.inodes[i]
+            if new in d.children or (x.is_dir and t.is_ancestor(x, d)):
+                return
+            recs.append(RenameRec(p, n, d.ino, new))
+        else:
+            other = rng.choice([o for o in WRITERS if o != w])
+            es = self.entries(other)
+            if not es:
+                return
+            p, n, i = rng.choice(es)
+            recs.append(XUnlinkRec(other, p, i, n))
+        for r in recs:
+            t.apply(r)
+        self.stamp += rng.randrange(1, 10**9)
+        self.groups[w].append((recs, self.stamp))
+
+    def write(self, backing: str) -> None:
+        os.makedirs(os.path.join(backing, backingdir.WRITERS_DIR))
+        for w in WRITERS:
+            wdir = os.path.join(backing, backingdir.WRITERS_DIR, w)
+            os.makedirs(wdir)
+            with open(os.path.join(wdir, backingdir.data_log_name(1)), "wb") as f:
+                f.truncate(1 << 30)  # (sparse: every extent lies inside it)
+            blob = [records.index_header(records.CROSS_INDEX_VERSION)]
+            for seq, (recs, stamp) in enumerate(self.groups[w], 1):
+                blob += [records.encode(r) for r in recs] + [records.encode(CommitRec(seq,
+                                                                                     stamp))]
+            with open(os.path.join(wdir, backingdir.INDEX_NAME), "wb") as f:
+                f.write(b"".join(blob))
+
+
+def shape(view: View) -> dict:
+    """The view as nested dicts: a file is (its writer, its number there), a directory the
+    dict of what is in it."""
+    ns = view.ns
+
+    def walk(d) -> dict:
+        out = {}
+        for name, ino in d.children.items():
+            x = ns.inodes[ino]
+            out[name] = walk(x) if x.is_dir else (view.writer_of(x.layer),
+                                                  x.ino & ((1 << LAYER_SHIFT) - 1))
+        return out
+    return walk(ns.inodes[ROOT_INO])
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_view_does_not_depend_on_the_order_it_reads_the_writers_in(tmp_path, seed):
+    rng = random.Random(seed)
+    h = History(rng)
+    for _ in range(rng.randrange(20, 70)):
+        h.step()
+    backing = str(tmp_path / "backing")
+    h.write(backing)
+    fresh = load_foreign(Namespace(now_ns=0), backing, None, Union())
+    # one group at a time, the writers interleaved at random (each in its own order)
+    live = View(Namespace(now_ns=0), Union(), backing, None)
+    layers = {}
+    for w in WRITERS:
+        wdir = os.path.join(backing, backingdir.WRITERS_DIR, w)
+        layers[w] = live.add_tree(wdir, records.IndexScan(), (0, 0))
+    pending = {w: list(h.groups[w]) for w in WRITERS}
+    while any(pending.values()):
+        w = rng.choice([w for w in WRITERS if pending[w]])
+        recs, stamp = pending[w].pop(0)
+        live.apply_group(layers[w], recs, stamp)
+    assert shape(live) == shape(fresh), seed
+    assert sorted(c.path for c in live.conflict_list()) == \
+        sorted(c.path for c in fresh.conflict_list()), (live.conflict_list(),
+                                                        fresh.conflict_list())
+    assert not [w for w in fresh.union.warnings if "skipped" in w]
+
+
+@pytest.mark.parametrize("seed", range(100, 160))
+def test_the_own_writer_carries_out_the_same_whiteouts_in_any_order(tmp_path, seed):
+    """The same, seen by a mount of w0: its own tree is what it is, the other writers come
+    one group at a time, and what they removed of w0's tree leaves it (w0 carries their
+    whiteouts out), as when it mounts after all of them."""
+    rng = random.Random(seed)
+    h = History(rng)
+    for _ in range(rng.randrange(20, 70)):
+        h.step()
+    backing = str(tmp_path / "backing")
+    h.write(backing)
+    own_index = os.path.join(backing, backingdir.WRITERS_DIR, "w0", backingdir.INDEX_NAME)
+
+    def own_view() -> View:
+        ns = Namespace(now_ns=0)
+        view = View(ns, Union(), backing, "w0")
+        view.union.writer_dirs[0] = os.path.dirname(own_index)
+        replay(ns, own_index)
+        return view
+    fresh = own_view()
+    fresh.load()
+    fresh.adopt_pending()
+    live = own_view()
+    live.load(only="-")  # (no other writer yet: the own tree and its whiteouts, as a mount)
+    layers = {w: live.add_tree(os.path.join(backing, backingdir.WRITERS_DIR, w),
+                               records.IndexScan(), (0, 0)) for w in WRITERS[1:]}
+    live.adopt_pending()
+    pending = {w: list(h.groups[w]) for w in WRITERS[1:]}
+    while any(pending.values()):
+        w = rng.choice([w for w in WRITERS[1:] if pending[w]])
+        recs, stamp = pending[w].pop(0)
+        live.apply_group(layers[w], recs, stamp)
+    assert shape(live) == shape(fresh), seed
