@@ -569,8 +569,9 @@ class View:
             if si is None:
                 continue
             s = t.inodes[si]
-            if not self._whited(layer, parent, s, name):
-                out.append((layer, s, parent))
+            if self.wo and self._whited(layer, parent, s, name):
+                continue
+            out.append((layer, s, parent))
         return out
 
     def _key(self, c) -> tuple[int, str]:
@@ -735,8 +736,44 @@ class View:
                     self._sync(d, s)
         if fresh and self.own and d.layer == 0:
             names.update(n for (p, n) in self.hidden_own if p is d)
+        if fresh and not d.children:
+            names = self._fill(d, names)
         for name in names:
             self.remerge(d, name, not fresh)
+
+    def _fill(self, d: Inode, names: set[bytes]) -> set[bytes]:
+        """A view directory with nothing in it yet (a mount's first view, a directory that
+        appears): a file that only one of its members has, not whited out, is shown at once
+        (the common case: each rank's files in their own writer's directory; a mount of
+        100,000 of them); returns the names the general merge (remerge) decides."""
+        found: dict[bytes, list] = {}
+        for layer, src in self.members.get(d, {}).items():
+            t = self.trees.get(layer)
+            s = t.inodes.get(src) if t is not None else None
+            if s is None or s.children is None:
+                continue
+            inodes = t.inodes
+            for name, si in s.children.items():
+                c = inodes[si]
+                if self.wo and self._whited(layer, src, c, name):
+                    continue
+                got = found.get(name)
+                if got is None:
+                    found[name] = [layer, c]
+                else:
+                    got.append(None)  # (more than one: remerge decides)
+        rest = names.difference(found)
+        children, where = d.children, self.names
+        for name, got in found.items():
+            if len(got) != 2 or got[1].children is not None or name not in names:
+                rest.add(name)
+                continue
+            x = self._clone(got[0], got[1])
+            children[name] = x.ino
+            where[x.ino] = (d, name)
+            x.nlink += 1
+            self.gone.discard(x.ino)
+        return rest
 
     def _populate(self, d: Inode) -> None:
         self._set_members(d, self.members.get(d, {}), fresh=True)
