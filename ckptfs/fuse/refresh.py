@@ -78,6 +78,10 @@ class Refresher:
         self.apply_s = 0.0
         self.apply_max_s = 0.0
         self.notifications = 0
+        self.look_s = 0.0  # worker-thread time of the looks
+        self.look_max_s = 0.0
+        self.waits = 0  # requests (open, lookup, listing, sync) that waited for a look
+        self.wait_s = 0.0
         self.writers_added = 0
         self.writers_reloaded = 0
         # Invalidations go out from their own task: never from the request that found the
@@ -101,14 +105,24 @@ class Refresher:
             await trio.sleep(max(0.0, self.last + period - trio.current_time()))
             if trio.current_time() - self.last >= period:
                 try:
-                    await self.refresh()
+                    await self.refresh(by_request=False)
                 except Exception:
                     log.exception("reading other writers' changes")
 
-    async def refresh(self) -> None:
+    async def refresh(self, by_request: bool = True) -> None:
         """Look now: a look that is running when the call comes is waited for, and another
         one follows unless it started less than --refresh before the call."""
         arrived = trio.current_time()
+        if by_request:
+            self.waits += 1
+            try:
+                await self._refresh(arrived)
+            finally:
+                self.wait_s += trio.current_time() - arrived
+        else:
+            await self._refresh(arrived)
+
+    async def _refresh(self, arrived: float) -> None:
         while self.running is not None:
             await self.running.wait()
             if self.last >= arrived - self.delay:
@@ -138,6 +152,15 @@ class Refresher:
 
     # ------------------------------------------------------------ worker thread
     def _look(self, known: dict, names: set) -> list[tuple]:
+        t0 = time.perf_counter()
+        try:
+            return self._look_at(known, names)
+        finally:
+            dt = time.perf_counter() - t0
+            self.look_s += dt
+            self.look_max_s = max(self.look_max_s, dt)
+
+    def _look_at(self, known: dict, names: set) -> list[tuple]:
         self.polls += 1
         out: list[tuple] = []
         root = os.path.join(self.backing, backingdir.WRITERS_DIR)
@@ -301,5 +324,9 @@ class Refresher:
                 "refresh_apply_seconds": round(self.apply_s, 4),
                 "refresh_apply_max_ms": round(self.apply_max_s * 1e3, 3),
                 "refresh_notifications": self.notifications,
+                "refresh_look_seconds": round(self.look_s, 4),
+                "refresh_look_max_ms": round(self.look_max_s * 1e3, 3),
+                "refresh_waits": self.waits,
+                "refresh_wait_seconds": round(self.wait_s, 4),
                 "writers_joined": self.writers_added,
                 "writers_reread": self.writers_reloaded}
