@@ -88,6 +88,7 @@ class Refresher:
         # changes (a LOOKUP holds its directory's lock in the kernel, which an invalidation of
         # an entry in that directory waits for).
         self.outbox: list[tuple] = []
+        self.warned: set[str] = set()  # (a problem is logged once, not at every look)
         self.wake = trio.Event()
 
     def due(self) -> bool:
@@ -183,7 +184,7 @@ class Refresher:
             except FileNotFoundError:
                 continue  # no index yet (or a listing raced its creation)
             except OSError as exc:
-                log.warning("writer %s: %s", wid, exc)
+                self._warn(f"writer {wid}: {exc}")
                 continue
             if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident or \
                     st.st_size < offset:
@@ -198,7 +199,7 @@ class Refresher:
             try:
                 scan, _ = records.read_index_tail(index, start)
             except (FormatError, OSError) as exc:
-                log.warning("writer %s: %s", wid, exc)
+                self._warn(f"writer {wid}: {exc}")
                 continue
             self.reads += 1
             self.bytes_read += st.st_size - start
@@ -214,13 +215,18 @@ class Refresher:
             try:
                 records.check_index_header(os.path.join(wdir, backingdir.INDEX_NAME))
             except FormatError as exc:
-                log.warning("writer %s is not read: %s", wid, exc)
+                self._warn(f"writer {wid} is not read: {exc}")
                 continue
             got = read_writer(wdir)
             self.reads += 1
             if not isinstance(got, str):
                 out.append(("new", wdir, *got))
         return out
+
+    def _warn(self, msg: str) -> None:
+        if msg not in self.warned:
+            self.warned.add(msg)
+            log.warning("%s", msg)
 
     # ------------------------------------------------------------ trio thread
     async def _apply(self, found: list[tuple]) -> None:
