@@ -213,9 +213,29 @@ def test_dead_ranges_are_the_gaps_between_live_ones_in_whole_blocks():
     m.space.ends[1] = 4 << 20
     m._punched_ranges = {}
     live = _merge([(4096 + 100, 8192), (1 << 20, (1 << 20) + 10), (2 << 20, 3 << 20)])
-    got = m._dead_ranges(1, live)
+    got = m._dead_ranges(1, live, 4 << 20)
     assert got == [(8192, 1 << 20), ((1 << 20) + 4096, 2 << 20), (3 << 20, 4 << 20)]
     m._punched_ranges[1] = [(8192, 1 << 20)]
-    assert m._dead_ranges(1, live) == got[1:]  # what was punched is not punched again
+    assert m._dead_ranges(1, live, 4 << 20) == got[1:]  # what was punched is not punched again
+    assert m._dead_ranges(1, live, 2 << 20) == got[1:2]  # nothing past where the log ended
     assert _subtract([(0, 1 << 20)], [(4096, 8192)]) == [(8192, 1 << 20)]  # (4 KiB < min)
     assert PUNCH_MIN_BYTES > 4096
+
+
+def test_live_ranges_are_whole_runs():
+    """A run a truncate left one piece of stays live whole: a read of that piece checks the
+    checksum of the whole run, so none of its bytes may be punched."""
+    import trio
+
+    from ckptfs.datapath.staging import ExtentMap
+
+    m = cleaner.Maintainer.__new__(cleaner.Maintainer)
+    m.ns = Namespace(now_ns=0)
+    x = m.ns.inodes[1].__class__(50, stat.S_IFREG | 0o644, 0, 0)
+    x.emap = ExtentMap()
+    run = Run(None, 0, 2 << 20, log=1, loff=1 << 20, crc=7)
+    x.emap.insert(0, 2 << 20, run, 0)
+    x.emap.truncate(4096)  # one 4 KiB piece of the 2 MiB run is left
+    m.ns.inodes[50] = x
+    live = trio.run(m.live_ranges, {1})
+    assert live == {1: [(1 << 20, 3 << 20)]}

@@ -397,6 +397,12 @@ class Maintainer:
         if not cands:
             return
         self.doing = f"punching dead ranges out of data logs {', '.join(map(str, cands))}"
+        # Where each log ended before its live ranges were taken: a segment made durable
+        # while this awaits lies beyond, and its runs are not in `live`.
+        ends = dict(space.ends)
+        for seg in self.flusher.in_flight:  # placed, not durable: never a hole
+            if seg.log in ends and seg.loff >= 0:
+                ends[seg.log] = min(ends[seg.log], seg.loff)
         try:
             live = await self.live_ranges(set(cands))
             # everything that killed those bytes, committed first: no committed extent is
@@ -404,7 +410,7 @@ class Maintainer:
             await self.flusher.wait_committed(self.journal.last_seq)
             holes = {}
             for lg in cands:
-                ranges = [r for r in self._dead_ranges(lg, live.get(lg, []))
+                ranges = [r for r in self._dead_ranges(lg, live.get(lg, []), ends.get(lg, 0))
                           if not self.reader.range_in_use(0, lg, r[0], r[1])]
                 if ranges:
                     holes[lg] = ranges
@@ -424,26 +430,29 @@ class Maintainer:
 
     async def live_ranges(self, logs: set[int]) -> dict[int, list[tuple[int, int]]]:
         """The byte ranges of `logs` that the own tree's extent maps point at (any file,
-        unlinked ones still open included), merged, per log."""
+        unlinked ones still open included), merged, per log: whole runs, since a read of any
+        part of a run checks the checksum of all of it (a run a truncate or an overwrite left
+        partly dead keeps its dead bytes)."""
         xs = list({id(x): x for x in self.ns.inodes.values()}.values())
         out: dict[int, list[tuple[int, int]]] = {lg: [] for lg in logs}
         for i in range(0, len(xs), ESTIMATE_SLICE):
             for x in xs[i:i + ESTIMATE_SLICE]:
                 if x.emap is None:
                     continue
-                for _, n, run, roff in x.emap.pieces:
+                for _, _, run, _ in x.emap.pieces:
                     if run.layer == 0 and run.log in out:
-                        a = run.loff + roff
-                        out[run.log].append((a, a + n))
+                        out[run.log].append((run.loff, run.loff + run.length))
             await trio.sleep(0)
         return {lg: _merge(r) for lg, r in out.items()}
 
-    def _dead_ranges(self, lg: int, live: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The gaps between the live ranges of log `lg` (from its header to its end), at
-        least PUNCH_MIN_BYTES, cut to whole blocks, less what was punched before."""
+    def _dead_ranges(self, lg: int, live: list[tuple[int, int]],
+                     end: int) -> list[tuple[int, int]]:
+        """The gaps between the live ranges of log `lg` (from its header to `end`, where it
+        ended when `live` was taken), at least PUNCH_MIN_BYTES, cut to whole blocks, less
+        what was punched before."""
         align = self.space.align
         out, pos = [], round_up(records.DATA_HEADER_BYTES, align)
-        for a, b in live + [(self.space.ends.get(lg, 0), 0)]:
+        for a, b in live + [(end, 0)]:
             lo, hi = round_up(pos, align), a // align * align
             if hi - lo >= PUNCH_MIN_BYTES:
                 out.append((lo, hi))
