@@ -203,15 +203,24 @@ class Maintainer:
 
     # ------------------------------------------------------------ the task
     async def run(self) -> None:
+        backoff = TICK_S
         while True:
             try:
                 await self.tick()
-            except OSError as exc:  # the backing store refused: retried at the next tick
+                backoff = TICK_S
+            except Exception as exc:  # noqa: BLE001 - maintenance must not end the mount
+                # The backing store refused (OSError), or a fault of the maintenance itself:
+                # either way the mount goes on serving; the step is tried again, less often
+                # while it keeps failing.
                 self.errors += 1
                 self.last_error = f"{exc.__class__.__name__}: {exc}"
-                log.warning("maintenance: %s (retried)", exc)
+                if isinstance(exc, OSError):
+                    log.warning("maintenance: %s (retried)", exc)
+                else:
+                    log.exception("maintenance failed (retried)")
                 self.doing = "idle"
-            await trio.sleep(TICK_S)
+                backoff = min(backoff * 2, 60.0)
+            await trio.sleep(backoff)
 
     async def tick(self) -> None:
         self._release_held()

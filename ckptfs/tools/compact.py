@@ -207,6 +207,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             out.finish()
             blob, version = _index_blob(ns, out, 1, view.max_stamp)
             write_fresh(os.path.join(tmp_dir, backingdir.INDEX_NAME), blob, version)
+            _fsync_dir(tmp_dir)  # its index and logs are named before the old writers go
         except BaseException:
             out.abort()
             shutil.rmtree(tmp_dir, ignore_errors=True)
