@@ -239,3 +239,20 @@ def test_live_ranges_are_whole_runs():
     m.ns.inodes[50] = x
     live = trio.run(m.live_ranges, {1})
     assert live == {1: [(1 << 20, 3 << 20)]}
+
+
+def test_compact_refuses_a_writer_whose_index_cannot_be_read(tmp_path):
+    """A writer whose index fails to load has no tree in the view: compacting it would write
+    the other writers' files into it and delete its logs. It is refused, nothing changes."""
+    from ckptfs.format import backingdir
+    from ckptfs.tools.compact import compact_writer
+
+    backingdir.check_backing(str(tmp_path), create=True)
+    wdir = tmp_path / "writers" / "w"
+    wdir.mkdir(parents=True)
+    (wdir / "index.log").mkdir()  # cannot be read as a file
+    (wdir / backingdir.data_log_name(1)).write_bytes(records.data_log_header("w", 1))
+    with pytest.raises(records.FormatError, match="cannot be read"):
+        compact_writer(str(tmp_path), "w", 1 << 30, False)
+    left = sorted(p.name for p in wdir.iterdir() if p.name not in ("writer.lock", "writer.json"))
+    assert left == [backingdir.data_log_name(1), "index.log"]  # its log was not deleted

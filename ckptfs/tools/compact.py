@@ -136,6 +136,10 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         view = load_foreign(ns, backing, None, union)
         layer = union.layers.get(writer)
         tree = view.trees.get(layer)
+        if tree is None:  # its index could not be read: compacting would lose its tree
+            why = [w for w in union.warnings if writer in w]
+            raise records.FormatError(f"writer {writer}: its index cannot be read "
+                                      f"({'; '.join(why) or 'no tree'}); not compacted")
         named: set[int] = set()  # its logs that other writers' XEXTENT records point into
         if tree is not None:
             view.carry_out(layer)
