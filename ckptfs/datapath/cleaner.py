@@ -113,8 +113,8 @@ class LogSpace:
             return
         run.dead += n
         seg = run.seg
-        if seg is None or seg.durable:  # counted already (replayed, or its segment durable)
-            self.live[run.log] -= n
+        if (seg is None or seg.durable) and run.log in self.live:  # counted already (replayed,
+            self.live[run.log] -= n  # or its segment durable; a retired log counts no more)
 
     def durable(self, seg: Segment) -> None:
         """Flusher.durable_hook: the segment's runs count for its log from now on."""
@@ -289,6 +289,7 @@ class Maintainer:
         for lg in logs:
             space.forget(lg)
             self.dead_since.pop(lg, None)
+            self._punched_ranges.pop(lg, None)
         # A log a reader is using right now is opened by the reader before it goes: the reader
         # reads on through that descriptor, and the space comes back when it lets go
         # (_release_held). (Reader state is the trio thread's; the opens run in the worker.)
@@ -387,11 +388,6 @@ class Maintainer:
                  before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
 
     # ------------------------------------------------------------ punching
-    def closed_logs(self) -> set[int]:
-        """Logs no segment is being placed in, that no other writer's tree names."""
-        busy = self.flusher.open_logs() | {seg.log for seg in self.flusher.in_flight}
-        return {lg for lg in self.space.live if lg not in busy}
-
     async def punch(self) -> None:
         """Give the dead ranges of closed logs back (step 3 of the module docstring)."""
         space = self.space
