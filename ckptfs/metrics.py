@@ -152,6 +152,8 @@ METRICS = {
                       "Opens, lookups, listings and syncs that waited for a look"),
     "refresh_wait_seconds": ("refresh_wait_seconds_total", "counter",
                              "Time requests waited for looks"),
+    "refresh_errors": ("refresh_errors_total", "counter",
+                       "Looks (or parts of them) the backing store failed: the view stayed"),
     "writers_joined": ("writers_joined_total", "counter", "Writers that appeared while mounted"),
     "writers_reread": ("writers_reread_total", "counter",
                        "Other writers' indexes read whole again (replaced by a rewrite)"),

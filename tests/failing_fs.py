@@ -10,14 +10,15 @@ operations it names (whitespace separated; an empty file means "write fsync") fa
     fsync    fsync/fdatasync of files and directories
     create   create, mkdir, rename, unlink, rmdir, truncate (the metadata writes)
     read     read(2)
+    list     opendir (listing a directory)
 
 A name prefixed with `hang-` (`hang-fsync`, `hang-write`, `hang-read`) makes that operation
 wait instead, as a store that stopped answering would, until the control file no longer names
 it.
 
 `.fail` itself is never shown in the mirror. Reads, lookups and listings keep working unless
-`read` is named. The process runs in the foreground and prints "ready" once mounted; it exits
-after `fusermount3 -u MOUNTPOINT` or SIGTERM/SIGINT (which unmount).
+`read` or `list` is named. The process runs in the foreground and prints "ready" once
+mounted; it exits after `fusermount3 -u MOUNTPOINT` or SIGTERM/SIGINT (which unmount).
 
 What it supports is what ckptfs does to its backing store: lookup/getattr/setattr, create and
 open (O_DIRECT is accepted: the kernel sends such writes straight through, the source file is
@@ -225,6 +226,7 @@ class FailingFS(pyfuse3.Operations):
 
     # ------------------------------------------------------------ directories
     async def opendir(self, inode, ctx):
+        self._check("list")
         try:
             names = sorted(os.listdir(self._path(inode)))
         except OSError as exc:

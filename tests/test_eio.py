@@ -454,3 +454,48 @@ def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
     assert read_all(path) == data
     m2.stop()
 
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
+def test_a_failing_look_at_other_writers_serves_the_view(failing, mounts, fast_path):
+    """A backing store that fails the look at the other writers (listing writers/ gives EIO)
+    does not fail the requests that look first (lookup, open, listing: --refresh 0 looks at
+    every one): they are served from the view as it is, the mount's own files and the other
+    writer's seen before, with and without the fast path. The failures are counted
+    (refresh_errors) and logged once while they last; once the store heals, the next look
+    brings in what the other writer made durable meanwhile."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.2, fast_path=fast_path)
+    b = mounts.mount(backing, writer_id="w1", **opts)
+    a = mounts.mount(backing, writer_id="w0", refresh=0, **opts)
+    with open(os.path.join(b.mountpoint, "theirs"), "wb") as f:
+        f.write(b"t" * 5000)
+    b.sync()
+    with open(os.path.join(a.mountpoint, "mine"), "wb") as f:
+        f.write(b"m" * 7000)
+    a.sync()
+    assert sorted(os.listdir(a.mountpoint)) == ["mine", "theirs"]
+    failing.fail("list")
+    try:
+        with pytest.raises(OSError):
+            os.listdir(os.path.join(failing.mountpoint, "b", "writers"))  # (it fails)
+        for _ in range(3):
+            with pytest.raises(FileNotFoundError):  # a LOOKUP each (nothing cached)
+                os.stat(os.path.join(a.mountpoint, "nothere"))
+            assert read_all(os.path.join(a.mountpoint, "mine")) == b"m" * 7000  # OPEN
+            assert read_all(os.path.join(a.mountpoint, "theirs")) == b"t" * 5000
+            assert sorted(os.listdir(a.mountpoint)) == ["mine", "theirs"]  # OPENDIR
+        st = a.status()
+        assert st["refresh_errors"] >= 3, st
+        assert a.proc.poll() is None
+    finally:
+        failing.heal()
+    with open(os.path.join(b.mountpoint, "later"), "wb") as f:
+        f.write(b"l" * 3000)
+    b.sync()
+    assert read_all(os.path.join(a.mountpoint, "later")) == b"l" * 3000
+    text = mounts.log(a)
+    assert text.count("looking at other writers' changes:") == 1, text
+    assert "looking at other writers' changes works again" in text, text
+    assert "internal error" not in text, text

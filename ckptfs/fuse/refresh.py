@@ -84,6 +84,8 @@ class Refresher:
         self.wait_s = 0.0
         self.writers_added = 0
         self.writers_reloaded = 0
+        self.errors = 0  # looks (or parts of them) the backing store failed
+        self.failing = False  # the last look failed (logged once per such streak)
         # Invalidations go out from their own task: never from the request that found the
         # changes (a LOOKUP holds its directory's lock in the kernel, which an invalidation of
         # an entry in that directory waits for).
@@ -153,9 +155,25 @@ class Refresher:
 
     # ------------------------------------------------------------ worker thread
     def _look(self, known: dict, names: set) -> list[tuple]:
+        """The look (worker thread). A backing store that fails it (writers/ cannot be listed,
+        an index cannot be opened) leaves the view as it is: requests are served from it, the
+        failure is counted (refresh_errors) and logged once while it lasts, and the next look
+        tries again."""
         t0 = time.perf_counter()
         try:
-            return self._look_at(known, names)
+            found = self._look_at(known, names)
+        except OSError as exc:
+            self.errors += 1
+            if not self.failing:
+                self.failing = True
+                log.warning("looking at other writers' changes: %s (the view stays as it is "
+                            "until a look succeeds)", exc)
+            return []
+        else:
+            if self.failing:
+                self.failing = False
+                log.info("looking at other writers' changes works again")
+            return found
         finally:
             dt = time.perf_counter() - t0
             self.look_s += dt
@@ -184,6 +202,7 @@ class Refresher:
             except FileNotFoundError:
                 continue  # no index yet (or a listing raced its creation)
             except OSError as exc:
+                self.errors += 1
                 self._warn(f"writer {wid}: {exc}")
                 continue
             if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident or \
@@ -199,6 +218,7 @@ class Refresher:
             try:
                 scan, _ = records.read_index_tail(index, start)
             except (FormatError, OSError) as exc:
+                self.errors += isinstance(exc, OSError)
                 self._warn(f"writer {wid}: {exc}")
                 continue
             self.reads += 1
@@ -334,5 +354,6 @@ class Refresher:
                 "refresh_look_max_ms": round(self.look_max_s * 1e3, 3),
                 "refresh_waits": self.waits,
                 "refresh_wait_seconds": round(self.wait_s, 4),
+                "refresh_errors": self.errors,
                 "writers_joined": self.writers_added,
                 "writers_reread": self.writers_reloaded}
