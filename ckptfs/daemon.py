@@ -143,6 +143,8 @@ def prepare(cfg: MountConfig) -> dict:
             records.check_index_header(os.path.join(wdir, backingdir.INDEX_NAME))
         except FormatError as exc:
             raise MountError(str(exc)) from None
+        except OSError:
+            pass  # (not read now: the replay reports it, another writer's is read again later)
     facts: dict = {}
     if cfg.io_mode == "buffered":
         facts["direct"] = False
@@ -270,7 +272,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         flusher.durable_hook = space.durable
         maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
         maintainer.configure(staging, cfg)
-        maintainer.others_use = lambda: cleaner.logs_named_by_others(view)
+        maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
         if len(backingdir.writer_dirs(cfg.backing)) > 1:
             maintainer.grace_s = cleaner.SHARED_GRACE_S
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,

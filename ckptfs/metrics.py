@@ -157,6 +157,9 @@ METRICS = {
     "writers_joined": ("writers_joined_total", "counter", "Writers that appeared while mounted"),
     "writers_reread": ("writers_reread_total", "counter",
                        "Other writers' indexes read whole again (replaced by a rewrite)"),
+    "writers_unread": ("writers_unread", "gauge",
+                       "Other writers whose index could not be read (tried again at every "
+                       "look; meanwhile no data log of this writer is given back)"),
 }
 # words and flags: labels of ckptfs_info
 INFO_LABELS = ("pid", "backing", "engine", "io_mode", "readonly", "direct_reads",

@@ -289,9 +289,18 @@ class View:
         self.index_ids[layer] = ident
         return t
 
-    def add_tree(self, wdir: str, scan, ident) -> int:
-        """A writer that appeared while mounted: its whole tree joins the view."""
-        layer = self.add_writer(wdir)
+    def unloaded(self) -> list[int]:
+        """The layers of other writers without a tree: their index could not be read (at
+        mount, or when they appeared). Such a writer's files are not in the view, and what
+        its records name (XEXTENT: runs in other writers' logs) is not known."""
+        return [layer for layer in self.union.layers.values()
+                if layer != 0 and layer not in self.trees]
+
+    def add_tree(self, wdir: str, scan, ident, layer: int | None = None) -> int:
+        """A writer that appeared while mounted, or (`layer`) one whose index could not be
+        read before: its whole tree joins the view."""
+        if layer is None:
+            layer = self.add_writer(wdir)
         t = self._install(layer, wdir, scan, ident)
         for rec in t.xunlinks:
             self._whiteout(rec)

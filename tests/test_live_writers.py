@@ -112,6 +112,33 @@ def test_an_idle_mount_looks_with_a_few_calls_per_second(mounts):
 
 
 @pytest.mark.timeout(60)
+def test_a_writer_whose_index_could_not_be_read_at_mount_joins_later(mounts):
+    """A writer whose index cannot be read when a mount starts (here its index.log is a
+    directory for a while, as a transient EIO would leave it) is read again at every look:
+    the mount counts it (writers_unread) meanwhile, and shows its files within the delay
+    once its index can be read."""
+    backing = mounts.backing()
+    b = mounts.mount(backing, writer_id="w1")
+    v = torch.arange(300, dtype=torch.float32)
+    save(b, "step_1/x.pt", v)
+    b.stop()
+    index = os.path.join(backing, "writers", "w1", "index.log")
+    os.rename(index, index + ".away")
+    os.mkdir(index)
+    a = mounts.mount(backing, writer_id="w0", refresh=0.2)
+    assert not exists(a, "step_1")
+    wait_for(lambda: a.status()["refresh_reads"] >= 2, 0.4 + SLACK_S)  # read again, failed
+    assert a.status()["writers_unread"] == 1
+    assert not exists(a, "step_1")
+    os.rmdir(index)
+    os.rename(index + ".away", index)
+    wait_for(lambda: exists(a, "step_1/x.pt"), 0.2 + SLACK_S)
+    assert bits(load(a, "step_1/x.pt")) == bits(v)
+    assert a.status()["writers_unread"] == 0
+    assert mounts.log(a).count("writer w1 skipped") == 1  # (logged once, not at every look)
+
+
+@pytest.mark.timeout(60)
 def test_refresh_option_is_checked(mounts):
     with pytest.raises(Exception, match="--refresh"):
         mounts.mount(mounts.backing(), writer_id="w0", refresh=-1)

@@ -256,3 +256,34 @@ def test_compact_refuses_a_writer_whose_index_cannot_be_read(tmp_path):
         compact_writer(str(tmp_path), "w", 1 << 30, False)
     left = sorted(p.name for p in wdir.iterdir() if p.name not in ("writer.lock", "writer.json"))
     assert left == [backingdir.data_log_name(1), "index.log"]  # its log was not deleted
+
+
+def test_every_own_log_is_named_while_another_writers_index_cannot_be_read(tmp_path):
+    """A writer whose index could not be read has no tree in the view, so the XEXTENT records
+    of its files copied up from this writer are not known: until its tree is loaded, every own
+    log counts as named by others (none is retired, punched or cleaned). Once it is read, only
+    the log its records name."""
+    from ckptfs.format import backingdir
+    from ckptfs.format.records import XExtentRec
+    from ckptfs.replay import Union, load_foreign, read_writer
+
+    backingdir.check_backing(str(tmp_path), create=True)
+    wdir = tmp_path / "writers" / "w1"
+    wdir.mkdir(parents=True)
+    (wdir / "index.log").mkdir()  # cannot be read as a file
+    union = Union(writer_dirs={0: str(tmp_path / "writers" / "w0")})
+    view = load_foreign(Namespace(now_ns=0), str(tmp_path), "w0", union)
+    layer = view.layer_of("w1")
+    assert layer is not None and view.unloaded() == [layer]
+    own = {1: 0, 2: 100, 3: 0}  # (the cleaner's LogSpace.live: log -> live bytes)
+    assert cleaner.logs_named_by_others(view, own) == {1, 2, 3}
+    (wdir / "index.log").rmdir()
+    recs = [InodeRec(2, 1, b"f", stat.S_IFREG | 0o644, 0, 0, 0, 1, 1, 1),
+            XExtentRec(2, 0, 100, "w0", 3, 4096, 100, 0, 0)]
+    (wdir / "index.log").write_bytes(
+        records.index_header(records.CROSS_INDEX_VERSION) + b"".join(map(records.encode, recs))
+        + records.encode(CommitRec(len(recs), 1)))
+    view.add_tree(str(wdir), *read_writer(str(wdir)), layer)
+    assert view.unloaded() == []
+    assert view.trees[layer].inodes[2].size == 100
+    assert cleaner.logs_named_by_others(view, own) == {3}

@@ -672,8 +672,11 @@ def _subtract(ranges: list[tuple[int, int]], minus: list[tuple[int, int]]
     return out
 
 
-def logs_named_by_others(view) -> set[int]:
-    """The own data logs that other writers' trees (replay.View) point into."""
+def logs_named_by_others(view, own_logs=()) -> set[int]:
+    """The own data logs that other writers' trees (replay.View) point into; all of
+    `own_logs` while another writer's tree could not be read (it may point into any)."""
+    if view.unloaded():
+        return set(own_logs)
     alias = getattr(view, "own_alias", None)
     if alias is None:
         return set()

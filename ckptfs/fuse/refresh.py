@@ -90,7 +90,9 @@ class Refresher:
         # changes (a LOOKUP holds its directory's lock in the kernel, which an invalidation of
         # an entry in that directory waits for).
         self.outbox: list[tuple] = []
-        self.warned: set[str] = set()  # (a problem is logged once, not at every look)
+        # (a problem is logged once, not at every look; those of the mount's replay were)
+        self.warned: set[str] = set(view.union.warnings)
+        self._warned = len(view.union.warnings)
         self.wake = trio.Event()
 
     def due(self) -> bool:
@@ -138,7 +140,8 @@ class Refresher:
                              view.index_ids.get(layer))
                      for layer in view.trees}
             names = set(view.union.layers)
-            found = await trio.to_thread.run_sync(self._look, known, names)
+            unread = {layer: view.union.writer_dirs[layer] for layer in view.unloaded()}
+            found = await trio.to_thread.run_sync(self._look, known, names, unread)
             await self._apply(found)
         finally:
             ev, self.running = self.running, None
@@ -154,14 +157,14 @@ class Refresher:
             self.wake.set()
 
     # ------------------------------------------------------------ worker thread
-    def _look(self, known: dict, names: set) -> list[tuple]:
+    def _look(self, known: dict, names: set, unread: dict) -> list[tuple]:
         """The look (worker thread). A backing store that fails it (writers/ cannot be listed,
         an index cannot be opened) leaves the view as it is: requests are served from it, the
         failure is counted (refresh_errors) and logged once while it lasts, and the next look
         tries again."""
         t0 = time.perf_counter()
         try:
-            found = self._look_at(known, names)
+            found = self._look_at(known, names, unread)
         except OSError as exc:
             self.errors += 1
             if not self.failing:
@@ -179,7 +182,7 @@ class Refresher:
             self.look_s += dt
             self.look_max_s = max(self.look_max_s, dt)
 
-    def _look_at(self, known: dict, names: set) -> list[tuple]:
+    def _look_at(self, known: dict, names: set, unread: dict) -> list[tuple]:
         self.polls += 1
         out: list[tuple] = []
         root = os.path.join(self.backing, backingdir.WRITERS_DIR)
@@ -224,6 +227,16 @@ class Refresher:
             self.reads += 1
             self.bytes_read += st.st_size - start
             out.append(("tail", layer, scan, (st.st_dev, st.st_ino)))
+        for layer, wdir in unread.items():  # writers whose index could not be read: again
+            if os.path.basename(wdir) not in present:
+                out.append(("gone", layer))
+                continue
+            got = read_writer(wdir)
+            self.reads += 1
+            if isinstance(got, str):
+                self._warn(got)
+            else:
+                out.append(("read", layer, wdir, *got))
         for wid in sorted(present - names):
             wdir = os.path.join(root, wid)
             try:
@@ -239,7 +252,10 @@ class Refresher:
                 continue
             got = read_writer(wdir)
             self.reads += 1
-            if not isinstance(got, str):
+            if isinstance(got, str):  # a layer without a tree: read again at every look
+                self._warn(got)
+                out.append(("unread", wdir))
+            else:
                 out.append(("new", wdir, *got))
         return out
 
@@ -277,6 +293,18 @@ class Refresher:
                     view.add_tree(wdir, scan, ident)
                     self.writers_added += 1
                     log.info("writer %s joined the view", os.path.basename(wdir))
+                elif kind == "unread":
+                    wdir = item[1]
+                    if os.path.basename(wdir) not in view.union.layers:
+                        view.add_writer(wdir)
+                        self.writers_added += 1
+                elif kind == "read":
+                    _, layer, wdir, scan, ident = item
+                    wid = os.path.basename(wdir)
+                    if layer in view.trees or view.union.layers.get(wid) != layer:
+                        continue
+                    view.add_tree(wdir, scan, ident, layer)
+                    log.info("writer %s: its index read, it joins the view", wid)
                 elif kind == "replaced":
                     _, layer, wdir, scan, ident = item
                     view.drop_tree(layer)
@@ -293,8 +321,6 @@ class Refresher:
             self._warned = len(view.union.warnings)
             if view.max_stamp > self.journal.seen_ns:
                 self.journal.seen_ns = view.max_stamp
-
-    _warned = 0
 
     def _account(self, t0: float) -> None:
         dt = time.perf_counter() - t0
@@ -356,4 +382,5 @@ class Refresher:
                 "refresh_wait_seconds": round(self.wait_s, 4),
                 "refresh_errors": self.errors,
                 "writers_joined": self.writers_added,
-                "writers_reread": self.writers_reloaded}
+                "writers_reread": self.writers_reloaded,
+                "writers_unread": len(self.view.unloaded())}
