@@ -29,6 +29,7 @@ from ckptfs.format.records import (
     InodeRec,
     LinkRec,
     RenameRec,
+    RetireRec,
     SetattrRec,
     SizeRec,
     UnlinkRec,
@@ -77,6 +78,8 @@ def apply_group(ns: Namespace, group: list, when: int, where: str, warnings: lis
                 target = rec.ino
                 if touched is not None and t in (ExtentRec, XExtentRec):
                     touched.runs.append(rec)
+            elif t is RetireRec and touched is not None:
+                touched.runs.append(rec)
             if target is not None and target in ns.inodes:
                 ns.inodes[target].commit_ns = when
                 if touched is not None:
@@ -132,7 +135,9 @@ class _Touched:
     def __init__(self) -> None:
         self.names: set[tuple[int, bytes]] = set()  # (directory, name) in that writer's numbers
         self.inos: set[int] = set()
-        self.runs: list = []  # EXTENT / XEXTENT records (the reader drops cached chunks)
+        # EXTENT / XEXTENT records (the reader drops cached chunks) and RETIRE records (the
+        # reader lets go of the log)
+        self.runs: list = []
 
 
 INF = 1 << 63  # the stamp of an own change not committed yet: it commits after all seen
@@ -327,7 +332,8 @@ class View:
 
     def apply_group(self, layer: int, group: list, when: int) -> list:
         """One commit group read from the tail of another writer's index. Returns its EXTENT
-        and XEXTENT records (the reader drops what it cached of those log ranges)."""
+        and XEXTENT records (the reader drops what it cached of those log ranges) and its
+        RETIRE records (the reader lets go of those logs)."""
         t = self.trees[layer]
         touched = _Touched()
         first_x = len(t.xunlinks)

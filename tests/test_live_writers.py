@@ -138,6 +138,62 @@ def test_a_writer_whose_index_could_not_be_read_at_mount_joins_later(mounts):
     assert mounts.log(a).count("writer w1 skipped") == 1  # (logged once, not at every look)
 
 
+def fds_into(pid: int, wdir: str) -> int:
+    """Descriptors process `pid` has open on data logs of writer directory `wdir` (also
+    on removed ones)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(os.path.join(wdir, "data-"))
+    return n
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["index-snapshots", "retired-logs"])
+def test_a_watching_mount_lets_go_of_other_writers_logs(mounts, what):
+    """A mount reading another writer's files opens that writer's data logs. It lets go of a
+    log that writer retires, and of every log of its old tree when that writer puts an index
+    snapshot in place (the tree is read anew): the descriptors do not pile up with every
+    snapshot or retired log (a retired log's space would stay taken)."""
+    from ckptfs.format import backingdir
+    backing = mounts.backing()
+    opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.1, clean_idle=0.1)
+    if what == "index-snapshots":
+        opts.update(index_snapshot_min="2K", index_snapshot_ratio=1.1)
+    else:
+        opts.update(log_size="2M", index_snapshot_ratio=0)
+    b = mounts.mount(backing, writer_id="w1", **opts)  # alone at its mount: retires at once
+    a = mounts.mount(backing, writer_id="w0", refresh=0.2)
+    pid = a.status()["pid"]
+    wdir = os.path.realpath(os.path.join(backing, "writers", "w1"))
+    bm, am = b.mountpoint, a.mountpoint
+    files = 20 if what == "index-snapshots" else 1
+    size = 2000 if what == "index-snapshots" else 1536 << 10
+    for r in range(5):
+        snaps = b.status()["index_snapshots"]
+        for k in range(files):
+            with open(f"{bm}/r{r}_{k}", "wb") as f:
+                f.write(bytes([r + k & 255]) * size)
+            if r:
+                os.unlink(f"{bm}/r{r - 1}_{k}")
+        b.sync()
+        if what == "index-snapshots" and r:  # the snapshot, then a's look reading it whole
+            wait_for(lambda: b.status()["index_snapshots"] > snaps, 10)
+            wait_for(lambda: a.status()["writers_reread"] >= r, 0.2 + SLACK_S)
+        for k in range(files):
+            wait_for(lambda: exists(a, f"r{r}_{k}"), 0.2 + SLACK_S)
+            with open(f"{am}/r{r}_{k}", "rb") as f:
+                assert f.read() == bytes([r + k & 255]) * size
+    if what == "retired-logs":
+        wait_for(lambda: b.status()["logs_retired"] >= 3, 10)
+    # at most one descriptor per data log still there, within a few looks
+    wait_for(lambda: fds_into(pid, wdir) <= len(backingdir.data_logs(wdir)), 0.6 + SLACK_S)
+    assert fds_into(pid, wdir) >= 1  # (it did open them)
+
+
 @pytest.mark.timeout(60)
 def test_refresh_option_is_checked(mounts):
     with pytest.raises(Exception, match="--refresh"):

@@ -140,6 +140,13 @@ class Reader:
         reads using it go on through the descriptor)."""
         self._fd(layer, number)
 
+    def logs_of(self, layer: int) -> set[int]:
+        """The logs of `layer` the reader holds anything of (a descriptor, chunks, their
+        bookkeeping)."""
+        return {k[1] for table in (self.fds, self.chunks, self.live, self.gen, self.log_end,
+                                   self.ra_window, self.chunk_runs)
+                for k in table if k[0] == layer}
+
     def forget_log(self, layer: int, number: int) -> None:
         """The log is gone (retired) and nothing uses it: close its descriptor, drop its
         chunks and their bookkeeping."""

@@ -27,7 +27,7 @@ import time
 import trio
 
 from ckptfs.format import backingdir, records
-from ckptfs.format.records import FormatError, XExtentRec
+from ckptfs.format.records import FormatError, RetireRec, XExtentRec
 from ckptfs.replay import ENTRY, INODE, View, read_writer
 
 log = logging.getLogger("ckptfs")
@@ -94,6 +94,9 @@ class Refresher:
         self.warned: set[str] = set(view.union.warnings)
         self._warned = len(view.union.warnings)
         self.wake = trio.Event()
+        # (layer, log) of other writers the reader is to let go of once no READ uses them: a
+        # retired log, or every log of a tree that left the view (a new tree, a new layer)
+        self.held: set[tuple[int, int]] = set()
 
     def due(self) -> bool:
         return trio.current_time() - self.last >= self.delay
@@ -268,6 +271,7 @@ class Refresher:
     async def _apply(self, found: list[tuple]) -> None:
         view = self.view
         async with self.lock:
+            self._release()
             t0 = time.perf_counter()
             for item in found:
                 kind = item[0]
@@ -308,11 +312,13 @@ class Refresher:
                 elif kind == "replaced":
                     _, layer, wdir, scan, ident = item
                     view.drop_tree(layer)
+                    self._forget(layer, self.reader.logs_of(layer))
                     view.add_tree(wdir, scan, ident)
                     self.writers_reloaded += 1
                     log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
                 elif kind == "gone":
                     view.drop_tree(item[1])
+                    self._forget(item[1], self.reader.logs_of(item[1]))
                     log.info("writer %s left the backing directory",
                              view.union.writer_ids.get(item[1]))
             self._account(t0)
@@ -332,12 +338,29 @@ class Refresher:
         """The reader may hold a chunk of a log read before these bytes were in it."""
         view = self.view
         for rec in runs:
-            if type(rec) is XExtentRec:
+            if type(rec) is RetireRec:
+                self._forget(layer, (rec.log,))
+            elif type(rec) is XExtentRec:
                 lay = view._tree_layer_of(rec.writer)
                 if lay is not None:
                     self.reader.invalidate(lay, rec.log, rec.loff, rec.run_length)
             else:
                 self.reader.invalidate(layer, rec.log, rec.loff, rec.length)
+
+    def _forget(self, layer: int, logs) -> None:
+        """The reader lets go of these logs of `layer` (their descriptors, cached chunks and
+        bookkeeping), now or, for one a READ or a load is using, at a later look."""
+        for lg in logs:
+            if self.reader.log_in_use(layer, lg):
+                self.held.add((layer, lg))
+            else:
+                self.reader.forget_log(layer, lg)
+
+    def _release(self) -> None:
+        for layer, lg in list(self.held):
+            if not self.reader.log_in_use(layer, lg):
+                self.reader.forget_log(layer, lg)
+                self.held.discard((layer, lg))
 
     async def _sender(self) -> None:
         while True:
