@@ -33,8 +33,9 @@ def test_a_few_small_steps(tmp_path):
         assert s["durable_s"] > 0 and s["disk_bytes"] > 0 and s["index_bytes"] > 16
         assert s["live_bytes"] > 0 and s["rss_bytes"] > 0
     assert res["steps"][-1]["live_bytes"] <= 2 * res["checkpoint_bytes"] + (1 << 20)
-    assert res["remount_s"] > 0 and res["fresh"]["remount_s"] > 0
-    assert 0 <= res["replay_s"] < res["remount_s"] and len(res["remounts_s"]) == 1
+    for series in (res, res["fresh"]):  # (the times themselves belong to the benchmark)
+        assert series["remount_s"] > 0 and series["replay_s"] >= 0
+        assert len(series["remounts_s"]) == 1
     assert res["fresh"]["index_bytes"] > 16
     assert {v["target"] for v in res["targets"]} == {"remount"}  # (no step 10 in 4 steps)
     assert "targets held" in proc.stdout

@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 
 from test_glusterfs import gdir, gluster, second_client  # noqa: F401  (fixtures)
-from test_live_writers import SLACK_S, cross_writer_changes, dcp_job, visibility
+from test_live_writers import cross_writer_changes, dcp_job, visibility
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]
 
 
 def test_visible_through_another_client_within_the_delay(gdir, mounts, second_client):  # noqa: F811
-    dt = visibility(mounts, gdir, second_client(gdir))
-    assert dt <= 1.0 + SLACK_S
+    visibility(mounts, gdir, second_client(gdir))  # (each change within the delay + slack)
 
 
 def test_changes_to_other_writers_entries_through_two_clients(gdir, mounts, second_client,  # noqa: F811
