@@ -16,9 +16,10 @@ as between a real job's checkpoints). At the end of each step it records:
 
 At the end: an unmount, timed remounts of the backing directory and of a fresh copy of the
 live tree (`ckptfs export` + `ckptfs import` into a new backing directory, whose index is the
-"fresh index" the targets compare with), --remounts of each, alternating, without faulting
-the staging memory in (--no-populate: the daemon's start, not the backing directory's doing);
-the medians of the time until the mount is ready and of the replay the daemon logs. The
+"fresh index" the targets compare with), --remounts of each after a warm-up, in ABBA order,
+without faulting the staging memory in (--no-populate: the daemon's start, not the backing
+directory's doing); the medians of the time until the mount is ready and of the replay the
+daemon logs. The
 targets (docs/benchmarks.md) are judged at the end; a plot of the series per step and a JSON
 with everything are written.
 """
@@ -92,12 +93,14 @@ def timed_mount(backing: str, mnt: str, log_file: str, opts: dict) -> tuple[floa
 
 def remounts(pairs: list[tuple[str, str]], mnt: str, log_file: str, opts: dict,
              times: int) -> dict[str, list[tuple[float, float]]]:
-    """`times` rounds of timed mounts of each (name, backing), alternating (A B A B ...), so
-    that the machine's drift (memory being reclaimed after the long run, other load) falls on
-    both alike."""
+    """`times` timed mounts of each (name, backing) after one warm-up mount of each (not
+    counted: the first mount after the long run starts a cold daemon), in ABBA order, so
+    that the machine's drift (memory being reclaimed, other load) falls on both alike."""
     out: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in pairs}
-    for _ in range(times):
-        for name, backing in pairs:
+    for _, backing in pairs:
+        timed_mount(backing, mnt, log_file, opts)
+    for i in range(times):
+        for name, backing in (pairs if i % 2 == 0 else pairs[::-1]):
             out[name].append(timed_mount(backing, mnt, log_file, opts))
     return out
 
