@@ -24,6 +24,7 @@ import sys
 import time
 
 BLOCK = 4096
+STALE_LIMIT_S = 30.0  # an append another client still does not see after this is an error
 
 
 # ---------------------------------------------------------------- O_DIRECT
@@ -235,28 +236,36 @@ def probe_close_to_open(d1: str, d2: str, n: int = 100) -> dict[str, dict[str, i
         w.start()
         stale = {"stat": 0, "buffered read": 0, "O_DIRECT read": 0}
         longest = 0.0
-        for i in range(n):
-            go.put(1)
-            done.get(timeout=60)
-            want = (i + 1) * BLOCK
-            if mode != "plain":
-                os.listdir(d2)
-            if os.stat(p2).st_size != want:
-                stale["stat"] += 1
-            if _read_direct(p2) != want:
-                stale["O_DIRECT read"] += 1
-            with open(p2, "rb") as f:
-                short = len(f.read()) != want
-            if short:
-                stale["buffered read"] += 1
-                t0 = time.monotonic()
-                while True:
-                    with open(p2, "rb") as f:
-                        if len(f.read()) == want:
-                            break
-                    time.sleep(0.01)
-                longest = max(longest, time.monotonic() - t0)
-        w.join(60)
+        try:
+            for i in range(n):
+                go.put(1)
+                done.get(timeout=60)
+                want = (i + 1) * BLOCK
+                if mode != "plain":
+                    os.listdir(d2)
+                if os.stat(p2).st_size != want:
+                    stale["stat"] += 1
+                if _read_direct(p2) != want:
+                    stale["O_DIRECT read"] += 1
+                with open(p2, "rb") as f:
+                    short = len(f.read()) != want
+                if short:
+                    stale["buffered read"] += 1
+                    t0 = time.monotonic()
+                    while True:
+                        with open(p2, "rb") as f:
+                            if len(f.read()) == want:
+                                break
+                        if time.monotonic() - t0 > STALE_LIMIT_S:
+                            raise TimeoutError(f"{p2}: append {i} not seen by this client "
+                                               f"{STALE_LIMIT_S:.0f} s after it was fsynced")
+                        time.sleep(0.01)
+                    longest = max(longest, time.monotonic() - t0)
+        finally:
+            w.join(60)
+            if w.is_alive():  # (the probe gave up: the appender waits for the next go)
+                w.kill()
+                w.join(10)
         stale["of"] = n
         stale["stale for at most ms"] = round(longest * 1e3)
         out[mode] = stale

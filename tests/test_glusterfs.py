@@ -361,12 +361,13 @@ def test_verify_export_compact(gdir, mounts, tmp_path):
 @pytest.fixture
 def second_client(gluster, tmp_path):
     """The volume mounted a second time: another gluster client, with caches of its own, as
-    on another node. Returns a function mapping a path on the first mount to the second."""
+    on another node. Returns a function mapping a path on the first mount to the second.
+    Request it before `mounts`, so the ckptfs mounts over it are gone when it is torn down."""
     mp2 = str(tmp_path / "client2")
     os.mkdir(mp2)
     src = api.mount_at(os.path.realpath(gluster.mount)).source
-    subprocess.run(["mount", "-t", "glusterfs", src, mp2], check=True, timeout=60,
-                   capture_output=True)
+    subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={tmp_path}/client2.log", src,
+                    mp2], check=True, timeout=60, capture_output=True)  # (not in /var/log)
     try:
         yield lambda p: os.path.join(mp2, os.path.relpath(p, gluster.mount))
     finally:
@@ -378,7 +379,7 @@ def second_client(gluster, tmp_path):
             subprocess.run(["umount", "-l", mp2], timeout=30, capture_output=True)
 
 
-def test_restore_on_another_client_right_after_sync(gdir, mounts, second_client):
+def test_restore_on_another_client_right_after_sync(gdir, second_client, mounts):
     """A writer saves and syncs step after step; right after each sync a read-only mount over
     the second client (another node) restores it. That client's caches still hold the sizes
     of the index and data logs from before (it looked at them for the previous step): every
@@ -417,7 +418,7 @@ def _warm(path: str) -> None:
                 read_all(p)
 
 
-def test_offline_view_on_another_client_right_after_sync(gdir, mounts, second_client):
+def test_offline_view_on_another_client_right_after_sync(gdir, second_client, mounts):
     """The same, without the start-up time of a mount: the second client has just looked at
     the backing directory (its cached sizes are the old ones) when a writer's sync returns,
     and the committed tree is read there at once (what `ckptfs ls/verify/export` and a mount's
@@ -480,7 +481,7 @@ def test_what_differs_on_the_volume(gdir, second_client):
     assert fresh["stat"] == fresh["buffered read"] == fresh["O_DIRECT read"] == 0, fresh
 
 
-def test_writer_id_locked_across_clients(gdir, mounts, second_client):
+def test_writer_id_locked_across_clients(gdir, second_client, mounts):
     """A second mount with a writer id that is in use is refused through another client as
     well (flock reaches across gluster clients); once the first is unmounted it works."""
     m = mounts.mount(gdir, writer_id="node1")
@@ -494,7 +495,8 @@ def test_writer_id_locked_across_clients(gdir, mounts, second_client):
 
 # ---------------------------------------------------------------- the script itself
 def test_script_idempotent_and_refuses_hosts_outside_loopback(gluster, tmp_path):
-    before = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
+    before = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True,
+                            timeout=30).stdout
     res = gluster.script("up", 120)  # up again: nothing changes
     assert res.returncode == 0 and "up:" in res.stdout, res.stdout + res.stderr
     assert "started" not in res.stdout and "created" not in res.stdout, res.stdout

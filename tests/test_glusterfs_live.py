@@ -16,14 +16,15 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]
 
 
-def test_visible_through_another_client_within_the_delay(gdir, mounts, second_client):  # noqa: F811
+# (second_client before mounts: the ckptfs mounts over the second client go first)
+def test_visible_through_another_client_within_the_delay(gdir, second_client, mounts):  # noqa: F811
     visibility(mounts, gdir, second_client(gdir))  # (each change within the delay + slack)
 
 
-def test_changes_to_other_writers_entries_through_two_clients(gdir, mounts, second_client,  # noqa: F811
+def test_changes_to_other_writers_entries_through_two_clients(gdir, second_client, mounts,  # noqa: F811
                                                             tmp_path):
     cross_writer_changes(mounts, gdir, second_client(gdir), str(tmp_path))
 
 
-def test_torchrun_job_over_two_clients(gdir, mounts, second_client, tmp_path):  # noqa: F811
+def test_torchrun_job_over_two_clients(gdir, second_client, mounts, tmp_path):  # noqa: F811
     dcp_job(mounts, gdir, second_client(gdir), tmp_path)
