@@ -166,8 +166,9 @@ def test_a_watching_mount_lets_go_of_other_writers_logs(mounts, what):
         opts.update(index_snapshot_min="2K", index_snapshot_ratio=1.1)
     else:
         opts.update(log_size="2M", index_snapshot_ratio=0)
-    b = mounts.mount(backing, writer_id="w1", **opts)  # alone at its mount: retires at once
-    a = mounts.mount(backing, writer_id="w0", refresh=0.2)
+    b = mounts.mount(backing, writer_id="w1", **opts)
+    # (read-only: no writer directory, so b stays the only writer and retires at once)
+    a = mounts.mount(backing, ro=True, refresh=0.2)
     pid = a.status()["pid"]
     wdir = os.path.realpath(os.path.join(backing, "writers", "w1"))
     bm, am = b.mountpoint, a.mountpoint
