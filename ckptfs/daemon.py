@@ -66,8 +66,10 @@ def _check_config(self) -> None:
         raise ValueError("--io-chunk must be a multiple of 4 KiB")
     if self.idle_flush_s <= 0:
         raise ValueError("--idle-flush must be positive")
-    if not 0 <= self.refresh_s <= 3600:
-        raise ValueError("--refresh must be between 0 and 3600 seconds")
+    # (at most half of how long this writer's dead bytes wait for other mounts' views of it:
+    # datapath/cleaner.SHARED_GRACE_S)
+    if not 0 <= self.refresh_s <= 30:
+        raise ValueError("--refresh must be between 0 and 30 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if not 1 <= self.data_logs <= 256:
@@ -273,8 +275,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
         maintainer.configure(staging, cfg)
         maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
-        if len(backingdir.writer_dirs(cfg.backing)) > 1:
-            maintainer.grace_s = cleaner.SHARED_GRACE_S
+        maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",

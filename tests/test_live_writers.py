@@ -440,7 +440,7 @@ def test_compaction_keeps_what_other_writers_removed_removed(mounts):
     every writer, then --merge: the tree stays the same each time (nothing w0 removed comes
     back, whose inode numbers w0's records name), and verify is clean."""
     backing = mounts.backing()
-    b = mounts.mount(backing, writer_id="w1", refresh=3600)
+    b = mounts.mount(backing, writer_id="w1", refresh=30)
     for rel in ("step_1/rank_1/x.pt", "step_1/rank_1/x2.pt", "step_2/y.pt", "latest.pt"):
         save(b, rel, torch.arange(2000 + len(rel)))
     b.stop()

@@ -288,8 +288,8 @@ def test_conflict_later_commit_wins(mounts):
     backing = mounts.backing()
     # (they do not look at each other's changes while mounted: each creates its own file at
     # a path the other has too, as two nodes do within one --refresh)
-    a = mounts.mount(backing, writer_id="w0", refresh=3600)
-    b = mounts.mount(backing, writer_id="w1", refresh=3600)
+    a = mounts.mount(backing, writer_id="w0", refresh=30)
+    b = mounts.mount(backing, writer_id="w1", refresh=30)
     va, vb, vc, vd = (torch.full((1000,), float(i)) for i in range(4))
 
     def save(m, rel, t):

@@ -49,6 +49,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -87,6 +88,7 @@ class LogSpace:
         self.ends: dict[int, int] = {}  # log -> end of its last segment (its size)
         self.ages: dict[int, float] = {}  # log -> when a segment last landed in it (monotonic)
         self.punched: dict[int, int] = {}  # log -> bytes punched out of it
+        self.killed_at: dict[int, float] = {}  # log -> when a byte of it last died (monotonic)
         # The thread whose extent maps count: the trio thread, which owns the live tree. A
         # tree built in a worker thread (an index snapshot's) has runs of its own.
         self.thread = threading.get_ident()
@@ -115,6 +117,7 @@ class LogSpace:
         seg = run.seg
         if (seg is None or seg.durable) and run.log in self.live:  # counted already (replayed,
             self.live[run.log] -= n  # or its segment durable; a retired log counts no more)
+            self.killed_at[run.log] = time.monotonic()
 
     def durable(self, seg: Segment) -> None:
         """Flusher.durable_hook: the segment's runs count for its log from now on."""
@@ -185,7 +188,9 @@ class Maintainer:
         # took over without copying its bytes): kept while named, whatever the own tree says.
         self.others_use = lambda: set()
         self.dead_since: dict[int, float] = {}  # log -> when its last live byte died
-        self.grace_s = 0.0  # with other writers: how long a log stays dead before it goes
+        # Whether other writers share the backing directory (the daemon sets it; looked at
+        # on every tick, as writers may join while mounted): then dead bytes wait grace().
+        self.shared: Callable[[], bool] = lambda: False
         self._disk_checked = -DISK_USAGE_S
 
     def configure(self, staging, cfg) -> None:
@@ -195,6 +200,12 @@ class Maintainer:
         self.snapshot_min = cfg.index_snapshot_min_bytes
         self.clean_below = cfg.clean_below
         self.checksum_block = cfg.checksum_block_bytes
+
+    def grace(self) -> float:
+        """How long dead bytes wait before their space is given back: longer than another
+        mount's view of this tree can lag (SHARED_GRACE_S) when other writers share the
+        backing directory, else not at all."""
+        return SHARED_GRACE_S if self.shared() else 0.0
 
     def idle(self) -> bool:
         """Writers have written nothing for --clean-idle seconds."""
@@ -270,7 +281,7 @@ class Maintainer:
             since.setdefault(lg, now)
         # Another writer may take a file over (XEXTENT) from a view of this tree a little
         # behind it: a log goes only when it has been dead longer than such a view can lag.
-        ripe = [lg for lg in dead if now - since[lg] >= self.grace_s]
+        ripe = [lg for lg in dead if now - since[lg] >= self.grace()]
         if ripe:
             named = self.others_use()
             ripe = [lg for lg in ripe if lg not in named]
@@ -395,6 +406,11 @@ class Maintainer:
         # (the log being appended to too: below its last durable segment nothing is written
         # again, and what is in flight lies beyond that)
         cands = [lg for lg in space.live if space.held(lg) - space.live[lg] >= after]
+        # Another mount's view of this tree may lag behind it (by up to its --refresh) and
+        # still read bytes this tree no longer points at: with other writers, a log's dead
+        # bytes are punched only once its last byte died longer ago than that.
+        grace, now = self.grace(), time.monotonic()
+        cands = [lg for lg in cands if now - space.killed_at.get(lg, 0.0) >= grace]
         if not cands:
             return
         named = self.others_use()
