@@ -290,9 +290,19 @@ class Maintainer:
     async def retire(self, logs: list[int]) -> None:
         """RETIRE records for `logs`, committed, then their files removed."""
         ns, space = self.ns, self.space
+        drifted = {lg for lg in logs if space.live.get(lg, 0) < 0}
+        if drifted:  # the count went wrong somewhere: look at the tree itself before retiring
+            log.error("data logs %s: live bytes counted below zero; counted again",
+                      ", ".join(map(str, sorted(drifted))))
+            still = {lg for lg, r in (await self.live_ranges(drifted)).items() if r}
+            for lg in still:
+                log.error("data log %d still holds live data: not retired", lg)
+            logs = [lg for lg in logs if lg not in still]
+            for lg in drifted - still:
+                space.live[lg] = 0
+            if not logs:
+                return
         for lg in logs:
-            if space.live.get(lg, 0) < 0:
-                log.error("data log %d: live bytes counted below zero (%d)", lg, space.live[lg])
             if lg not in ns.retired:
                 ns.change(RetireRec(lg))
         self.doing = f"retiring data logs {', '.join(map(str, logs))}"

@@ -16,6 +16,7 @@ records.py's; backingdir.py names the files.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from ckptfs.format import records
@@ -95,6 +96,9 @@ class IndexWriter:
         with open(self.path, "rb") as f:
             f.seek(upto)
             tail = f.read(self.size - upto)
+        if len(tail) != self.size - upto:  # committed groups would be left out of the new one
+            raise OSError(errno.EIO, f"{self.path}: short read of the index tail "
+                          f"({len(tail)} of {self.size - upto} bytes); not replaced")
         version = max(version, self.version)
         fd = os.open(fresh, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
         try:
