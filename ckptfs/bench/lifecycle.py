@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept")
     ap.add_argument("--interval", type=float, default=3.0,
                     help="seconds of 'training' (nothing written) after each save")
-    ap.add_argument("--remounts", type=int, default=7,
+    ap.add_argument("--remounts", type=int, default=15,
                     help="timed remounts of each backing directory, alternating (median)")
     ap.add_argument("--dir", default="/var/tmp", help="where the backing directories go "
                     "(a disk, not tmpfs)")
