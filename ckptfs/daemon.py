@@ -137,7 +137,12 @@ def prepare(cfg: MountConfig) -> dict:
             raise MountError(str(exc)) from None
         if os.path.exists(os.path.join(cfg.backing, backingdir.BACKING_MARKER)) or \
                 os.path.isdir(os.path.join(cfg.backing, backingdir.WRITERS_DIR)):
-            raise MountError(str(exc)) from None
+            # Another mount may have been initialising it meanwhile (nodes mounting a new
+            # backing directory at once): what it is now decides.
+            try:
+                backingdir.check_backing(cfg.backing, create=False)
+            except FormatError as again:
+                raise MountError(str(again)) from None
         # A new backing directory: fine, initialised after all checks.
     cfg.writer_id = backingdir.safe_writer_id(cfg.writer_id or backingdir.default_writer_id())
     for wdir in backingdir.writer_dirs(cfg.backing):  # version checks before anything is written
