@@ -33,7 +33,7 @@ from ckptfs.datapath import mover
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir, WriterInUse
-from ckptfs.format.index import write_fresh
+from ckptfs.format.index import fsync_dir, write_fresh
 from ckptfs.format.logs import LogReader, LogWriter
 from ckptfs.format.records import ExtentRec
 from ckptfs.io import open_engine, probe_direct
@@ -112,14 +112,6 @@ def _index_blob(ns: Namespace, out: _Copy, seq: int, last_time: int,
                               renumber=renumber, numbers=not renumber, xunlinks=xunlinks)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sizes(d: str) -> int:
     return sum(os.path.getsize(p) for p in backingdir.data_logs(d).values())
 
@@ -172,10 +164,10 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         tmp = index + ".compact"
         write_fresh(tmp, blob, version)
         os.rename(tmp, index)
-        _fsync_dir(wd.path)
+        fsync_dir(wd.path)
         for n in old_logs - named:  # (the others' stay until nothing names them)
             os.unlink(os.path.join(wd.path, backingdir.data_log_name(n)))
-        _fsync_dir(wd.path)
+        fsync_dir(wd.path)
         return {"writer": writer, "log_bytes_before": before, "log_bytes_after":
                 _sizes(wd.path), "live_bytes": out.packer.bytes, "warnings": union.warnings}
     finally:
@@ -211,7 +203,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             out.finish()
             blob, version = _index_blob(ns, out, 1, view.max_stamp)
             write_fresh(os.path.join(tmp_dir, backingdir.INDEX_NAME), blob, version)
-            _fsync_dir(tmp_dir)  # its index and logs are named before the old writers go
+            fsync_dir(tmp_dir)  # its index and logs are named before the old writers go
         except BaseException:
             out.abort()
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -225,12 +217,12 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             trash.append(final + f".old-{os.getpid()}")
             os.rename(final, trash[-1])
         os.rename(tmp_dir, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for d in dirs:
             if d != final and os.path.exists(d):
                 trash.append(d + f".old-{os.getpid()}")
                 os.rename(d, trash[-1])
-        _fsync_dir(root)
+        fsync_dir(root)
         for t in trash:
             shutil.rmtree(t, ignore_errors=True)
         return {"writer": into, "merged": [os.path.basename(d) for d in dirs],
