@@ -107,7 +107,7 @@ def remounts(pairs: list[tuple[str, str]], mnt: str, log_file: str, opts: dict,
 
 def judge(steps: list[dict], fresh_index: int, remount_s: float, fresh_remount_s: float,
           log_bytes: int) -> list[dict]:
-    """The issue's targets, each with its figure and whether it held."""
+    """The benchmark's targets, each with its figure and whether it held."""
     later = [s for s in steps if s["step"] >= FROM_STEP]
     out = []
     if later:
