@@ -84,10 +84,30 @@ def writer_main(mnt: str, it: int, seed: int, journal_path: str) -> None:
 
 
 def read_journal(path: str) -> tuple[dict[str, int], set[str]]:
+    planned, durable, _ = read_journal_with_deletes(path)
+    return planned, durable
+
+
+def read_journal_with_deletes(path: str) -> tuple[dict[str, int], set[str], set[str]]:
+    """(planned sizes, durable names, names deleted) of a writer's journal: lines 'P name
+    size', 'D name', 'U name'; a torn last line is ignored."""
     planned: dict[str, int] = {}
     durable: set[str] = set()
+    deleted: set[str] = set()
     if not os.path.exists(path):
-        return planned, durable
+        return planned, durable, deleted
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if not line.endswith("\n") or not parts:
+                continue
+            if parts[0] == "P":
+                planned[parts[1]] = int(parts[2])
+            elif parts[0] == "D":
+                durable.add(parts[1])
+            elif parts[0] == "U":
+                deleted.add(parts[1])
+    return planned, durable, deleted
     with open(path) as f:
         for line in f:
             parts = line.split()

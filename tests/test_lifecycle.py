@@ -12,6 +12,7 @@ import time
 
 import pytest
 from helpers_reliability import KiB, cli, content, read_all, write_file
+from test_crash import read_journal_with_deletes
 
 from ckptfs.format import backingdir, records
 
@@ -269,25 +270,6 @@ def rotating_writer(mnt: str, it: int, seed: int, journal_path: str) -> None:
         os.close(jfd)
 
 
-def read_rotation_journal(path: str) -> tuple[dict[str, int], set[str], set[str]]:
-    """(planned sizes, durable names, names deleted) of a rotating_writer's journal."""
-    planned: dict[str, int] = {}
-    durable: set[str] = set()
-    deleted: set[str] = set()
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if not line.endswith("\n") or not parts:
-                continue
-            if parts[0] == "P":
-                planned[parts[1]] = int(parts[2])
-            elif parts[0] == "D":
-                durable.add(parts[1])
-            elif parts[0] == "U":
-                deleted.add(parts[1])
-    return planned, durable, deleted
-
-
 def live_per_log(backing: str) -> dict[int, int]:
     """Offline: the live bytes the committed index points at in each data log."""
     from ckptfs.namespace import Namespace
@@ -345,7 +327,7 @@ def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
         res = cli("umount", mnt)
         assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
         m._reap(kill=False)
-        p, d, u = read_rotation_journal(jpath)
+        p, d, u = read_journal_with_deletes(jpath)
         planned.update(p)
         durable |= d
         deleted |= u
