@@ -25,6 +25,15 @@ log = logging.getLogger("ckptfs")
 BACKING_MARKER = "ckptfs.json"
 WRITERS_DIR = "writers"
 INDEX_NAME = "index.log"
+WRITER_META = "writer.json"
+
+
+def write_writer_meta(path: str, writer_id: str, **extra) -> None:
+    """writers/<id>/writer.json: who the writer is (host, created; `extra` adds facts, e.g.
+    the writers a compaction merged), written atomically."""
+    write_atomic(os.path.join(path, WRITER_META), json.dumps({
+        "writer": writer_id, "host": socket.gethostname(), "created": time.time(),
+        "version": FORMAT_VERSION, **extra}).encode() + b"\n")
 
 
 class WriterInUse(FormatError):
@@ -151,11 +160,8 @@ class WriterDir:
 
     def open(self) -> None:
         os.makedirs(self.path, mode=0o700, exist_ok=True)
-        meta = os.path.join(self.path, "writer.json")
-        if not os.path.exists(meta):
-            write_atomic(meta, json.dumps({
-                "writer": self.writer_id, "host": socket.gethostname(), "created": time.time(),
-                "version": FORMAT_VERSION}).encode() + b"\n")
+        if not os.path.exists(os.path.join(self.path, WRITER_META)):
+            write_writer_meta(self.path, self.writer_id)
         fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,12 +22,9 @@ O_DIRECT where the store allows it, the io engine). It loads no FUSE binding.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import sys
-import time
 
 from ckptfs.datapath import mover
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
@@ -190,10 +187,8 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         root = os.path.join(backing, backingdir.WRITERS_DIR)
         tmp_dir = os.path.join(root, f".compact-{into}-{os.getpid()}")
         os.makedirs(tmp_dir, mode=0o700)
-        backingdir.write_atomic(os.path.join(tmp_dir, "writer.json"), json.dumps({
-            "writer": into, "host": socket.gethostname(), "created": time.time(),
-            "version": records.FORMAT_VERSION, "merged_from": [os.path.basename(d) for d in dirs],
-        }).encode() + b"\n")
+        backingdir.write_writer_meta(tmp_dir, into,
+                                     merged_from=[os.path.basename(d) for d in dirs])
         logs = LogReader(union)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, "compact --merge", force=progress)
