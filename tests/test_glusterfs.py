@@ -423,7 +423,7 @@ def test_offline_view_on_another_client_right_after_sync(gdir, second_client, mo
     the backing directory (its cached sizes are the old ones) when a writer's sync returns,
     and the committed tree is read there at once (what `ckptfs ls/verify/export` and a mount's
     replay do). Every file of the step is in it, with its size, and reads back bit-exact."""
-    from ckptfs.format.logs import LogReader
+    from ckptfs.format.logs import RunReader
     from ckptfs.tools.snapshot import Snapshot
 
     w = mounts.mount(gdir, writer_id="trainer")
@@ -439,7 +439,7 @@ def test_offline_view_on_another_client_right_after_sync(gdir, second_client, mo
         _warm(other)
         w.sync()
         snap = Snapshot(other)
-        logs = LogReader(snap.union)
+        logs = RunReader(snap.union.writer_dirs)
         try:
             assert not [x for x in snap.warnings if "beyond" in x], snap.warnings
             for name, data in files.items():

@@ -59,10 +59,9 @@ from ckptfs.datapath import mover
 from ckptfs.datapath.flusher import ExtentEntry
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Segment, round_up
 from ckptfs.format import backingdir, records
-from ckptfs.format.logs import LogReader, punch_hole
+from ckptfs.format.logs import RunReader, punch_hole
 from ckptfs.format.records import RetireRec
 from ckptfs.namespace import ROOT_INO, Inode
-from ckptfs.replay import Union
 
 log = logging.getLogger("ckptfs.cleaner")
 
@@ -183,7 +182,7 @@ class Maintainer:
         self.punch_ok = True  # until the file system refuses PUNCH_HOLE
         self.bytes_punched = 0
         self._punched_ranges: dict[int, list[tuple[int, int]]] = {}
-        self._logs: LogReader | None = None
+        self._logs: RunReader | None = None
         # The own logs other writers' trees point into (their XEXTENT records: a file they
         # took over without copying its bytes): kept while named, whatever the own tree says.
         self.others_use = lambda: set()
@@ -567,8 +566,7 @@ class Maintainer:
         t0 = time.perf_counter()
         moved = 0
         if self._logs is None:
-            self._logs = LogReader(Union(writer_dirs={0: self.writer_dir},
-                                         writer_ids={0: self.writer_id}))
+            self._logs = RunReader({0: self.writer_dir})
         try:
             i = 0
             while i < len(pieces):

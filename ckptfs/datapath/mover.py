@@ -43,9 +43,9 @@ from ckptfs.format.records import (
 from ckptfs.datapath.staging import Run
 from ckptfs.format.index import FRESH_SUFFIX, write_fresh
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
-from ckptfs.format.logs import LogReader
+from ckptfs.format.logs import RunReader
 from ckptfs.io import alloc_aligned
-from ckptfs.replay import Union, apply_group, validate_extents
+from ckptfs.replay import apply_group, validate_extents
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
 # large a fresh index of a tree would be, without writing it.
@@ -142,7 +142,7 @@ def tree_records(ns: Namespace, extents: Callable[[Inode, int], Iterable[Record]
     return b"".join(out), version
 
 
-def extents_in_place(pieces_of: LogReader,
+def extents_in_place(pieces_of: RunReader,
                      writer_of: Callable[[int], str]) -> Callable[[Inode, int], list[Record]]:
     """extents() for an index snapshot: every piece stays where it is. A piece that is a run
     whole keeps the run's checksum; one that is part of a run (an overwrite or a truncate cut
@@ -189,7 +189,7 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     writer_dir = os.path.dirname(index_path)
     validate_extents(ns, writer_dir)  # (dropped at mount already, with a warning)
     writers = {layer: w for w, layer in layers.items()}
-    pieces_of = LogReader(Union(writer_dirs={0: writer_dir}, writer_ids={0: writer_id}))
+    pieces_of = RunReader({0: writer_dir})
     try:
         blob, version = tree_records(
             ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
@@ -211,7 +211,7 @@ def live_pieces(x: Inode) -> list[tuple[Inode, int, int, Run, int]]:
 
 def chunks(pieces, data_of: Callable[[Run], bytes | None], block: int):
     """Copying extents: the bytes of each piece (x, start, n, run, roff) whose run's bytes
-    `data_of(run)` has (read and checked against the run's checksum: LogReader.read_run; None:
+    `data_of(run)` has (read and checked against the run's checksum: RunReader.read_run; None:
     skipped), in chunks of at most `block` bytes (a reader checks an extent whole): yields
     (x, file offset, bytes, run, offset in the run)."""
     for x, s, n, run, roff in pieces:

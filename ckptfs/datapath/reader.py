@@ -19,16 +19,13 @@ from __future__ import annotations
 import contextvars
 import errno
 import logging
-import os
-import threading
 import time
 from collections import OrderedDict
 
 import trio
-from crc32c import crc32c
 
 from ckptfs.datapath.staging import ExtentMap, Run
-from ckptfs.format import backingdir
+from ckptfs.format.logs import RunError, RunReader
 from ckptfs.io import alloc_aligned
 
 log = logging.getLogger("ckptfs.reader")
@@ -50,11 +47,6 @@ def _zeros(n: int) -> list:
     return [_ZEROS[:min(n - i, SCRATCH_BYTES)] for i in range(0, n, SCRATCH_BYTES)]
 
 
-class ChecksumError(OSError):
-    def __init__(self, msg: str) -> None:
-        super().__init__(errno.EIO, msg)
-
-
 class _Chunk:
     __slots__ = ("buf", "view", "length")
 
@@ -67,8 +59,9 @@ class _Chunk:
 class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
                  direct: bool = False, populate: bool = False) -> None:
-        self.writer_dirs = writer_dirs  # layer -> writer directory holding its data logs
-        self.direct = direct
+        # the data logs: which file holds a run, descriptors (O_DIRECT where it works), chunk
+        # reads, checksum checks and their errors
+        self.logs = RunReader(writer_dirs, direct=direct)
         self.max_chunks = max(8, cache_bytes // CHUNK_BYTES)
         # readahead window in chunks (--prefetch; at least one unless it is 0)
         self.window = max(1, prefetch_bytes // CHUNK_BYTES) if prefetch_bytes > 0 else 0
@@ -89,11 +82,8 @@ class Reader:
         # or at or past the end starts anew, and so does the log's next write (invalidate).
         # Chunks asked for and evicted before use are not asked for again while in the window.
         self.ra_window: dict[tuple[int, int], tuple[int, int]] = {}
-        self.fds: dict[tuple[int, int], int] = {}
-        self.stale_fds: list[int] = []  # replaced O_DIRECT fds, closed with the reader
-        self.fd_lock = threading.Lock()
         self.limiter = trio.CapacityLimiter(LOAD_THREADS)
-        self.bad: set[Run] = set()
+        self.bad: dict[Run, str] = {}  # runs that failed their check -> what failed
         # Recycling: a chunk whose every live byte has been served (to handles that had not
         # read those bytes before) is "consumed": its buffer is reused before new memory is
         # allocated, so a streaming restore touches ~the readahead window of fresh memory,
@@ -138,23 +128,21 @@ class Reader:
     def hold(self, layer: int, number: int) -> None:
         """Open the log's descriptor now (worker thread; before its file is removed: the
         reads using it go on through the descriptor)."""
-        self._fd(layer, number)
+        self.logs.fd(layer, number)
 
     def logs_of(self, layer: int) -> set[int]:
         """The logs of `layer` the reader holds anything of (a descriptor, chunks, their
         bookkeeping)."""
-        return {k[1] for table in (self.fds, self.chunks, self.live, self.gen, self.log_end,
-                                   self.ra_window, self.chunk_runs)
-                for k in table if k[0] == layer}
+        return self.logs.logs_of(layer) | {
+            k[1] for table in (self.chunks, self.live, self.gen, self.log_end, self.ra_window,
+                               self.chunk_runs)
+            for k in table if k[0] == layer}
 
     def forget_log(self, layer: int, number: int) -> None:
         """The log is gone (retired) and nothing uses it: close its descriptor, drop its
         chunks and their bookkeeping."""
         key = (layer, number)
-        with self.fd_lock:
-            fd = self.fds.pop(key, None)
-        if fd is not None:
-            os.close(fd)
+        self.logs.forget(layer, number)
         for k in [k for k in self.chunks if k[:2] == key]:
             self.spare.append(self.chunks.pop(k).buf)
         for table in (self.live, self.served, self.consumed, self.chunk_runs):
@@ -164,11 +152,7 @@ class Reader:
             table.pop(key, None)
 
     def close(self) -> None:
-        with self.fd_lock:
-            for fd in [*self.fds.values(), *self.stale_fds]:
-                os.close(fd)
-            self.fds.clear()
-            self.stale_fds.clear()
+        self.logs.close()
         self.chunks.clear()
         self.spare.clear()
 
@@ -206,32 +190,6 @@ class Reader:
                     self.spare.append(ch.buf)
         if loff + length > self.log_end.get(key, 0):
             self.log_end[key] = loff + length
-
-    def _fd(self, layer: int, number: int) -> int:
-        with self.fd_lock:  # worker threads
-            fd = self.fds.get((layer, number))
-            if fd is None:
-                path = os.path.join(self.writer_dirs[layer], backingdir.data_log_name(number))
-                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-                try:
-                    fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
-                except FileNotFoundError:
-                    raise OSError(errno.EIO, f"data log {path} is missing") from None
-                except OSError:
-                    fd = os.open(path, flags)  # O_DIRECT refused: buffered
-                self.fds[(layer, number)] = fd
-            return fd
-
-    def _buffered_fd(self, layer: int, number: int, bad: int) -> int:
-        with self.fd_lock:
-            fd = self.fds.get((layer, number))
-            if fd == bad:
-                path = os.path.join(self.writer_dirs[layer], backingdir.data_log_name(number))
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self.fds[(layer, number)] = fd
-                self.stale_fds.append(bad)  # another worker may still be reading through it
-                log.info("data log %s: O_DIRECT reads refused, reading it buffered", path)
-            return fd
 
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
@@ -349,9 +307,9 @@ class Reader:
                     staged.append(run)
                     continue
                 if run in self.bad:
-                    raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
+                    raise RunError(self.bad[run])
                 if run.log < 0:
-                    raise OSError(errno.EIO, "run lost: neither in staging nor in a data log")
+                    raise RunError("run lost: neither in staging nor in a data log")
                 if run.verified:
                     lo, ln = run.loff + roff, n
                 else:
@@ -441,22 +399,24 @@ class Reader:
         return [out] if gather else out
 
     def _verify(self, run: Run) -> None:
-        crc, lo, n = 0, run.loff, run.length
+        """Check the run over its cached chunks (KeyError: one is not cached); RunError on a
+        mismatch or where the log ends before the run does, and the run stays bad."""
+        parts, lo, n = [], run.loff, run.length
         while n > 0:
             ch = self.chunks[(run.layer, run.log, lo // CHUNK_BYTES)]
             a = lo % CHUNK_BYTES
             k = min(n, CHUNK_BYTES - a)
+            parts.append(ch.view[a:min(a + k, ch.length)])
             if a + k > ch.length:  # the log ends before the run does
-                crc = None
                 break
-            crc = crc32c(ch.view[a:a + k], crc)
             lo += k
             n -= k
-        if crc != run.crc:
-            log.error("checksum mismatch: data log %d offset %d length %d (layer %d)",
-                      run.log, run.loff, run.length, run.layer)
-            self.bad.add(run)
-            raise ChecksumError(f"checksum mismatch in data log {run.log} at {run.loff}")
+        try:
+            self.logs.check(run, parts)
+        except RunError as exc:
+            log.error("%s", exc.strerror)  # (the application gets EIO, the log says why)
+            self.bad[run] = exc.strerror
+            raise
         run.verified = True
 
     def _verify_ahead(self, key: tuple[int, int, int]) -> None:
@@ -502,7 +462,7 @@ class Reader:
             try:
                 self._verify(run)
                 done += 1
-            except (ChecksumError, KeyError):
+            except (RunError, KeyError):
                 pass
         return done
 
@@ -603,19 +563,7 @@ class Reader:
     def _pread(self, layer: int, logno: int, idx: int, buf) -> int:
         """Worker thread: one chunk from the log (short at its end)."""
         t0 = time.perf_counter()
-        fd = self._fd(layer, logno)
-        try:
-            n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.direct:
-                raise
-            fd = self._buffered_fd(layer, logno, fd)  # O_DIRECT opened but refused to read
-            n = os.preadv(fd, [buf], idx * CHUNK_BYTES)
-        while 0 < n < CHUNK_BYTES and n % 4096 == 0:  # short, not at the end: read on
-            k = os.preadv(fd, [memoryview(buf)[n:]], idx * CHUNK_BYTES + n)
-            if k <= 0:
-                break
-            n += k
+        n = self.logs.read_into(layer, logno, buf, idx * CHUNK_BYTES)
         self.disk_reads += 1
         self.disk_bytes += n
         self.load_seconds += time.perf_counter() - t0

@@ -1,6 +1,6 @@
-"""The data logs: reading runs back outside a mount (the offline tools, compaction, the
-cleaner; the mount's reader, datapath/reader.py, caches chunks instead), and writing segments
-into them (LogWriter: the flusher's and compaction's)."""
+"""The data logs: reading runs back (RunReader: the one run reader, of the mount's chunk cache,
+datapath/reader.py, the offline tools, compaction and the cleaner), and writing segments into
+them (LogWriter: the flusher's and compaction's)."""
 
 from __future__ import annotations
 
@@ -8,45 +8,157 @@ import ctypes
 import errno
 import logging
 import os
+import threading
 
 from crc32c import crc32c
 
 from ckptfs.format import records
 from ckptfs.format.backingdir import data_log_name
 from ckptfs.io import alloc_aligned
-from ckptfs.replay import Union
 
 log = logging.getLogger("ckptfs.logs")
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
-class LogReader:
-    """Reads runs from the writers' data logs and checks their CRC32C."""
 
-    def __init__(self, union: Union) -> None:
-        self.union = union
-        self.fds: dict[tuple[int, int], int] = {}
+class RunError(OSError):
+    """A run cannot be read back as it was written: its data log is missing, ends before the
+    run does (short read), or the run's bytes fail their checksum. errno EIO, so a mount answers
+    the application's READ with EIO; strerror names the log, the run and the problem, which the
+    mount logs and the offline tools print."""
 
-    def where(self, run) -> str:
-        return f"{self.union.writer_ids[run.layer]}/{data_log_name(run.log)}"
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.EIO, msg)
 
-    def read_run(self, run) -> bytes:
-        key = (run.layer, run.log)
-        fd = self.fds.get(key)
-        if fd is None:
-            path = os.path.join(self.union.writer_dirs[run.layer], data_log_name(run.log))
-            fd = self.fds[key] = os.open(path, os.O_RDONLY)
-        data = os.pread(fd, run.length, run.loff)
-        if len(data) != run.length:
-            raise OSError(errno.EIO, f"extent at {self.where(run)} offset {run.loff}: short read")
-        if crc32c(data) != run.crc:
-            raise OSError(errno.EIO, f"extent at {self.where(run)} offset {run.loff} length "
-                          f"{run.length}: checksum mismatch")
-        return data
+
+class RunReader:
+    """The writers' data logs, for reading runs back: which file holds a run (its layer's
+    writer directory, its log number), a cached descriptor per log, reads of runs or of log
+    ranges, the check of a run's CRC32C, and RunError for what fails. Worker threads may share
+    one (the descriptor table is locked).
+
+    `writer_dirs` (layer -> writer directory) is read when a log is first opened, so a dict a
+    mount's view fills in later (replay.Union.writer_dirs) serves its new writers too. With
+    `direct`, logs are opened O_DIRECT (the mount's chunk reads: whole aligned chunks into
+    aligned buffers); a log whose file system refuses O_DIRECT, at the open or at the first
+    read, is read buffered from then on. read_run is for buffered readers (a run's offset is
+    not aligned)."""
+
+    def __init__(self, writer_dirs: dict[int, str], *, direct: bool = False) -> None:
+        self.writer_dirs = writer_dirs
+        self.direct = direct
+        self.fds: dict[tuple[int, int], int] = {}  # (layer, log) -> descriptor
+        self.stale: list[int] = []  # replaced O_DIRECT descriptors, closed with the reader
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------ names
+    def path(self, layer: int, number: int) -> str:
+        return os.path.join(self.writer_dirs[layer], data_log_name(number))
+
+    def where(self, layer: int, number: int) -> str:
+        """writer/data-NNNNNN.log: what an error message names."""
+        return f"{os.path.basename(self.writer_dirs.get(layer, f'layer {layer}'))}/" \
+               f"{data_log_name(number)}"
+
+    def error(self, run, problem: str) -> RunError:
+        """The error for `run`: data log W/data-N.log offset O length L: PROBLEM."""
+        return RunError(f"data log {self.where(run.layer, run.log)} offset {run.loff} length "
+                        f"{run.length}: {problem}")
+
+    # ------------------------------------------------------------ descriptors
+    def fd(self, layer: int, number: int) -> int:
+        """The log's descriptor, opened on first use (RunError if the file is missing)."""
+        with self.lock:
+            fd = self.fds.get((layer, number))
+            if fd is None:
+                path = self.path(layer, number)
+                flags = os.O_RDONLY | _CLOEXEC
+                try:
+                    try:
+                        fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
+                    except OSError as exc:
+                        if not self.direct or exc.errno == errno.ENOENT:
+                            raise
+                        fd = os.open(path, flags)  # O_DIRECT refused: buffered
+                except FileNotFoundError:
+                    raise RunError(f"data log {self.where(layer, number)}: missing") from None
+                self.fds[(layer, number)] = fd
+            return fd
+
+    def _buffered(self, layer: int, number: int, bad: int) -> int:
+        """A buffered descriptor in place of `bad`, an O_DIRECT one whose reads were refused."""
+        with self.lock:
+            fd = self.fds.get((layer, number))
+            if fd == bad:
+                path = self.path(layer, number)
+                fd = self.fds[(layer, number)] = os.open(path, os.O_RDONLY | _CLOEXEC)
+                self.stale.append(bad)  # another thread may still be reading through it
+                log.info("data log %s: O_DIRECT reads refused, reading it buffered", path)
+            return fd
+
+    def logs_of(self, layer: int) -> set[int]:
+        """The logs of `layer` with a descriptor open."""
+        return {k[1] for k in list(self.fds) if k[0] == layer}
+
+    def forget(self, layer: int, number: int) -> None:
+        """Close the log's descriptor (the log is gone, or its blocks should be given back)."""
+        with self.lock:
+            fd = self.fds.pop((layer, number), None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        with self.lock:
+            for fd in [*self.fds.values(), *self.stale]:
+                os.close(fd)
+            self.fds.clear()
+            self.stale.clear()
+
+    # ------------------------------------------------------------ reads
+    def read_into(self, layer: int, number: int, buf, offset: int) -> int:
+        """Bytes of the log from `offset` into `buf` (all of it, or up to the log's end): the
+        bytes read. An O_DIRECT read refused (EINVAL) is retried buffered."""
+        fd = self.fd(layer, number)
+        try:
+            n = os.preadv(fd, [buf], offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.direct:
+                raise
+            fd = self._buffered(layer, number, fd)
+            n = os.preadv(fd, [buf], offset)
+        want = len(buf)
+        # Short at an aligned point (a signal, a network file system), not at the end: read
+        # on. (A log ends aligned, so a read reaching its end costs one more call.)
+        while 0 < n < want and n % 4096 == 0:
+            k = os.preadv(fd, [memoryview(buf)[n:]], offset + n)
+            if k <= 0:
+                break
+            n += k
+        return n
+
+    def read_run(self, run) -> bytes:
+        """The run's bytes, checked against its checksum (RunError). For buffered readers."""
+        fd = self.fd(run.layer, run.log)
+        data = os.pread(fd, run.length, run.loff)
+        while 0 < len(data) < run.length:  # short, not at the end: read on
+            more = os.pread(fd, run.length - len(data), run.loff + len(data))
+            if not more:
+                break
+            data += more
+        self.check(run, (data,))
+        return data
+
+    def check(self, run, parts) -> None:
+        """Raise RunError unless the buffers `parts`, in order, are the run's bytes: all
+        `run.length` of them, with the run's CRC32C."""
+        crc = n = 0
+        for p in parts:
+            crc = crc32c(p, crc)
+            n += len(p)
+        if n != run.length:
+            raise self.error(run, f"short read (the log ends {n} bytes into the run)")
+        if crc != run.crc:
+            raise self.error(run, "checksum mismatch")
 
 
 # ---------------------------------------------------------------- writing

@@ -31,7 +31,7 @@ from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir, WriterInUse
 from ckptfs.format.index import fsync_dir, write_fresh
-from ckptfs.format.logs import LogReader, LogWriter
+from ckptfs.format.logs import LogWriter, RunReader
 from ckptfs.format.records import ExtentRec
 from ckptfs.io import open_engine, probe_direct
 from ckptfs.namespace import Namespace
@@ -56,7 +56,7 @@ class _Copy:
                               align=align, log_bytes=log_bytes, next_log=first_log)
         self.packer = mover.SegmentPacker(self.logs, self.engine, segment, align)
 
-    def copy(self, ns: Namespace, reader: LogReader, prog: Progress) -> None:
+    def copy(self, ns: Namespace, reader: RunReader, prog: Progress) -> None:
         """Every file's live bytes, in tree order, read back and checked, in extents of at
         most the default checksum block (a reader checks a run whole)."""
         last: list = [None, b""]
@@ -140,7 +140,7 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         old_logs = set(backingdir.data_logs(wd.path))
         index = os.path.join(wd.path, backingdir.INDEX_NAME)
         scan = records.read_index(index) if os.path.exists(index) else records.IndexScan()
-        logs = LogReader(union)
+        logs = RunReader(union.writer_dirs)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, f"compact {writer}", force=progress)
         # (new logs above every number the index ever named: retired ones too)
@@ -189,7 +189,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         os.makedirs(tmp_dir, mode=0o700)
         backingdir.write_writer_meta(tmp_dir, into,
                                      merged_from=[os.path.basename(d) for d in dirs])
-        logs = LogReader(union)
+        logs = RunReader(union.writer_dirs)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, "compact --merge", force=progress)
         out = _Copy(tmp_dir, into, 1, log_bytes)

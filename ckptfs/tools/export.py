@@ -6,7 +6,7 @@ import os
 import stat
 import sys
 
-from ckptfs.format.logs import LogReader
+from ckptfs.format.logs import RunReader
 from ckptfs.namespace import ROOT_INO, Inode
 from ckptfs.tools.snapshot import Progress, Snapshot
 
@@ -19,7 +19,7 @@ def cmd_export(a) -> int:
     top = snap.lookup(a.path)
     entries = list(snap.walk(top, ""))
     os.makedirs(a.dest, exist_ok=True)
-    logs = LogReader(snap.union)
+    logs = RunReader(snap.union.writer_dirs)
     prog = Progress(sum(x.size for _, x in entries if x.emap is not None), "export",
                     force=a.progress)
     failed = 0
@@ -57,7 +57,7 @@ def cmd_export(a) -> int:
     return 1 if failed else 0
 
 
-def _export_file(logs: LogReader, x: Inode, dst: str) -> None:
+def _export_file(logs: RunReader, x: Inode, dst: str) -> None:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         cached_run, cached = None, b""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ckptfs.format.logs import LogReader
+from ckptfs.format.logs import RunReader
 from ckptfs.format.records import DATA_LOSS
 from ckptfs.namespace import ROOT_INO
 from ckptfs.tools.snapshot import Progress, Snapshot
@@ -18,7 +18,7 @@ def cmd_verify(a) -> int:
     if not snap.union.writer_dirs:
         print(f"{a.backing}: empty (no writer yet)")
         return 0
-    logs = LogReader(snap.union)
+    logs = RunReader(snap.union.writer_dirs)
     problems: dict[str, list[str]] = {}
     files = [(p, x) for p, x in snap.walk(snap.ns.inodes[ROOT_INO], "") if x.emap is not None]
     prog = Progress(sum(x.emap.stored_bytes() for _, x in files), "verify")
