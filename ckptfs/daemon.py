@@ -32,7 +32,7 @@ from ckptfs.format.backingdir import WriterDir
 from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
-from ckptfs.fuse.fastpath import FastPath
+from ckptfs.fuse.fastpath import FastPath, set_entry_timeout
 from ckptfs.fuse.ops import CkptOperations, idle_sealer
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
@@ -292,6 +292,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     ops.readonly = wd is None
     ops.view = view
     ops.refresher = refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
+    refresher.in_use = lambda: bool(ops.handles)
+    set_entry_timeout(cfg.refresh_s)
     ops.maintainer = maintainer
     ops.checksum_block = cfg.checksum_block_bytes
     ops.enable_writeback_cache = cfg.writeback_cache and wd is not None

@@ -90,26 +90,87 @@ def visibility(mounts, backing: str, other: str) -> float:
     return dt
 
 
+def backing_calls(pid: int, backing: str, seconds: float) -> list[str] | None:
+    """The system calls of every thread of process `pid` on `backing` (a path under it, or
+    a descriptor of one) during `seconds`, traced by strace; None where strace is missing or
+    cannot attach (not root, ptrace refused)."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    if shutil.which("strace") is None:
+        return None
+    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+        p = subprocess.Popen(["strace", "-f", "-qq", "-y", "-p", str(pid), "-o", out.name],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(seconds)
+        if p.poll() is not None:  # (it could not attach)
+            return None
+        p.send_signal(signal.SIGINT)
+        p.wait(10)
+        real = os.path.realpath(backing)
+        return [line for line in out.read().splitlines() if real in line]
+
+
+LOOK_COUNTS = ("refresh_polls", "refresh_listdirs", "refresh_stats", "refresh_reads")
+
+
+@pytest.mark.timeout(90)
+def test_an_idle_mount_makes_no_calls_and_looks_at_the_next_lookup(mounts):
+    """A mount nobody uses (no open, lookup or listing, nothing open) stops looking after one
+    --refresh period: no listing, stat or read of the backing store over seconds (its
+    counters, and strace of all its threads where strace can attach: nothing at all on the
+    backing directory). The first lookup after that looks first: a file another writer made
+    durable meanwhile is there, and one it removed is gone although this mount's kernel had
+    the name cached (entries are kept for --refresh only)."""
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0", refresh=0.2)
+    b = mounts.mount(backing, writer_id="w1")
+    v1, v2 = torch.zeros(10), torch.arange(77, dtype=torch.float32)
+    save(b, "f.pt", v1)
+    b.sync()
+    wait_for(lambda: exists(a, "f.pt"), 0.2 + SLACK_S)
+    assert bits(load(a, "f.pt")) == bits(v1)  # (f.pt cached by a's kernel now)
+    pauses = a.status()["refresh_idle_pauses"]
+    wait_for(lambda: a.status()["refresh_idle_pauses"] > pauses, 0.4 + SLACK_S)
+    s0 = a.status()
+    calls = backing_calls(s0["pid"], backing, 3.0)
+    s1 = a.status()
+    assert {k: s1[k] for k in LOOK_COUNTS} == {k: s0[k] for k in LOOK_COUNTS}
+    assert calls is None or calls == [], calls[:20]
+    os.unlink(os.path.join(b.mountpoint, "f.pt"))
+    save(b, "g.pt", v2)
+    b.sync()
+    time.sleep(0.3)  # (longer than a's --refresh: its kernel asks again for f.pt)
+    assert not exists(a, "f.pt")  # at once: the lookup looked first
+    assert bits(load(a, "g.pt")) == bits(v2)
+    assert a.status()["refresh_polls"] == s1["refresh_polls"] + 1
+
+
 @pytest.mark.timeout(60)
-def test_an_idle_mount_looks_with_a_few_calls_per_look(mounts):
-    """While nothing changes, a mount goes on looking in the background (every --refresh),
-    and each look costs one listing of writers/ and, per other writer, a listing of its
-    directory and a stat of its index; no read. (How often it looks is the benchmark's: bench
-    scaling --idle.)"""
+def test_a_mount_in_use_looks_with_a_few_calls_per_look(mounts):
+    """While a file is open on it, a mount goes on looking in the background (every
+    --refresh) although nothing changes, and each look costs one listing of writers/ and,
+    per other writer, a listing of its directory and a stat of its index; no read. Once
+    the file is closed, the looks stop. (How often: the benchmark's bench scaling --idle.)"""
     backing = mounts.backing()
     a = mounts.mount(backing, writer_id="w0", refresh=0.2)
     b = mounts.mount(backing, writer_id="w1")
     save(b, "f.pt", torch.zeros(10))
     b.sync()
     wait_for(lambda: exists(a, "f.pt"), 0.2 + SLACK_S)
-    s0 = a.status()
-    wait_for(lambda: a.status()["refresh_polls"] >= s0["refresh_polls"] + 5, 30)
-    s1 = a.status()
+    with open(os.path.join(a.mountpoint, "f.pt"), "rb"):
+        s0 = a.status()
+        wait_for(lambda: a.status()["refresh_polls"] >= s0["refresh_polls"] + 5, 30)
+        s1 = a.status()
     polls = s1["refresh_polls"] - s0["refresh_polls"]
     assert s1["refresh_reads"] == s0["refresh_reads"]
     # (one other writer; a look may be under way at either reading)
     assert polls - 1 <= s1["refresh_stats"] - s0["refresh_stats"] <= polls + 1
     assert 2 * polls - 2 <= s1["refresh_listdirs"] - s0["refresh_listdirs"] <= 2 * polls + 2
+    pauses = s1["refresh_idle_pauses"]
+    wait_for(lambda: a.status()["refresh_idle_pauses"] > pauses, 0.4 + SLACK_S)
 
 
 @pytest.mark.timeout(60)
@@ -128,7 +189,9 @@ def test_a_writer_whose_index_could_not_be_read_at_mount_joins_later(mounts):
     os.mkdir(index)
     a = mounts.mount(backing, writer_id="w0", refresh=0.2)
     assert not exists(a, "step_1")
-    wait_for(lambda: a.status()["refresh_reads"] >= 2, 0.4 + SLACK_S)  # read again, failed
+    # read again at the next lookup, and failed
+    wait_for(lambda: not exists(a, "step_1") and a.status()["refresh_reads"] >= 2,
+             0.4 + SLACK_S)
     assert a.status()["writers_unread"] == 1
     assert not exists(a, "step_1")
     os.rmdir(index)
@@ -158,7 +221,7 @@ def test_a_watching_mount_lets_go_of_other_writers_logs(mounts, what):
     """A mount reading another writer's files opens that writer's data logs. It lets go of a
     log that writer retires, and of every log of its old tree when that writer puts an index
     snapshot in place (the tree is read anew): the descriptors do not pile up with every
-    snapshot or retired log (a retired log's space would stay taken)."""
+    snapshot or retired log (a retired log's space would stay taken); idle, it holds none."""
     from ckptfs.format import backingdir
     backing = mounts.backing()
     opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.1, clean_idle=0.1)
@@ -173,6 +236,7 @@ def test_a_watching_mount_lets_go_of_other_writers_logs(mounts, what):
     wdir = os.path.realpath(os.path.join(backing, "writers", "w1"))
     bm, am = b.mountpoint, a.mountpoint
     files = 20 if what == "index-snapshots" else 1
+    opened = 0
     size = 2000 if what == "index-snapshots" else 1536 << 10
     for r in range(5):
         snaps = b.status()["index_snapshots"]
@@ -184,16 +248,19 @@ def test_a_watching_mount_lets_go_of_other_writers_logs(mounts, what):
         b.sync()
         if what == "index-snapshots" and r:  # the snapshot, then a's look reading it whole
             wait_for(lambda: b.status()["index_snapshots"] > snaps, 10)
-            wait_for(lambda: a.status()["writers_reread"] >= r, 0.2 + SLACK_S)
+            wait_for(lambda: os.listdir(am) and a.status()["writers_reread"] >= r,
+                     0.2 + SLACK_S)  # (a listing looks when a look is due)
         for k in range(files):
             wait_for(lambda: exists(a, f"r{r}_{k}"), 0.2 + SLACK_S)
             with open(f"{am}/r{r}_{k}", "rb") as f:
                 assert f.read() == bytes([r + k & 255]) * size
+                opened = max(opened, fds_into(pid, wdir))  # (in use: a keeps them open)
     if what == "retired-logs":
         wait_for(lambda: b.status()["logs_retired"] >= 3, 10)
     # at most one descriptor per data log still there, within a few looks
     wait_for(lambda: fds_into(pid, wdir) <= len(backingdir.data_logs(wdir)), 0.6 + SLACK_S)
-    assert fds_into(pid, wdir) >= 1  # (it did open them)
+    assert opened >= 1  # (it did open them)
+    wait_for(lambda: fds_into(pid, wdir) == 0, 0.4 + SLACK_S)  # idle: none
 
 
 @pytest.mark.timeout(60)

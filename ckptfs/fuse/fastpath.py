@@ -56,6 +56,7 @@ import trio
 
 from ckptfs.datapath.reader import REQUEST
 from ckptfs.fuse.loop import RequestWait
+from ckptfs.fuse import ops as ops_module
 from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S, SETID_BITS
 
 log = logging.getLogger("ckptfs")
@@ -175,6 +176,16 @@ def _valid(t: float) -> tuple[int, int]:
 
 ENTRY_VALID = _valid(ENTRY_TIMEOUT_S)
 ATTR_VALID = _valid(ATTR_TIMEOUT_S)
+
+
+def set_entry_timeout(seconds: float) -> None:
+    """How long the kernel keeps a name before a path walk asks again (LOOKUP), in the
+    replies of the fast path and of pyfuse3 (ops._attr; one mount per process). A mount
+    gives its --refresh: a name another writer changed while nobody used the mount is asked
+    for again, and that LOOKUP looks at the other writers first (fuse/refresh.py)."""
+    global ENTRY_VALID
+    ENTRY_VALID = _valid(seconds)
+    ops_module.ENTRY_TIMEOUT_S = seconds
 
 
 def _entry_of(x, fields: tuple) -> bytes:

@@ -37,7 +37,7 @@ from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode,
 
 log = logging.getLogger("ckptfs.ops")
 
-ENTRY_TIMEOUT_S = 300.0
+ENTRY_TIMEOUT_S = 300.0  # a mount gives its --refresh (fastpath.set_entry_timeout)
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 # st_blksize, the preferred I/O size (Lustre reports its stripe size here): Python's open()

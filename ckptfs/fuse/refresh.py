@@ -1,16 +1,20 @@
 """What the other writers made durable, brought into this mount while it runs.
 
-Every `--refresh` seconds (and at an open, lookup or listing when the last look is older than
-that; at every one with 0) a worker thread looks at the backing directory: one listing of
-`writers/` (a writer that appeared), and per other writer a listing of its directory (on a
+At an open, lookup or listing when the last look is older than `--refresh` (at every one with
+0), and every `--refresh` seconds in the background while such requests keep coming or
+something is open (a mount nobody uses makes no calls to the backing store), a worker thread
+looks at the backing directory: one listing of `writers/` (a writer that appeared), and per
+other writer a listing of its directory (on a
 network file system it brings the files' current sizes: format/backingdir.py) and a stat of
 its index. Only an index that grew is read, from where the last read stopped to its end, and
 only its complete commit groups are taken (a group being appended is read the next time).
 The trio thread then applies them to the view (replay.View), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
-it caches entries and attributes for 300 s (ops.py), so changed names, and the attributes and
-pages of changed files, are invalidated. The invalidations are written from a worker thread:
-the kernel may hold the directory's lock for a request the trio thread has yet to answer.
+it caches attributes for 300 s and entries for `--refresh` (ops.py; after that a path walk
+asks again with a LOOKUP, which looks first when a look is due), so changed names, and the
+attributes and pages of changed files, are invalidated. The invalidations are written from a
+worker thread: the kernel may hold the directory's lock for a request the trio thread has yet
+to answer.
 
 An index that was replaced (rewritten by a compaction or an index snapshot: another file) is
 read whole again; a writer directory that went away leaves the view.
@@ -66,6 +70,10 @@ class Refresher:
         self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
         self.last = trio.current_time()  # of the last look that started (the mount's own)
         self.running: trio.Event | None = None
+        # Set by every open, lookup and listing (due()): the background looker goes on only
+        # while they come, and waits for this while nobody uses the mount.
+        self.asked = trio.Event()
+        self.in_use = lambda: False  # files or directories open on the mount (the daemon's)
         self.lock = trio.Lock()
         # what the looks cost the backing store, and this mount
         self.polls = 0
@@ -85,6 +93,7 @@ class Refresher:
         self.writers_added = 0
         self.writers_reloaded = 0
         self.errors = 0  # looks (or parts of them) the backing store failed
+        self.idle_pauses = 0  # times the background looker stopped: nobody used the mount
         self.failing = False  # the last look failed (logged once per such streak)
         # Invalidations go out from their own task: never from the request that found the
         # changes (a LOOKUP holds its directory's lock in the kernel, which an invalidation of
@@ -99,6 +108,9 @@ class Refresher:
         self.held: set[tuple[int, int]] = set()
 
     def due(self) -> bool:
+        """Whether a look is due (asked by an open, lookup or listing, which looks first
+        then); the mount counts as in use from here."""
+        self.asked.set()
         return trio.current_time() - self.last >= self.delay
 
     async def run(self) -> None:
@@ -107,10 +119,22 @@ class Refresher:
             await self._looker()
 
     async def _looker(self) -> None:
-        """The background look: every --refresh seconds (--refresh 0: every IDLE_PERIOD_S)."""
+        """The background look: every --refresh seconds (--refresh 0: every IDLE_PERIOD_S)
+        while the mount is in use, so that requests rarely wait for one and the kernel
+        forgets changed attributes soon. A period without an open, lookup or listing stops
+        it, unless something is open on the mount (an open file's view is kept as fresh as
+        before: a truncate or chmod through it may copy it up), until the next one comes
+        (which looks itself, the look being due by then): an idle mount makes no calls to
+        the backing store."""
         period = self.delay if self.delay > 0 else IDLE_PERIOD_S
         while True:
+            self.asked = trio.Event()
             await trio.sleep(max(0.0, self.last + period - trio.current_time()))
+            if not self.asked.is_set() and not self.in_use():  # nobody asked, nothing open
+                self.idle_pauses += 1
+                self._let_go()
+                await self.asked.wait()
+                continue
             if trio.current_time() - self.last >= period:
                 try:
                     await self.refresh(by_request=False)
@@ -150,6 +174,17 @@ class Refresher:
             ev, self.running = self.running, None
             ev.set()
         self.kick()
+
+    def _let_go(self) -> None:
+        """Close the descriptors of other writers' data logs that nothing reads: an idle
+        mount would not see their writer retire one until its next look, and a removed file
+        held open keeps its space on the backing store. (Opened again by the next READ; the
+        cached chunks stay.)"""
+        reader = self.reader
+        for layer in list(self.view.trees):
+            for lg in reader.logs.logs_of(layer):
+                if not reader.log_in_use(layer, lg):
+                    reader.logs.forget(layer, lg)
 
     def kick(self) -> None:
         """Hand what the view collected for the kernel to the sender."""
@@ -404,6 +439,7 @@ class Refresher:
                 "refresh_waits": self.waits,
                 "refresh_wait_seconds": round(self.wait_s, 4),
                 "refresh_errors": self.errors,
+                "refresh_idle_pauses": self.idle_pauses,
                 "writers_joined": self.writers_added,
                 "writers_reread": self.writers_reloaded,
                 "writers_unread": len(self.view.unloaded())}
