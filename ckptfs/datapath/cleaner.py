@@ -191,6 +191,7 @@ class Maintainer:
         # on every tick, as writers may join while mounted): then dead bytes wait grace().
         self.shared: Callable[[], bool] = lambda: False
         self._disk_checked = -DISK_USAGE_S
+        self._disk_key: tuple = ()  # what had happened at the last look (tick)
 
     def configure(self, staging, cfg) -> None:
         self.staging = staging
@@ -248,8 +249,15 @@ class Maintainer:
                 await self.clean(victim)
         now = trio.current_time()
         if now - self._disk_checked >= DISK_USAGE_S:
-            self._disk_checked = now
-            self.disk_bytes = await trio.to_thread.run_sync(self._disk_usage)
+            # Only what writes, retires, punches or moves changes the logs' blocks: an idle
+            # mount asks the backing store nothing (on a parallel file system every stat is
+            # a request to a server).
+            fl = self.flusher.stats
+            key = (fl.segments, fl.bytes_written, self.logs_retired, self.bytes_punched,
+                   self.logs_cleaned, self.bytes_moved, self.snapshots)
+            if key != self._disk_key:
+                self._disk_checked, self._disk_key = now, key
+                self.disk_bytes = await trio.to_thread.run_sync(self._disk_usage)
 
     def _disk_usage(self) -> int:
         """Worker thread: the blocks the data logs take up on the backing store."""
