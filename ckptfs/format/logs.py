@@ -116,8 +116,9 @@ class RunReader:
 
     # ------------------------------------------------------------ reads
     def read_into(self, layer: int, number: int, buf, offset: int) -> int:
-        """Bytes of the log from `offset` into `buf` (all of it, or up to the log's end): the
-        bytes read. An O_DIRECT read refused (EINVAL) is retried buffered."""
+        """Bytes of the log from `offset` (aligned, as the mount's chunks are) into `buf`: the
+        bytes read, fewer than len(buf) only at the log's end. An O_DIRECT read refused
+        (EINVAL) is retried buffered."""
         fd = self.fd(layer, number)
         try:
             n = os.preadv(fd, [buf], offset)
