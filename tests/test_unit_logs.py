@@ -115,3 +115,17 @@ def test_the_mount_reader_fails_with_the_same_error(tmp_path):
         assert ei.value.strerror == "data log w1/data-000009.log: missing"
     finally:
         reader.close()
+
+
+def test_the_offline_tools_load_no_fuse_binding():
+    """`ckptfs verify/export/compact/ls/gc/import` and the run reader they share work where
+    pyfuse3 cannot load: importing them (and the command line) loads no FUSE binding."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptfs.cli, ckptfs.format.logs, ckptfs.datapath.mover\n"
+            "from ckptfs.tools import compact, export, gc, importer, ls, verify\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyfuse3', '_pyfuse3')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
