@@ -328,8 +328,12 @@ def test_killing_processes_when_every_request_task_is_held(failing, mounts):
     kids = []
     try:
         failing.fail("hang-fsync")
+        # SIGQUIT at its default action: a shell without job control starts background jobs
+        # with SIGINT and SIGQUIT ignored, which pytest and this child would inherit (then
+        # the signal never arrives and the child cannot die of it)
         quit_kid = _blocked_child(
-            "import ctypes, os\n"
+            "import ctypes, os, signal\n"
+            "signal.signal(signal.SIGQUIT, signal.SIG_DFL)\n"
             "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no core file\n"
             f"fd = os.open({os.path.join(mnt, 'q')!r}, os.O_WRONLY | os.O_CREAT)\n"
             "os.write(fd, b'q' * 1000); print('ready', flush=True); os.fsync(fd)")
