@@ -154,6 +154,9 @@ METRICS = {
                              "Time requests waited for looks"),
     "refresh_errors": ("refresh_errors_total", "counter",
                        "Looks (or parts of them) the backing store failed: the view stayed"),
+    "refresh_idle_pauses": ("refresh_idle_pauses_total", "counter",
+                            "Times the background looks stopped: nothing used the mount for "
+                            "a --refresh period (no calls while idle)"),
     "writers_joined": ("writers_joined_total", "counter", "Writers that appeared while mounted"),
     "writers_reread": ("writers_reread_total", "counter",
                        "Other writers' indexes read whole again (replaced by a rewrite)"),

@@ -126,8 +126,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("refresh", "refresh_s", "float", 1.0,
            "seconds within which changes other mounts made durable show here: an open, lookup "
            "or listing reads what other writers committed since the last look once it is "
-           "older than this (and a background look every as often); 0: at every one; at "
-           "most 30 (a writer's dead bytes wait 60 s for the other mounts' views of them)",
+           "older than this (and a background look as often while the mount is in use; "
+           "idle, none); 0: at every one; at most 30 (a writer's dead bytes wait 60 s for "
+           "the other mounts' views of them)",
            metavar="S"),
     Option("request-spin", "request_spin_us", "int", 250,
            "microseconds the daemon polls for the next request before it sleeps (catches a "
