@@ -15,7 +15,7 @@ import time
 from ckptfs import options
 from ckptfs.options import parse_size
 
-BENCHES = ("engine", "micro", "e2e", "scaling", "lifecycle")
+BENCHES = ("engine", "micro", "e2e", "scaling", "lifecycle", "mount")
 
 EPILOG = """examples:
   ckptfs mount /lustre/proj/run42 /ckpt       mount (daemonizes once the mount is live)
@@ -25,8 +25,8 @@ EPILOG = """examples:
   ckptfs umount /ckpt                         flush, wait until durable, unmount
   ckptfs mount /lustre/proj/run42 /ckpt       later, anywhere: the same tree again
   ckptfs demo                                 save and restore a model through a temporary mount
-  ckptfs bench engine|micro|e2e|scaling|lifecycle --help  the benchmarks
-"""
+  ckptfs bench NAME --help                    a benchmark: %s
+""" % ", ".join(BENCHES)
 
 class _Parser(argparse.ArgumentParser):
     """Bad command lines get one line (and the exit status 2), not the usage block."""
@@ -365,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="as the table in the docs")
     p.add_argument("--mount-helper", action="store_true",
                    help="as mount.ckptfs reads it: one '-o' option per line, 'value' or 'flag'")
-    sub.add_parser("bench", help="benchmarks: ckptfs bench "
-                   "engine|micro|e2e|scaling|lifecycle --help")
+    sub.add_parser("bench", help=f"benchmarks: ckptfs bench {'|'.join(BENCHES)} --help")
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,

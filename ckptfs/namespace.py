@@ -34,6 +34,33 @@ from ckptfs.format.records import (
 
 ROOT_INO = 1
 DIR_BYTES = 4096  # st_size of a directory
+_S_IFMT, _S_IFREG, _S_IFDIR = 0o170000, stat.S_IFREG, stat.S_IFDIR
+# the file types an index may hold
+_TYPES = frozenset((stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+                    stat.S_IFCHR, stat.S_IFBLK))
+
+
+_COMMON: dict[int, int] = {}
+
+
+def _common(n: int) -> int:
+    """One int object per value for the values most inodes share (modes, owners)."""
+    got = _COMMON.get(n)
+    if got is None:
+        if len(_COMMON) > 4096:  # (bounded: a tree of many owners gains nothing)
+            return n
+        got = _COMMON[n] = n
+    return got
+
+
+def _times(a: int, m: int, c: int) -> tuple[int, int, int]:
+    """Equal times as one int object (a file's three times are often equal: 32 bytes each
+    kept per file otherwise)."""
+    if a == m:
+        a = m
+    if c == m:
+        c = m
+    return a, m, c
 
 
 class Inode:
@@ -49,15 +76,14 @@ class Inode:
         self.gid = gid
         self.rdev = rdev
         self.nlink = 0
+        fmt = mode & _S_IFMT  # (stat.S_IFMT and friends are calls: a replay makes one per file)
         # a directory's size is one block, as on ext4 (some tools take 0 for "not there")
-        self.size = len(target) if stat.S_ISLNK(mode) else DIR_BYTES if stat.S_ISDIR(mode) else 0
-        self.atime_ns = atime_ns
-        self.mtime_ns = mtime_ns
-        self.ctime_ns = ctime_ns
+        self.size = 0 if fmt == _S_IFREG else DIR_BYTES if fmt == _S_IFDIR else len(target)
+        self.atime_ns, self.mtime_ns, self.ctime_ns = _times(atime_ns, mtime_ns, ctime_ns)
         self.target = target
-        self.children: dict[bytes, int] | None = {} if stat.S_ISDIR(mode) else None
+        self.children: dict[bytes, int] | None = {} if fmt == _S_IFDIR else None
         self.parent = 0
-        self.emap = ExtentMap() if stat.S_ISREG(mode) else None
+        self.emap = ExtentMap() if fmt == _S_IFREG else None
         self.lookups = 0
         self.opens = 0
         # The run that the next sequential write may extend (see Namespace.write_piece).
@@ -166,20 +192,24 @@ class Namespace:
         damaged or hostile index does that; run-time handlers check before they change)."""
         t = type(rec)
         if t is ExtentRec:
-            ino = self._file(rec.ino)
-            run = Run(None, 0, rec.length, rec.log, rec.loff, rec.crc, layer=self.layer)
-            ino.emap.insert(rec.foff, rec.length, run, 0)
-            if rec.foff + rec.length > ino.size:
-                ino.size = rec.foff + rec.length
-            if rec.log > self.last_log:
-                self.last_log = rec.log
+            x = self.inodes.get(rec.ino)
+            if x is None or x.emap is None:
+                self._file(rec.ino)  # (raises the error that says which)
+            foff, length, log = rec.foff, rec.length, rec.log
+            x.emap.insert(foff, length, Run(None, 0, length, log, rec.loff, rec.crc, False,
+                                            self.layer), 0)
+            if foff + length > x.size:
+                x.size = foff + length if foff else length  # (the int object shared)
+            if log > self.last_log:
+                self.last_log = log
         elif t is InodeRec:
             self._apply_inode(rec)
         elif t is SetattrRec:
             ino = self._ino(rec.ino)
-            ino.mode = stat.S_IFMT(ino.mode) | (rec.mode & 0o7777)
-            ino.uid, ino.gid = rec.uid, rec.gid
-            ino.atime_ns, ino.mtime_ns, ino.ctime_ns = rec.atime_ns, rec.mtime_ns, rec.ctime_ns
+            ino.mode = _common(stat.S_IFMT(ino.mode) | (rec.mode & 0o7777))
+            ino.uid, ino.gid = _common(rec.uid), _common(rec.gid)
+            ino.atime_ns, ino.mtime_ns, ino.ctime_ns = _times(rec.atime_ns, rec.mtime_ns,
+                                                              rec.ctime_ns)
         elif t is SizeRec:
             ino = self._file(rec.ino)
             ino.emap.truncate(rec.size)
@@ -244,34 +274,40 @@ class Namespace:
         return x
 
     def _apply_inode(self, rec: InodeRec) -> None:
-        parent = self._dir(rec.parent)
-        if rec.ino in self.inodes or rec.ino <= ROOT_INO:
-            raise FormatError(f"inode {rec.ino} created twice")
-        if rec.name in parent.children:
-            raise FormatError(f"entry {rec.name!r} created twice")
-        fmt = stat.S_IFMT(rec.mode)
-        if fmt not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
-                       stat.S_IFCHR, stat.S_IFBLK):
-            raise FormatError(f"bad file type in mode {rec.mode:o}")
+        parent = self.inodes.get(rec.parent)
+        if parent is None or parent.children is None:
+            self._dir(rec.parent)  # (raises the error that says which)
+        ino = rec.ino
+        inodes = self.inodes
+        if ino in inodes or ino <= ROOT_INO:
+            raise FormatError(f"inode {ino} created twice")
+        if ino >= 1 << 44:
+            raise FormatError(f"inode number {ino} out of range")
+        children = parent.children
+        name = rec.name
+        if name in children:
+            raise FormatError(f"entry {name!r} created twice")
+        mode = rec.mode
+        if mode & _S_IFMT not in _TYPES:
+            raise FormatError(f"bad file type in mode {mode:o}")
         if len(rec.target) > 4096:
             raise FormatError("symlink target too long")
-        x = Inode(rec.ino, rec.mode, rec.uid, rec.gid, rec.rdev, rec.atime_ns, rec.mtime_ns,
-                  rec.ctime_ns, rec.target)
-        self.inodes[rec.ino] = x
-        parent.children[rec.name] = rec.ino
+        # (a tree holds a few distinct modes, owners and groups: one int object each)
+        x = Inode(ino, _common(mode), _common(rec.uid), _common(rec.gid), rec.rdev, rec.atime_ns,
+                  rec.mtime_ns, rec.ctime_ns, rec.target)
+        inodes[ino] = x
+        children[name] = ino
         # a directory's times are not journaled on their own: an entry created in it is its
-        # last change that has a time (at run time fs._touch_dir sets the same)
+        # last change that has a time (at run time ops._touch_dir sets the same)
         parent.mtime_ns = parent.ctime_ns = rec.ctime_ns
-        if x.is_dir:
+        if x.children is not None:
             x.nlink = 2
             x.parent = parent.ino
             parent.nlink += 1
         else:
             x.nlink = 1
-        if rec.ino >= 1 << 44:
-            raise FormatError(f"inode number {rec.ino} out of range")
-        if rec.ino >= self.next_ino:
-            self.next_ino = rec.ino + 1
+        if ino >= self.next_ino:
+            self.next_ino = ino + 1
 
     def _unlink(self, parent: Inode, name: bytes) -> None:
         victim = self.inodes[parent.children.pop(name)]

@@ -281,7 +281,7 @@ def live_per_log(backing: str) -> dict[int, int]:
     for x in ns.inodes.values():
         if x.emap is not None:
             for p in x.emap.pieces:
-                out[p[2].log] = out.get(p[2].log, 0) + p[1]
+                out[p.run.log] = out.get(p.run.log, 0) + p.length
     return out
 
 

@@ -201,11 +201,11 @@ def test_extents_newest_wins_and_size(ns):
     ns.apply(ExtentRec(2, 50, 100, 2, 8192, 22))
     a = ns.inodes[2]
     assert a.size == 150
-    got = [(p[0], p[1], p[2].log, p[2].loff, p[3]) for p in a.emap.pieces]
+    got = [(p.start, p.length, p.run.log, p.run.loff, p.roff) for p in a.emap.pieces]
     assert got == [(0, 50, 1, 4096, 0), (50, 100, 2, 8192, 0)]
-    assert a.emap.pieces[1][2].crc == 22 and a.emap.pieces[1][2].seg is None
+    assert a.emap.pieces[1].run.crc == 22 and a.emap.pieces[1].run.seg is None
     ns.apply(ExtentRec(2, 10, 5, 3, 4096, 0))  # inside: splits the older piece
-    assert [(p[0], p[1], p[2].log, p[3]) for p in a.emap.pieces] == [
+    assert [(p.start, p.length, p.run.log, p.roff) for p in a.emap.pieces] == [
         (0, 10, 1, 0), (10, 5, 3, 0), (15, 35, 1, 15), (50, 100, 2, 0)]
     assert a.size == 150  # an extent inside the file does not shrink it
 
@@ -302,5 +302,5 @@ def test_extents_beyond_their_log_are_dropped_and_named(tmp_path):
     assert all("/d/f" in w and "beyond the log" in w for w in warnings)
     assert all(w.kind == records.EXTENT_DROPPED for w in warnings)  # verify: DAMAGED
     f = ns.inodes[4]
-    assert [(p[0], p[1]) for p in f.emap.pieces] == [(0, 8192)]
+    assert [(p.start, p.length) for p in f.emap.pieces] == [(0, 8192)]
     assert f.size == 9010  # the size stays: the dropped bytes read as a hole

@@ -4,16 +4,18 @@ journal's committable prefix (never past an extent whose segment is not durable)
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import trio
 import trio.testing
 
-from ckptfs.datapath.flusher import ExtentEntry, Journal
+from ckptfs.datapath.flusher import ExtentEntry, Journal, fold_setattrs
 from ckptfs.datapath.staging import ExtentMap, Run, Segment, Staging, round_up
 from ckptfs.format import records
-from ckptfs.format.records import CommitRec, ExtentRec, SetattrRec, UnlinkRec
+from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, SetattrRec, SizeRec, UnlinkRec
+from ckptfs.namespace import Namespace
 
 pytestmark = pytest.mark.timeout(30)  # a pool that never seals spins without yielding
 
@@ -65,7 +67,7 @@ def test_append_and_overwrite_newest_wins():
                          (120, 30, 2, 20)]
     m.insert(0, 150, run(150, 5), 0)  # over everything
     assert layout(m) == [(0, 150, 5, 0)]
-    assert m.starts == [0] and m.stored_bytes() == 150
+    assert m.stored_bytes() == 150
 
 
 def test_holes_and_writes_past_the_end():
@@ -75,7 +77,7 @@ def test_holes_and_writes_past_the_end():
     assert layout(m) == [(0, 10, 2, 0), (1000, 10, 1, 0)]
     assert m.stored_bytes() == 20 and m.end() == 1010
     assert m.find(10, 1000) == []  # the hole
-    assert [(p[0], p[1]) for p in m.find(5, 1005)] == [(5, 5), (1000, 5)]
+    assert [(p.start, p.length) for p in m.find(5, 1005)] == [(5, 5), (1000, 5)]
 
 
 def test_truncate_clips_and_never_grows():
@@ -91,7 +93,7 @@ def test_truncate_clips_and_never_grows():
     m.truncate(50)
     assert layout(m) == [(0, 50, 1, 0)]
     m.truncate(0)
-    assert m.pieces == [] and m.starts == [] and m.stored_bytes() == 0 and m.end() == 0
+    assert m.pieces == [] and m.stored_bytes() == 0 and m.end() == 0
 
 
 def test_punch_keeps_offsets_into_the_run():
@@ -103,6 +105,26 @@ def test_punch_keeps_offsets_into_the_run():
     assert m.runs() == [r]  # one run, two pieces
     m.punch(0, 1000)
     assert m.pieces == [] and m.runs() == []
+
+
+def test_grow_lengthens_the_last_piece_only():
+    m = ExtentMap()
+    a, b = run(100, 1), run(100, 2)
+    m.insert(0, 10, a, 0)
+    m.insert(10, 10, b, 0)
+    m.grow(5)
+    assert layout(m) == [(0, 10, 1, 0), (10, 15, 2, 0)] and m.stored_bytes() == 25
+
+
+def test_a_shared_map_sees_the_other_maps_changes_but_counts_its_own_bytes():
+    own, view = ExtentMap(), ExtentMap()
+    own.insert(0, 100, run(100, 1), 0)
+    view.share(own)
+    own.insert(50, 100, run(100, 2), 0)  # an overwrite and an append, in place
+    assert layout(view) == [(0, 50, 1, 0), (50, 100, 2, 0)]
+    assert view.stored_bytes() == 100 and own.stored_bytes() == 150  # until shared again
+    view.drop()
+    assert view.pieces == [] and layout(own) == [(0, 50, 1, 0), (50, 100, 2, 0)]
 
 
 def test_find_clips_to_the_range():
@@ -131,8 +153,9 @@ def test_random_operations_match_a_byte_model():
         else:
             m.truncate(lo)
             model.punch(lo, 1 << 20)
-        assert m.starts == [p[0] for p in m.pieces]
-        assert m.starts == sorted(m.starts)
+        ends = [p.start + p.length for p in m.pieces]
+        assert all(e <= p.start for e, p in zip(ends, m.pieces[1:])), "unsorted or overlapping"
+        assert all(p.length > 0 for p in m.pieces)
         assert model.of(m) == model.b, f"step {step}"
         assert m.stored_bytes() == len(model.b)
         assert m.end() == (max(model.b) + 1 if model.b else 0)
@@ -300,3 +323,80 @@ def test_journal_commits_only_a_prefix_whose_extents_are_durable():
     assert upto == 14 and frames(data)[:-1] == [ExtentRec(3, 0, 50, 1, 8192, 6)]
     j.confirm(upto)
     assert not j.pending() and j.take_committable() == (b"", 14)
+
+
+def test_a_files_setattr_goes_into_its_inode_record_within_a_group_where_replay_agrees():
+    j = Journal()
+    seg = Segment(bytearray(16), 1)
+    r1, r2 = Run(seg, 0, 100, crc=5), Run(seg, 0, 50, crc=6)
+    j.add(InodeRec(2, 1, b"f", 0o100600, 0, 0, 0, 1, 1, 1))
+    j.add(ExtentEntry(2, 0, r1))
+    j.add(SetattrRec(2, 0o100644, 7, 8, 1, 5, 5))  # the close after the write: folded, as
+    j.add(InodeRec(3, 1, b"g", 0o100600, 0, 0, 0, 6, 6, 6))  # this sets the root's times
+    j.add(ExtentEntry(3, 0, r2))
+    j.add(SetattrRec(3, 0o100600, 0, 0, 6, 7, 7))  # g's INODE would set the root's times
+    j.add(InodeRec(4, 1, b"h", 0o100600, 0, 0, 0, 8, 8, 8))  # h: a SIZE in between
+    j.add(SizeRec(4, 0, 9, 9))
+    j.add(SetattrRec(4, 0o100600, 0, 0, 8, 9, 10))
+    j.add(SetattrRec(1, 0o40755, 0, 0, 1, 11, 11))  # (the root's: no fold of g's before it)
+    seg.durable, r1.log, r1.loff, r2.log, r2.loff = True, 1, 4096, 1, 8192
+    data, upto = j.take_committable()
+    assert upto == j.last_seq
+    assert frames(data)[:-1] == [InodeRec(2, 1, b"f", 0o100644, 7, 8, 0, 1, 5, 5),
+                                 ExtentRec(2, 0, 100, 1, 4096, 5),
+                                 InodeRec(3, 1, b"g", 0o100600, 0, 0, 0, 6, 7, 7),
+                                 ExtentRec(3, 0, 50, 1, 8192, 6),
+                                 InodeRec(4, 1, b"h", 0o100600, 0, 0, 0, 8, 8, 8),
+                                 SizeRec(4, 0, 9, 9),
+                                 SetattrRec(4, 0o100600, 0, 0, 8, 9, 10),
+                                 SetattrRec(1, 0o40755, 0, 0, 1, 11, 11)]
+
+
+def test_without_a_later_record_for_its_directory_the_setattr_stays():
+    j = Journal()
+    j.add(InodeRec(2, 1, b"f", 0o100600, 0, 0, 0, 1, 1, 1))
+    j.add(SetattrRec(2, 0o100644, 0, 0, 1, 5, 5))  # f's INODE is the root's last change
+    data, _ = j.take_committable()
+    assert [type(r).__name__ for r in frames(data)[:-1]] == ["InodeRec", "SetattrRec"]
+
+
+def test_folding_keeps_the_replayed_tree():
+    """The records of a group replay to the same tree folded or not (random groups)."""
+    rng = random.Random(3)
+    folds = 0
+    for trial in range(200):
+        group, ino, dirs, files = [], 2, [1], []
+        for k in range(rng.randrange(1, 30)):
+            op = rng.random()
+            if op < 0.15:
+                group.append(InodeRec(ino, rng.choice(dirs), b"d%d" % ino, 0o40755, 0, 0, 0,
+                                      k, k, k))
+                dirs.append(ino)
+                ino += 1
+            elif op < 0.5 or not files:
+                group.append(InodeRec(ino, rng.choice(dirs), b"f%d" % ino, 0o100600, 0, 0, 0,
+                                      k, k, k))
+                files.append(ino)
+                ino += 1
+            elif op < 0.85:
+                x = rng.choice(files + dirs)
+                mode = 0o40700 if x in dirs else 0o100000 | rng.choice((0o600, 0o644))
+                group.append(SetattrRec(x, mode, rng.randrange(3), 0, k, k + 100, k + 200))
+            else:
+                group.append(SizeRec(rng.choice(files), rng.randrange(100), k + 300, k + 300))
+        want, got = Namespace(now_ns=0), Namespace(now_ns=0)
+        for rec in group:
+            want.apply(rec)
+        mine = copy.deepcopy(group)
+        folded = fold_setattrs(list(enumerate(mine)))
+        folds += len(folded)
+        for i, rec in enumerate(mine):
+            if i not in folded:
+                got.apply(rec)
+
+        def tree(ns):
+            return {i: (x.mode, x.uid, x.gid, x.size, x.atime_ns, x.mtime_ns, x.ctime_ns,
+                        x.nlink, dict(x.children or {})) for i, x in ns.inodes.items()}
+
+        assert tree(got) == tree(want), f"trial {trial}"
+    assert folds > 100  # (the groups do fold)

@@ -1,4 +1,4 @@
-"""Benchmarks: `ckptfs bench engine|micro|e2e|scaling|lifecycle`. Each module has
+"""Benchmarks: `ckptfs bench NAME` (cli.BENCHES names them). Each module has
 `main(argv) -> int`."""
 
 import os

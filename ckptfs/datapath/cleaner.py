@@ -104,9 +104,9 @@ class LogSpace:
             if emap is None:
                 continue
             for p in emap.pieces:
-                run = p[2]
+                run = p.run
                 if run.layer == 0 and run.log >= 0:
-                    live[run.log] = live.get(run.log, 0) + p[1]
+                    live[run.log] = live.get(run.log, 0) + p.length
 
     def dead(self, run: Run, n: int) -> None:
         """ExtentMap.on_dead: `n` bytes of `run` are no longer pointed at."""
@@ -630,10 +630,10 @@ class Maintainer:
             # From here to the copy no other task runs: what the file points at now is what
             # the journal records the move after.
             found = [p for p in x.emap.find(pos, end)
-                     if p[2] is run and p[3] == roff + (p[0] - s)]
+                     if p.run is run and p.roff == roff + (p.start - s)]
             if not found:
                 return moved
-            a, m = found[0][0], found[0][1]
+            a, m = found[0].start, found[0].length
             k = min(m, staging.segment_bytes - seg.used)
             soff = seg.used
             src = data[a - s:a - s + k]
@@ -717,8 +717,8 @@ def logs_named_by_others(view, own_logs=()) -> set[int]:
         for x in tree.inodes.values():
             if x.emap is not None:
                 for p in x.emap.pieces:
-                    if p[2].layer == alias:
-                        out.add(p[2].log)
+                    if p.run.layer == alias:
+                        out.add(p.run.log)
     return out
 
 

@@ -7,7 +7,7 @@ Two halves with one contract between them:
   prefix whose extents are all durable can be committed, so the index never points at data that
   is not on disk and replay always sees operations in their real order.
 - `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
-  runs' CRC32C were taken as the bytes landed: fs.piece_recorder), writes each segment whole
+  runs' CRC32C were taken as the bytes landed: ops.piece_recorder), writes each segment whole
   (tail padded to the alignment) at the next aligned offset of the current data log
   (format/logs.LogWriter),
   fdatasyncs, reports the segments durable to the trio thread, then appends the committable
@@ -33,7 +33,15 @@ from ckptfs.datapath.staging import Run, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
 from ckptfs.format.logs import LogWriter
-from ckptfs.format.records import CommitRec, ExtentRec, Record, RetireRec
+from ckptfs.format.records import (
+    CommitRec,
+    ExtentRec,
+    InodeRec,
+    Record,
+    RetireRec,
+    SetattrRec,
+    SizeRec,
+)
 from ckptfs.io import open_engine
 
 log = logging.getLogger("ckptfs.flusher")
@@ -104,14 +112,21 @@ class Journal:
         if not self.unsent:
             self.unsent_version = 1
         entries = self.entries
+        n = 0
+        for _, item in entries:  # up to the first extent whose segment is not durable yet
+            if type(item) is ExtentEntry and not item.run.seg.durable:
+                break
+            n += 1
+        prefix = [entries.popleft() for _ in range(n)]
+        folded = fold_setattrs(prefix)
         encode = records.encode
         taken = []
-        while entries:
-            seq, item = entries[0]
+        for i, (seq, item) in enumerate(prefix):
+            upto = seq
+            if i in folded:
+                continue
             if type(item) is ExtentEntry:
                 run = item.run
-                if not run.seg.durable:
-                    break
                 parts.append(encode(ExtentRec(item.ino, item.foff, run.length, run.log,
                                               run.loff, run.crc)))
             else:
@@ -120,9 +135,7 @@ class Journal:
                 elif type(item) in records.CROSS_WRITER_RECORDS:
                     self.unsent_version = max(self.unsent_version, records.CROSS_INDEX_VERSION)
                 parts.append(encode(item))
-            upto = seq
             taken.append(item)
-            entries.popleft()
         if not parts:
             return b"", upto
         self.unsent = b"".join(parts)
@@ -140,6 +153,46 @@ class Journal:
 
     def pending(self) -> bool:
         return bool(self.entries) or bool(self.unsent)
+
+
+def fold_setattrs(group: list[tuple[int, Record | ExtentEntry]]) -> set[int]:
+    """Put the SETATTR of a file into the file's INODE record where one commit group holds
+    both and replay ends with the same tree: the positions of the SETATTRs folded so.
+
+    A file a job writes is an INODE, its EXTENTs and the SETATTR at close (the times the
+    writes moved), so a tree of small files costs its index, and every mount, three records
+    per file; folded, two. Replay sets the same attributes either way when nothing between
+    the two changes the file's attributes (an EXTENT changes none; a SIZE or another SETATTR
+    does: no fold then) and the INODE record's time is not the one its directory keeps: an
+    INODE record also sets its directory's times (namespace.Namespace._apply_inode), so a
+    later record of the group must set them again (another entry created there, or the
+    directory's SETATTR). Within one group that is all the same: a group commits whole."""
+    born: dict[int, tuple[int, int]] = {}  # file -> (position of its INODE, its directory)
+    dir_set: dict[int, int] = {}  # directory -> position of the last record setting its times
+    pairs = []
+    for i, (_, item) in enumerate(group):
+        t = type(item)
+        if t is InodeRec:
+            dir_set[item.parent] = i
+            if item.mode & 0o170000 == 0o100000:  # (S_IFREG)
+                born[item.ino] = (i, item.parent)
+        elif t is SetattrRec:
+            dir_set[item.ino] = i
+            b = born.pop(item.ino, None)
+            if b is not None:
+                pairs.append((b[0], i, b[1]))
+        elif t is SizeRec:
+            born.pop(item.ino, None)
+    folded = set()
+    for at, i, parent in pairs:
+        if dir_set.get(parent, -1) > at:
+            inode, attrs = group[at][1], group[i][1]
+            inode.mode = (inode.mode & ~0o7777) | (attrs.mode & 0o7777)
+            inode.uid, inode.gid = attrs.uid, attrs.gid
+            inode.atime_ns, inode.mtime_ns, inode.ctime_ns = (attrs.atime_ns, attrs.mtime_ns,
+                                                              attrs.ctime_ns)
+            folded.add(i)
+    return folded
 
 
 class FlushStats:

@@ -5,14 +5,18 @@ checked and cut into extents for copying (`chunks`: the cleaner puts them into s
 
 `tree_records(ns, extents)` writes a tree as commit groups:
 
-1. one group with the tree itself, parents before children: an INODE record per inode (a
-   LINK per further name of a hard-linked file), the file's extents (`extents(x, ino)`), a
-   SIZE where the file is longer than its data, the other writers' entries this writer
-   removed (XUNLINK), and a NUMBERS record (the inode and data log numbers used so far);
-2. per commit time, in order, a group with a SETATTR of each inode last changed then: the
-   final mode, owner and times, and each inode's commit time (which decides conflicts between
-   writers: replay.py) stays what it was;
-3. an empty group with the time of the last commit, so the index still ends there.
+1. one group with the directories, parents before children (an INODE record each), the
+   other writers' entries this writer removed (XUNLINK), and a NUMBERS record (the inode and
+   data log numbers used so far);
+2. per commit time, in order, a group with every other entry last changed then: its INODE
+   record with its final mode, owner and times (a LINK per further name of a hard-linked
+   file), a file's extents (`extents(x, ino)`) and a SIZE where the file is longer than its
+   data; so each inode's commit time (which decides conflicts between writers: replay.py)
+   stays what it was, at two records for a file of one extent;
+3. per commit time, in order, a group with a SETATTR of each directory last changed then (its
+   final mode, owner and times: the INODE records created in it set its times as they come,
+   docs/format.md, and its commit time);
+4. an empty group with the time of the last commit, so the index still ends there.
 
 Replaying those groups gives the same tree (names, inode numbers unless renumbered, sizes,
 data, attributes, directory times, commit times). Worker threads may run all of it: it
@@ -64,8 +68,9 @@ def fresh_index_bytes(inodes: Iterable[Inode], ns: Namespace) -> int:
     for x in inodes:
         if x.layer != 0:
             continue
-        total += _SETATTR_BYTES + _COMMIT_BYTES // 4  # (about one commit per four inodes)
+        total += _COMMIT_BYTES // 4  # (about one commit per four inodes)
         if x.children is not None:
+            total += _SETATTR_BYTES
             for name, ino in x.children.items():
                 c = ns.inodes.get(ino)
                 if c is not None and c.layer == 0:
@@ -103,38 +108,47 @@ def tree_records(ns: Namespace, extents: Callable[[Inode, int], Iterable[Record]
     `next_log` (or one the tree names) is used again (index version 2); `xunlinks`: the other
     writers' entries this writer removed (XUNLINK records, index version 3)."""
     new_of: dict[int, int] = {ROOT_INO: ROOT_INO}  # inode number -> its number here
-    out: list[bytes] = []
+    out: list[bytes] = []  # group 1: the directories
     enc = records.encode
     version = records.RETIRE_INDEX_VERSION if numbers else 1
-    by_time: dict[int, list[Inode]] = defaultdict(list)
+    entries: dict[int, list[bytes]] = defaultdict(list)  # commit time -> the other entries
+    dirs: dict[int, list[Inode]] = defaultdict(list)  # commit time -> directories
     root = ns.inodes[ROOT_INO]
-    by_time[root.commit_ns].append(root)
-    for d, name, x in walk(ns):
+    dirs[root.commit_ns].append(root)
+    for d, name, x in walk(ns):  # (extents() is called in this order: compact lays data so)
         parent = new_of[d.ino]
         if x.ino in new_of:  # another name of a hard-linked file
-            out.append(enc(LinkRec(new_of[x.ino], parent, name)))
+            entries[x.commit_ns].append(enc(LinkRec(new_of[x.ino], parent, name)))
             continue
         new = new_of[x.ino] = len(new_of) + 1 if renumber else x.ino
-        out.append(enc(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev,
-                                x.atime_ns, x.mtime_ns, x.ctime_ns, x.target)))
-        by_time[x.commit_ns].append(x)
+        rec = enc(InodeRec(new, parent, name, x.mode, x.uid, x.gid, x.rdev, x.atime_ns,
+                           x.mtime_ns, x.ctime_ns, x.target))
+        if x.children is not None:
+            out.append(rec)
+            dirs[x.commit_ns].append(x)
+            continue
+        group = entries[x.commit_ns]
+        group.append(rec)
         if x.emap is not None:
             for rec in extents(x, new):
                 if type(rec) in records.CROSS_WRITER_RECORDS:
                     version = max(version, records.CROSS_INDEX_VERSION)
-                out.append(enc(rec))
+                group.append(enc(rec))
             if x.size != x.emap.end():
-                out.append(enc(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
+                group.append(enc(SizeRec(new, x.size, x.mtime_ns, x.ctime_ns)))
     for rec in xunlinks:
         out.append(enc(rec))
         version = max(version, records.CROSS_INDEX_VERSION)
     if numbers:
         next_ino = len(new_of) + 1 if renumber else ns.next_ino
         out.append(enc(NumbersRec(next_ino, max(next_log, ns.last_log + 1))))
-    first = min(by_time)
+    first = min(min(dirs), min(entries, default=min(dirs)))
     out.append(enc(CommitRec(seq, first)))
-    for when in sorted(by_time):
-        for x in by_time[when]:
+    for when in sorted(entries):
+        out += entries[when]
+        out.append(enc(CommitRec(seq, when)))
+    for when in sorted(dirs):
+        for x in dirs[when]:
             out.append(enc(SetattrRec(new_of[x.ino], x.mode, x.uid, x.gid, x.atime_ns,
                                       x.mtime_ns, x.ctime_ns)))
         out.append(enc(CommitRec(seq, when)))

@@ -160,20 +160,28 @@ class Reader:
     def note_runs(self, runs) -> None:
         """Durable runs known to be in the logs at mount (replayed). Runs flushed later are not
         noted: they are not recycled early nor checked ahead, only read and checked on demand."""
-        live = self.live
-        for r in runs:
-            if r.log < 0:
+        live, log_end, chunk_runs = self.live, self.log_end, self.chunk_runs
+        for r in runs:  # (one pass per mount over every run of the tree: kept lean)
+            log = r.log
+            if log < 0:
                 continue
-            key = (r.layer, r.log)
-            end = r.loff + r.length
-            if end > self.log_end.get(key, 0):
-                self.log_end[key] = end
-            for idx in range(r.loff // CHUNK_BYTES, (end - 1) // CHUNK_BYTES + 1):
-                k = (r.layer, r.log, idx)
-                live[k] = live.get(k, 0) + (min(end, (idx + 1) * CHUNK_BYTES)
-                                            - max(r.loff, idx * CHUNK_BYTES))
+            layer, loff = r.layer, r.loff
+            end = loff + r.length
+            key = (layer, log)
+            if end > log_end.get(key, 0):
+                log_end[key] = end
+            first, last = loff // CHUNK_BYTES, (end - 1) // CHUNK_BYTES
+            for idx in range(first, last + 1):
+                k = (layer, log, idx)
+                live[k] = live.get(k, 0) + (r.length if first == last else
+                                            min(end, (idx + 1) * CHUNK_BYTES)
+                                            - max(loff, idx * CHUNK_BYTES))
                 if not r.verified:
-                    self.chunk_runs.setdefault(k, []).append(r)
+                    waiting = chunk_runs.get(k)
+                    if waiting is None:
+                        chunk_runs[k] = [r]
+                    else:
+                        waiting.append(r)
 
     def invalidate(self, layer: int, logno: int, loff: int, length: int) -> None:
         """A log range was written: drop cached chunks over it, and make loads in flight

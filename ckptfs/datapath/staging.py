@@ -3,20 +3,22 @@
 Everything here is owned by the trio thread, except that the flusher thread reads sealed
 segments' memory and fills in a run's log location (plain attribute writes) before it reports
 the segment durable. A run's checksum is carried along on the trio thread as its pieces land
-(fs.piece_recorder).
+(ops.piece_recorder).
 
 - A `Segment` wraps one buffer of the fixed, pre-faulted pool while it fills and drains.
 - A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
   EXTENT record in a data log). Consecutive writes that continue a file extend its run, so a
   file written front to back costs one index record per segment it touches.
-- An `ExtentMap` maps a file's byte ranges to pieces of runs; newer writes clip older pieces.
+- An `ExtentMap` maps a file's byte ranges to `Piece`s: parts of runs; newer writes clip older
+  pieces.
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import trio
 
@@ -52,7 +54,7 @@ class Segment:
 class Run:
     """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
     data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (kept up to date as the
-    run grows: fs.piece_recorder; from the index after replay)."""
+    run grows: ops.piece_recorder; from the index after replay)."""
 
     __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead")
 
@@ -76,78 +78,92 @@ class Run:
         return None
 
 
+class Piece(NamedTuple):
+    """Bytes [start, start + length) of a file are bytes [roff, roff + length) of `run`.
+    Immutable: a map that changes a piece puts a new one in its place."""
+
+    start: int
+    length: int
+    run: Run
+    roff: int
+
+
+_START = operator.itemgetter(0)  # a piece's start, the key its map is sorted by
+
+
 class ExtentMap:
-    """Sorted, non-overlapping pieces [start, length, run, offset-in-run] of one file.
+    """The file's bytes as sorted, non-overlapping pieces of runs; a range no piece covers is a
+    hole (reads as zeros).
 
     `ExtentMap.on_dead(run, n)`, when set (the daemon sets it once its tree is replayed:
     cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
     overwrite or truncate clips them, a forgotten inode drops its map."""
 
-    __slots__ = ("starts", "pieces", "stored")
+    __slots__ = ("pieces", "stored")
     on_dead: Callable[[Run, int], None] | None = None
 
     def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.pieces: list[list] = []
+        self.pieces: list[Piece] = []
         # The bytes the pieces hold (st_blocks, asked for on every stat: kept up to date
-        # instead of summed; code that lengthens a piece in place adds to it: ops.piece_recorder).
+        # instead of summed; see also `grow`).
         self.stored = 0
 
     def end(self) -> int:
         if not self.pieces:
             return 0
         p = self.pieces[-1]
-        return p[0] + p[1]
+        return p.start + p.length
 
     def insert(self, start: int, length: int, run: Run, roff: int) -> None:
         """Newest wins: clip whatever older pieces overlap [start, start+length)."""
         self.stored += length
-        if not self.pieces or start >= self.end():
-            self.starts.append(start)
-            self.pieces.append([start, length, run, roff])
+        pieces = self.pieces
+        if not pieces or start >= pieces[-1].start + pieces[-1].length:
+            pieces.append(Piece(start, length, run, roff))
             return
         self.punch(start, start + length)
-        i = bisect.bisect_left(self.starts, start)
-        self.starts.insert(i, start)
-        self.pieces.insert(i, [start, length, run, roff])
+        i = bisect.bisect_left(pieces, start, key=_START)
+        pieces.insert(i, Piece(start, length, run, roff))
+
+    def grow(self, m: int) -> None:
+        """The last piece goes on for `m` more bytes of its run (a write that continues the
+        file where its last write ended, landing right after it in the same run)."""
+        p = self.pieces[-1]
+        self.pieces[-1] = Piece(p.start, p.length + m, p.run, p.roff)
+        self.stored += m
 
     def punch(self, lo: int, hi: int) -> None:
         """Remove the bytes [lo, hi) from the map (the range reads as zeros afterwards)."""
-        starts, pieces = self.starts, self.pieces
-        i = bisect.bisect_right(starts, lo) - 1
+        pieces = self.pieces
+        i = bisect.bisect_right(pieces, lo, key=_START) - 1
         if i < 0:
             i = 0
-        out_s: list[int] = []
-        out_p: list[list] = []
+        out: list[Piece] = []
         dead = ExtentMap.on_dead
         j = i
-        while j < len(pieces) and pieces[j][0] < hi:
-            s, n, run, roff = pieces[j]
+        while j < len(pieces) and pieces[j].start < hi:
+            p = pieces[j]
+            s, n, run, roff = p
             e = s + n
             if e <= lo:
-                out_s.append(s)
-                out_p.append(pieces[j])
+                out.append(p)
             else:
                 self.stored -= min(e, hi) - max(s, lo)
                 if dead is not None:
                     dead(run, min(e, hi) - max(s, lo))
                 if s < lo:
-                    out_s.append(s)
-                    out_p.append([s, lo - s, run, roff])
+                    out.append(Piece(s, lo - s, run, roff))
                 if e > hi:
-                    out_s.append(hi)
-                    out_p.append([hi, e - hi, run, roff + (hi - s)])
+                    out.append(Piece(hi, e - hi, run, roff + (hi - s)))
             j += 1
-        starts[i:j] = out_s
-        pieces[i:j] = out_p
+        pieces[i:j] = out
 
     def drop(self) -> None:
         """Forget every piece (the file is gone)."""
         dead = ExtentMap.on_dead
         if dead is not None:
             for p in self.pieces:
-                dead(p[2], p[1])
-        self.starts = []
+                dead(p.run, p.length)
         self.pieces = []
         self.stored = 0
 
@@ -156,32 +172,56 @@ class ExtentMap:
         if size < end:
             self.punch(size, end)
 
-    def find(self, lo: int, hi: int) -> list[list]:
+    def find(self, lo: int, hi: int) -> list[Piece]:
         """Pieces overlapping [lo, hi), clipped to it, in file order."""
-        starts, pieces = self.starts, self.pieces
-        i = bisect.bisect_right(starts, lo) - 1
+        pieces = self.pieces
+        i = bisect.bisect_right(pieces, lo, key=_START) - 1
         if i < 0:
             i = 0
         out = []
         while i < len(pieces):
-            s, n, run, roff = pieces[i]
+            p = pieces[i]
+            s, n, run, roff = p
             if s >= hi:
                 break
             e = s + n
             if e > lo:
-                cs, ce = max(s, lo), min(e, hi)
-                out.append([cs, ce - cs, run, roff + (cs - s)])
+                if s >= lo and e <= hi:
+                    out.append(p)
+                else:
+                    cs, ce = max(s, lo), min(e, hi)
+                    out.append(Piece(cs, ce - cs, run, roff + (cs - s)))
             i += 1
         return out
 
     def runs(self) -> list[Run]:
+        pieces = self.pieces
+        if len(pieces) == 1:
+            return [pieces[0].run]
         seen: dict[int, Run] = {}
-        for p in self.pieces:
-            seen.setdefault(id(p[2]), p[2])
+        for p in pieces:
+            seen.setdefault(id(p.run), p.run)
         return list(seen.values())
+
+    def share(self, other: "ExtentMap") -> None:
+        """Point at `other`'s pieces (a view of another writer's file: replay.View); the stored
+        bytes are copied, not shared."""
+        self.pieces = other.pieces
+        self.stored = other.stored
 
     def stored_bytes(self) -> int:
         return self.stored
+
+
+def allocate_pool(segment_bytes: int, staging_bytes: int, populate: bool = True) -> list:
+    """The segment buffers of a pool of `staging_bytes` (at least two), faulted in unless
+    `populate` is off. The kernel's work (hundreds of ms for 512 MiB on a VM whose memory is
+    backed lazily) runs without the GIL: the daemon makes the pool in a thread of its own
+    while it replays the index."""
+    if segment_bytes % 4096:
+        raise ValueError("segment size must be a multiple of 4096")
+    count = max(2, staging_bytes // segment_bytes)
+    return [alloc_aligned(segment_bytes, populate=populate, huge=True) for _ in range(count)]
 
 
 class Staging:
@@ -193,13 +233,11 @@ class Staging:
     """
 
     def __init__(self, segment_bytes: int, staging_bytes: int, seal_hook: Callable[[Segment], None],
-                 populate: bool = True) -> None:
-        if segment_bytes % 4096:
-            raise ValueError("segment size must be a multiple of 4096")
-        count = max(2, staging_bytes // segment_bytes)
+                 populate: bool = True, buffers: list | None = None) -> None:
+        """`buffers`: the pool, if allocate_pool made it already."""
         self.segment_bytes = segment_bytes
-        self.buffers = [alloc_aligned(segment_bytes, populate=populate, huge=True)
-                        for _ in range(count)]
+        self.buffers = buffers if buffers is not None else \
+            allocate_pool(segment_bytes, staging_bytes, populate)
         self.free: deque = deque(self.buffers)
         self.free_event = trio.Event()
         self.open: Segment | None = None

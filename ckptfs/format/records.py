@@ -14,6 +14,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 from crc32c import crc32c
 
@@ -230,9 +231,12 @@ Record = (InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | 
 CROSS_WRITER_RECORDS = (XUnlinkRec, XExtentRec)  # need an index of CROSS_INDEX_VERSION
 
 
+# The CRC32C of each type byte, where a record's checksum starts (it covers type + body).
+_TYPE_CRC = tuple(crc32c(bytes((t,))) for t in range(256))
+
+
 def _frame(rtype: int, body: bytes) -> bytes:
-    crc = crc32c(body, crc32c(bytes((rtype,))))
-    return REC_HEADER.pack(len(body), crc, rtype) + body
+    return REC_HEADER.pack(len(body), crc32c(body, _TYPE_CRC[rtype]), rtype) + body
 
 
 def encode(rec: Record) -> bytes:
@@ -273,6 +277,10 @@ def encode(rec: Record) -> bytes:
     raise TypeError(f"not an index record: {rec!r}")
 
 
+_INODE_SIZE = _INODE.size
+_NOT_NAMES = frozenset((b"", b".", b".."))
+
+
 def check_name(name: bytes) -> bytes:
     """A directory entry name as POSIX allows it; raises FormatError otherwise."""
     if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
@@ -286,18 +294,20 @@ def decode(rtype: int, body: bytes) -> Record:
     """Parse one record body; FormatError when it does not make sense."""
     try:
         if rtype == R_EXTENT:
-            rec = ExtentRec(*_EXTENT.unpack(body))
-            if rec.foff + rec.length > MAX_FILE_BYTES or rec.loff < DATA_HEADER_BYTES:
-                raise FormatError(f"extent out of range: {rec}")
-            return rec
+            ino, foff, length, log, loff, crc = _EXTENT.unpack(body)
+            if foff + length > MAX_FILE_BYTES or loff < DATA_HEADER_BYTES:
+                raise FormatError(f"extent out of range: ino {ino} foff {foff} length {length} "
+                                  f"loff {loff}")
+            return ExtentRec(ino, foff, length, log, loff, crc)
         if rtype == R_INODE:
-            fixed = _INODE.size
             (ino, parent, mode, uid, gid, rdev, at, mt, ct, nlen) = _INODE.unpack_from(body)
-            name = check_name(body[fixed:fixed + nlen])
+            name = body[_INODE_SIZE:_INODE_SIZE + nlen]
             if len(name) != nlen:
                 raise FormatError("truncated name")
+            if b"/" in name or b"\0" in name or nlen > NAME_MAX or name in _NOT_NAMES:
+                check_name(name)  # (raises, saying what is wrong)
             return InodeRec(ino, parent, name, mode, uid, gid, rdev, at, mt, ct,
-                            body[fixed + nlen:])
+                            body[_INODE_SIZE + nlen:])
         if rtype == R_SETATTR:
             return SetattrRec(*_SETATTR.unpack(body))
         if rtype == R_SIZE:
@@ -404,17 +414,37 @@ def _resync(data: bytes, pos: int) -> int | None:
         if len(body) < _COMMIT.size:
             return None
         _, crc, _ = REC_HEADER.unpack_from(data, c)
-        if crc32c(body, crc32c(bytes((R_COMMIT,)))) == crc:
+        if crc32c(body, _TYPE_CRC[R_COMMIT]) == crc:
             return c + REC_HEADER.size + _COMMIT.size
     return None
 
 
-def read_index(path: str) -> IndexScan:
+def _problem(data: bytes, pos: int) -> tuple[str, int]:
+    """What is wrong with the record at `pos` (one scan_index did not take): (the problem,
+    the body length its header gives, 0 without a header)."""
+    end = len(data)
+    if pos + REC_HEADER.size > end:
+        return "torn record header", 0
+    blen, crc, rtype = REC_HEADER.unpack_from(data, pos)
+    if blen > MAX_RECORD_BODY or pos + REC_HEADER.size + blen > end:
+        return "torn or oversized record", blen
+    body = data[pos + REC_HEADER.size:pos + REC_HEADER.size + blen]
+    if crc32c(body, _TYPE_CRC[rtype]) != crc:
+        return "record checksum mismatch", blen
+    try:
+        decode(rtype, body)
+    except FormatError as exc:
+        return f"bad record ({exc})", blen
+    raise AssertionError("scan_index left a good record")  # (its own test would be wrong)
+
+
+def read_index(path: str, on_group: OnGroup | None = None) -> IndexScan:
     """Read an index file; complete commit groups only, a torn or corrupt tail is reported
-    in `warnings` and excluded. Raises FormatError for a foreign file or a newer version."""
+    in `warnings` and excluded. Raises FormatError for a foreign file or a newer version.
+    `on_group`: as scan_index's."""
     with open(path, "rb") as f:
         data = f.read()
-    return scan_index(path, data)
+    return scan_index(path, data, on_group=on_group)
 
 
 def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
@@ -432,10 +462,16 @@ def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
     return scan, offset + len(tail)
 
 
-def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
+OnGroup = Callable[[list[Record], int], None]
+
+
+def scan_index(path: str, data: bytes, tail: bool = False,
+               on_group: OnGroup | None = None) -> IndexScan:
     """The records of `data`: an index header followed by records (the whole index, or with
     `tail` the records from some commit boundary on, where a group still being written at
-    the end is expected and not reported)."""
+    the end is expected and not reported). With `on_group`, each complete commit group is
+    handed to `on_group(records, commit time)` as soon as it is read instead of being kept in
+    `groups` (replay: the records of a large index are never all in memory at once)."""
     scan = IndexScan()
     if len(data) < INDEX_HEADER.size:
         if data:
@@ -447,57 +483,58 @@ def scan_index(path: str, data: bytes, tail: bool = False) -> IndexScan:
     pos = INDEX_HEADER.size
     group: list[Record] = []
     end = len(data)
+    header, hsize, type_crc = REC_HEADER.unpack_from, REC_HEADER.size, _TYPE_CRC
     while pos < end:
-        problem = None
-        blen = crc = rtype = 0
-        if pos + REC_HEADER.size > end:
-            problem = "torn record header"
-        else:
-            blen, crc, rtype = REC_HEADER.unpack_from(data, pos)
-            if blen > MAX_RECORD_BODY or pos + REC_HEADER.size + blen > end:
-                problem = "torn or oversized record"
-        if problem is None:
-            body = data[pos + REC_HEADER.size:pos + REC_HEADER.size + blen]
-            if crc32c(body, crc32c(bytes((rtype,)))) != crc:
-                problem = "record checksum mismatch"
-            else:
-                try:
-                    rec = decode(rtype, body)
-                except FormatError as exc:
-                    problem = f"bad record ({exc})"
-        if problem is not None:
-            # A torn tail (a crash during a commit) is the usual case: nothing after it was
-            # acknowledged. But damage in the middle must not cost the commits after it: look
-            # for the next valid COMMIT record, drop the damaged group, resume after it.
-            # (Only for checksum damage: a well-formed record that does not parse was written
-            # that way, by a hostile or broken writer, and nothing after it is trusted.)
-            resume = _resync(data, pos) if problem == "record checksum mismatch" else None
-            if resume is None:
-                if tail and problem.startswith("torn"):
-                    break  # (being appended to right now)
-                scan.warnings.append(Damage(
-                    TORN_TAIL if problem.startswith("torn") and blen <= MAX_RECORD_BODY
-                    else INDEX_ENDED,
-                    f"{path}: {problem} at byte {pos}; the rest of the index ({end - pos} "
-                    "bytes) is ignored"))
-                break
+        # The way of a well-formed record first (a replay reads a few per file); anything
+        # else is looked at again below.
+        if pos + hsize <= end:
+            blen, crc, rtype = header(data, pos)
+            b = pos + hsize
+            e = b + blen
+            if e <= end and blen <= MAX_RECORD_BODY:
+                body = data[b:e]
+                if crc32c(body, type_crc[rtype]) == crc:
+                    try:
+                        rec = decode(rtype, body)
+                    except FormatError:
+                        pass
+                    else:
+                        pos = e
+                        if rtype != R_COMMIT:
+                            group.append(rec)
+                            continue
+                        if on_group is None:
+                            scan.groups.append(group)
+                            scan.group_times.append(rec.time_ns)
+                        else:
+                            on_group(group, rec.time_ns)
+                        group = []
+                        scan.valid_bytes = pos
+                        scan.last_seq = rec.seq
+                        continue
+        problem, blen = _problem(data, pos)
+        # A torn tail (a crash during a commit) is the usual case: nothing after it was
+        # acknowledged. But damage in the middle must not cost the commits after it: look
+        # for the next valid COMMIT record, drop the damaged group, resume after it.
+        # (Only for checksum damage: a well-formed record that does not parse was written
+        # that way, by a hostile or broken writer, and nothing after it is trusted.)
+        resume = _resync(data, pos) if problem == "record checksum mismatch" else None
+        if resume is None:
+            if tail and problem.startswith("torn"):
+                break  # (being appended to right now)
             scan.warnings.append(Damage(
-                GROUP_SKIPPED, f"{path}: {problem} at byte {pos}; {len(group)} records before "
-                f"it and the bytes up to {resume} (the damaged commit group) skipped, replay "
-                "resumes there"))
-            group = []
-            pos = resume
-            scan.valid_bytes = pos
-            continue
-        pos += REC_HEADER.size + blen
-        if type(rec) is CommitRec:
-            scan.groups.append(group)
-            scan.group_times.append(rec.time_ns)
-            group = []
-            scan.valid_bytes = pos
-            scan.last_seq = rec.seq
-        else:
-            group.append(rec)
+                TORN_TAIL if problem.startswith("torn") and blen <= MAX_RECORD_BODY
+                else INDEX_ENDED,
+                f"{path}: {problem} at byte {pos}; the rest of the index ({end - pos} "
+                "bytes) is ignored"))
+            break
+        scan.warnings.append(Damage(
+            GROUP_SKIPPED, f"{path}: {problem} at byte {pos}; {len(group)} records before "
+            f"it and the bytes up to {resume} (the damaged commit group) skipped, replay "
+            "resumes there"))
+        group = []
+        pos = resume
+        scan.valid_bytes = pos
     if group and not tail:
         scan.warnings.append(Damage(TORN_TAIL, f"{path}: {len(group)} records after the last "
                                            "commit ignored (interrupted commit)"))

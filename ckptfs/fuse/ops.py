@@ -230,7 +230,7 @@ class CkptOperations(pyfuse3.Operations):
         view = self.view
         v = self._own_dir(v)
         view.take_over(v, name, x)
-        pieces = [list(p) for p in x.emap.pieces] if keep_data and x.emap is not None else []
+        pieces = list(x.emap.pieces) if keep_data and x.emap is not None else []
         size = x.size if keep_data else 0
         ino = self.ns.new_ino()
         self.ns.change(InodeRec(ino, v.ino, name, x.mode, x.uid, x.gid, x.rdev, x.atime_ns,
@@ -737,9 +737,8 @@ class CkptOperations(pyfuse3.Operations):
                     roff = run.length
                     run.length += m
                     last = emap.pieces[-1] if emap.pieces else None
-                    if last is not None and last[2] is run and last[0] + last[1] == foff:
-                        last[1] += m
-                        emap.stored += m
+                    if last is not None and last.run is run and last.start + last.length == foff:
+                        emap.grow(m)
                     else:
                         emap.insert(foff, m, run, roff)
                 else:

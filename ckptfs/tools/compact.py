@@ -133,9 +133,9 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         if tree is not None:
             view.carry_out(layer)
             ns = tree
-            named = {p[2].log for other, t in view.trees.items() if other != layer
+            named = {p.run.log for other, t in view.trees.items() if other != layer
                      for x in t.inodes.values() if x.emap is not None
-                     for p in x.emap.pieces if p[2].layer == layer}
+                     for p in x.emap.pieces if p.run.layer == layer}
         before = _sizes(wd.path)
         old_logs = set(backingdir.data_logs(wd.path))
         index = os.path.join(wd.path, backingdir.INDEX_NAME)

@@ -1,0 +1,67 @@
+"""`ckptfs bench mount` on a small tree: the backing directory it synthesises is one a mount
+could have left (verify finds every file's bytes intact, a mount lists every file), and the
+benchmark reports its figures and targets and leaves no mount behind. Speed is not tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptfs import api
+from ckptfs.bench import mount
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_the_synthesised_tree_is_a_valid_backing_directory(tmp_path):
+    backing, mnt = tmp_path / "b", tmp_path / "m"
+    mnt.mkdir()
+    built = mount.build(str(backing), 250, 100, 300, 40)
+    # per file an INODE and an EXTENT, 3 directories, 7 COMMITs, and a SETATTR for the
+    # last file of each directory in each group of 40 (8 of them: one group spans two)
+    assert built["dirs"] == 3 and built["records"] == 2 * 250 + 3 + 7 + 8
+    proc = subprocess.run([sys.executable, "-m", "ckptfs", "verify", str(backing)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with api.Mount(str(backing), str(mnt), writer_id=mount.WRITER) as m:
+        names = sorted(os.listdir(m.mountpoint))
+        assert names == ["d000001", "d000002", "d000003"]
+        files = [os.path.join(m.mountpoint, d, f) for d in names
+                 for f in os.listdir(os.path.join(m.mountpoint, d))]
+        assert len(files) == 250
+        with open(files[7], "rb") as f:
+            data = f.read()
+        assert len(data) == 300 and data.endswith(b"x")
+
+
+def test_a_small_run(tmp_path):
+    out = tmp_path / "out.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfs", "bench", "mount", "--files", "300,600", "--per-dir",
+         "100", "--mounts", "1", "--dir", str(work), "--json", str(out)],
+        capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["files"] for r in res["results"]] == [300, 600]
+    for r in res["results"]:
+        for name in ("tree", "empty"):
+            assert len(r["runs"][name]) == 1
+            assert r["median"][name]["ready_s"] > 0 and r["median"][name]["rss_bytes"] > 0
+        assert r["median"]["tree"]["replay_s"] >= 0
+        assert {t["target"] for t in r["targets"]} == {"mount", "memory"}
+    assert "files (" in proc.stdout
+    assert not list(work.iterdir())
+    with open("/proc/self/mountinfo") as f:
+        assert str(work) not in f.read()
+
+
+def test_the_targets_scale_with_the_tree():
+    small, large = mount.judge(1000, 0.9, 900), mount.judge(1_000_000, 10.5, 1100)
+    assert [t["held"] for t in small] == [True, True] and small[0]["limit"] == 1.0
+    assert [t["held"] for t in large] == [False, False] and large[0]["limit"] == 10.0
