@@ -36,6 +36,7 @@ from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath, set_entry_timeout
+from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.ops import CkptOperations, idle_sealer
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
@@ -291,8 +292,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       log_bytes=cfg.log_bytes, next_log=next_log, index=index,
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
                       stripe_bytes=cfg.stripe_bytes)
+    # requests whose caller is being killed, answered early (the fast path, the barriers, the
+    # reader's disk waits)
+    interrupts = Interrupts()
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
-                    direct=facts["direct"])  # buffers on first use: performance-notes.md
+                    direct=facts["direct"],  # buffers on first use: performance-notes.md
+                    interruptible=interrupts.waiting)
     reader.note_runs(run for x in ns.inodes.values() if x.emap is not None
                      for run in x.emap.runs())
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
@@ -314,7 +319,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),
             "conflicts": len(union.conflicts)}
     ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
-                         info)
+                         info, interrupts=interrupts)
     ops.readonly = wd is None
     ops.view = view
     ops.refresher = refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
@@ -356,8 +361,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (loop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s)) if cfg.fast_path \
-            else loop.RequestWait
+        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s, interrupts)) \
+            if cfg.fast_path else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
         if ops.request_wait is not None:
             ops.request_wait.spin_after_wake = cfg.spin_after_wake
