@@ -16,7 +16,6 @@ way while the current one is being deserialised.
 
 from __future__ import annotations
 
-import contextvars
 import errno
 import logging
 import time
@@ -33,12 +32,6 @@ log = logging.getLogger("ckptfs.reader")
 CHUNK_BYTES = 4 << 20
 SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
-
-
-# The request a READ is served for, (unique, caller's pid), set by the fast path: a wait for
-# the disk is then registered with it (Reader.interruptible), so that a READ whose caller is
-# being killed can be answered while the worker thread's disk read goes on.
-REQUEST: contextvars.ContextVar = contextvars.ContextVar("ckptfs_request", default=None)
 GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
@@ -58,7 +51,8 @@ class _Chunk:
 
 class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
-                 direct: bool = False, populate: bool = False) -> None:
+                 direct: bool = False, populate: bool = False,
+                 interruptible=trio.CancelScope) -> None:
         # the data logs: which file holds a run, descriptors (O_DIRECT where it works), chunk
         # reads, checksum checks and their errors
         self.logs = RunReader(writer_dirs, direct=direct)
@@ -103,9 +97,10 @@ class Reader:
         self.verified_ahead = 0
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         self.nursery = None  # set by the daemon: where readahead runs
-        # set by the fast path: (unique, pid) -> a context manager around a wait that can be
-        # cancelled, yielding its CancelScope
-        self.interruptible = None
+        # a wait for the disk, as a context manager yielding its CancelScope: the daemon's is
+        # cancelled when the READ's caller is being killed (fuse/interrupts.py), so that the
+        # READ is answered while the worker thread's disk read goes on
+        self.interruptible = interruptible
         self.disk_reads = 0
         self.disk_bytes = 0
         self.load_seconds = 0.0  # time spent in disk reads (worker threads)
@@ -335,17 +330,14 @@ class Reader:
                     missing = [k for k in keys if k not in self.chunks]
                     if missing:
                         t0 = time.perf_counter()
-                        req = REQUEST.get()
                         if self.nursery is None:  # (no daemon: one load after the other)
                             for k in missing:
                                 await self._load(k)
-                        elif req is not None and self.interruptible is not None:
-                            with self.interruptible(*req) as scope:
+                        else:
+                            with self.interruptible() as scope:
                                 await self._wait_loads(missing)
                             if scope.cancelled_caught:
                                 raise InterruptedError(errno.EINTR, "the reader is being killed")
-                        else:
-                            await self._wait_loads(missing)
                         self.wait_seconds += time.perf_counter() - t0
                     if any(k not in self.chunks for k in keys):
                         continue  # invalidated while loading: look again

@@ -14,11 +14,10 @@ from the read cache), FLUSH, RELEASE, LOOKUP, GETATTR, OPEN, CREATE. Two differe
 read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for
 it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
 isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
-INTERRUPT is handled here for the requests that can wait long (a WRITE waiting for staging
-space, a READ waiting for the disk, forwarded FSYNC, FSYNCDIR, GETXATTR): when the caller is
-being killed they are answered at once, and a sweep finds those whose interrupt nobody read
-(docs/reliability.md); pyfuse3 cannot act on interrupts, so every other INTERRUPT is dropped
-here.
+INTERRUPT is read here too: the requests that can wait long (a WRITE waiting for staging
+space, a READ waiting for the disk, forwarded FSYNC, FSYNCDIR, GETXATTR) are answered at once
+when their caller is being killed (fuse/interrupts.py; docs/reliability.md); pyfuse3 cannot
+act on interrupts, so every other INTERRUPT is dropped here.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
@@ -43,18 +42,16 @@ show the requests answered here.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
-import signal
 import socket
 import struct
 
 import pyfuse3
 import trio
 
-from ckptfs.datapath.reader import REQUEST
+from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
 from ckptfs.fuse import ops as ops_module
 from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S, SETID_BITS
@@ -111,52 +108,6 @@ REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
 
 
-_proc_warned = False
-SWEEP_S = 0.5  # how often held requests' callers are looked at (see FastPath.sweep)
-SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
-# signals whose default action dumps core: the kernel does not turn them into SIGKILL (it does
-# for the other fatal ones), so a thread waiting for our answer is not woken for them
-CORE_SIGNALS = sum(1 << (getattr(signal, name) - 1) for name in (
-    "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGSEGV", "SIGXCPU",
-    "SIGXFSZ", "SIGSYS") if hasattr(signal, name))
-
-
-def _dying(pid: int) -> bool:
-    """Whether thread `pid` is being killed: SIGKILL is pending (kill -9, and the fatal signals
-    the kernel turns into it), or a signal that dumps core is pending, not blocked, ignored,
-    caught or seen by a tracer (it kills the process as soon as its request returns). A caller
-    we cannot see (pid 0: another pid namespace; /proc hiding it) is not taken for dying:
-    answering it early would fail a live process's write. (A core-dumping signal pending for
-    the whole process could still be taken by another thread in sigwaitinfo/signalfd, which
-    must block it; then the early answer was not needed. Rare, and harmless but for EINTR.)"""
-    global _proc_warned
-    if pid <= 0:
-        return False
-    fields = {}
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                key, _, value = line.partition(b":")
-                if key in (b"SigPnd", b"ShdPnd", b"SigBlk", b"SigIgn", b"SigCgt"):
-                    fields[key] = int(value, 16)
-                elif key == b"TracerPid":
-                    fields[key] = int(value)
-    except (OSError, ValueError) as exc:
-        if not _proc_warned:
-            _proc_warned = True
-            log.warning("interrupted request: cannot read /proc/%d/status (%s); requests of "
-                        "killed processes wait for the backing store", pid,
-                        getattr(exc, "strerror", None) or exc)
-        return False
-    pending = fields.get(b"SigPnd", 0) | fields.get(b"ShdPnd", 0)
-    if pending & SIGKILL_BIT:
-        return True
-    if fields.get(b"TracerPid", 1) != 0:
-        return False  # (a tracer may take the signal away)
-    live = ~(fields.get(b"SigBlk", -1) | fields.get(b"SigIgn", -1) | fields.get(b"SigCgt", -1))
-    return bool(pending & CORE_SIGNALS & live)
-
-
 class _Context:
     """What the handlers read of pyfuse3's RequestContext."""
 
@@ -207,7 +158,8 @@ class FastPath(RequestWait):
     request itself and answers the common ones here; anything else it hands to libfuse and
     returns True (pyfuse3 then reads it)."""
 
-    def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float) -> None:
+    def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float,
+                 interrupts: Interrupts) -> None:
         super().__init__(fuse_fd, spin_s)
         self.lib_fd = lib_fd  # libfuse's descriptor number (now our socket's other end)
         self.sock = sock
@@ -229,28 +181,11 @@ class FastPath(RequestWait):
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.detached = False
-        # Interrupts. Once a request reached the daemon the kernel waits for its answer, after
-        # a fatal signal too, so a process blocked on a backing store that stopped answering
-        # could not even be killed. The requests that can wait that long are held here: a
-        # WRITE waiting for staging space, a READ waiting for the disk (the worker thread's
-        # read goes on without it) and a forwarded barrier not answered yet. When the caller
-        # of one is being killed it is answered at once: on FUSE_INTERRUPT (sent at the first
-        # signal), and by sweep(), which looks at held requests' callers while there are any
-        # (a fatal signal after a non-fatal one sends no second INTERRUPT, and nobody reads
-        # one while every request task is held). Other signals change nothing (reads and
-        # writes of a regular file do not fail with EINTR).
-        self.suspended: dict[int, tuple[trio.CancelScope, int]] = {}  # unique -> (scope, pid)
-        # INTERRUPTIBLE_FORWARDED not answered yet -> (pid, the task pyfuse3 serves it in)
-        self.barriers: dict[int, tuple[int, trio.lowlevel.Task]] = {}
-        self.drop: set[int] = set()  # answered EINTR here: libfuse's late answer is dropped
-        self.interrupted = 0
-        self.sweeping = False
-        reader = getattr(ops, "reader", None)
-        if reader is not None:  # a READ waiting for the disk is held too
-            reader.interruptible = self.interruptible
+        self.interrupts = interrupts  # the requests that can wait long, answered early
+        interrupts.start(self.reply_error)
 
     @classmethod
-    def attach(cls, lib_fd: int, ops, spin_s: float) -> "FastPath":
+    def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts) -> "FastPath":
         """Move libfuse's descriptor `lib_fd` onto a socket and keep /dev/fuse for us."""
         fuse_fd = os.dup(lib_fd)  # the session's /dev/fuse, under a new number
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -263,17 +198,15 @@ class FastPath(RequestWait):
         os.dup2(theirs.fileno(), lib_fd, inheritable=False)
         theirs.close()
         os.set_blocking(fuse_fd, False)
-        return cls(fuse_fd, lib_fd, ours, ops, spin_s)
+        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""
         if self.detached:
             return
         self.detached = True
-        self.closed = True  # (sweep() stops: the fd goes)
-        reader = getattr(self.ops, "reader", None)
-        if reader is not None:
-            reader.interruptible = None
+        self.closed = True
+        self.interrupts.stop()  # (the fd goes)
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
         os.close(self.fd)
@@ -284,12 +217,13 @@ class FastPath(RequestWait):
         c.update(writes_in_place=self.writes_in_place, bytes_in_place=self.bytes_in_place,
                  bytes_copied_in=self.bytes_copied, reads_direct=self.reads_direct,
                  requests_forwarded=self.forwarded, requests_answered_here=self.answered,
-                 requests_interrupted=self.interrupted)
+                 requests_interrupted=self.interrupts.count)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         return c
 
     def close(self) -> None:
         super().close()
+        self.interrupts.stop()
         # pyfuse3.terminate() wakes waiters on libfuse's descriptor, not on ours
         trio.lowlevel.notify_closing(self.fd)
 
@@ -298,7 +232,7 @@ class FastPath(RequestWait):
         if task in self.forwarders:  # pyfuse3 served what this task forwarded: pass replies on
             self.forwarders.discard(task)
             self.pump()
-            self.ops.abandoned.discard(task)  # (marked after its handler had finished)
+            self.interrupts.done()
         while True:
             if not await super().__call__():
                 self.pump()
@@ -340,7 +274,7 @@ class FastPath(RequestWait):
                 await self.read(unique, pid)
                 return False
             if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
-                self.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0])
+                self.interrupts.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0])
                 return False
             if opcode == FUSE_FLUSH:
                 await self.simple(unique, self.ops.flush)
@@ -396,10 +330,15 @@ class FastPath(RequestWait):
                 # held, so cancelled when its caller is being killed. Not the kernel's
                 # writeback of page-cache pages: their write(2) returned long ago, and the pid
                 # is whoever made the kernel write them back
-                with (self.interruptible(unique, pid) if not write_flags & FUSE_WRITE_CACHE
-                      else contextlib.nullcontext()) as scope:
-                    await staging.append(rest, counted, base=k)
-                if scope is not None and scope.cancelled_caught:
+                token = (self.interrupts.serve(unique, pid) if not write_flags & FUSE_WRITE_CACHE
+                         else None)
+                try:
+                    with self.interrupts.waiting() as scope:
+                        await staging.append(rest, counted, base=k)
+                finally:
+                    if token is not None:
+                        self.interrupts.served(token)
+                if scope.cancelled_caught:
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
                         ops.wrote(h, x, off + done[0], done[0])
@@ -424,7 +363,7 @@ class FastPath(RequestWait):
 
     async def read(self, unique: int, pid: int = 0) -> None:
         fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
-        token = REQUEST.set((unique, pid))  # a wait for the disk is held (interruptible())
+        token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
         try:
             # guarded: only FUSEError escapes
             parts = await self.ops.read(fh, off, size, gather=True)
@@ -432,7 +371,7 @@ class FastPath(RequestWait):
             self.reply_error(unique, exc.errno)
             return
         finally:
-            REQUEST.reset(token)
+            self.interrupts.served(token)
         self.reads_direct += 1
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
@@ -499,85 +438,6 @@ class FastPath(RequestWait):
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
-    def interrupt(self, unique: int) -> None:
-        """FUSE_INTERRUPT for `unique`: a held request (see __init__) is answered if its caller
-        is being killed (if not, sweep() looks again). An INTERRUPT for any other request is
-        dropped (pyfuse3 cannot act on one; libfuse would keep it and answer it EAGAIN later,
-        which makes the kernel send it again)."""
-        pid = self.caller(unique)
-        if pid is not None:
-            self.abort_if_dying(unique, pid)
-
-    def caller(self, unique: int) -> int | None:
-        """The pid of a held request's caller; None if `unique` is not held."""
-        got = self.suspended.get(unique)
-        if got is not None:
-            return got[1]
-        got = self.barriers.get(unique)
-        return got[0] if got is not None else None
-
-    def abort_if_dying(self, unique: int, pid: int) -> bool:
-        """Answer `unique` now if its caller is being killed; True if answered or no longer
-        waiting. A WRITE is cancelled (it answers EINTR, or a short write);
-        a barrier is answered EINTR (it goes on in the daemon; the handler's wait ends, and
-        libfuse's answer to it is dropped)."""
-        got = self.suspended.get(unique)
-        if got is None and unique not in self.barriers:
-            return True  # answered meanwhile
-        if not _dying(pid):
-            return False
-        if got is not None:
-            got[0].cancel()  # (counted in interruptible() if it was still waiting)
-        else:
-            _, task = self.barriers.pop(unique)
-            self.drop.add(unique)
-            self.reply_error(unique, errno.EINTR)
-            self.interrupted += 1
-            self.ops.abandon_barrier(task)  # its task serves requests again
-        return True
-
-    @contextlib.contextmanager
-    def interruptible(self, unique: int, pid: int):
-        """A wait of request `unique` that may be long (a WRITE for staging space, a READ for
-        the disk: reader.py) is held: cancelled when its caller is being killed. The caller
-        answers what a cancelled wait means (scope.cancelled_caught)."""
-        with trio.CancelScope() as scope:
-            self.suspended[unique] = (scope, pid)
-            self.hold()
-            try:
-                yield scope
-            finally:
-                del self.suspended[unique]
-        if scope.cancelled_caught:
-            self.interrupted += 1
-
-    def hold(self) -> None:
-        """A request that may wait long was registered: make sure sweep() runs."""
-        if not self.sweeping and not self.closed:
-            self.sweeping = True
-            trio.lowlevel.spawn_system_task(self.sweep)
-
-    async def sweep(self) -> None:
-        """While requests are held, look every SWEEP_S at the callers of those held since the
-        last look, and answer the ones being killed; ends when none is held."""
-        seen: set[int] = set()
-        try:
-            while not self.closed:
-                await trio.sleep(SWEEP_S)
-                held = set(self.suspended).union(self.barriers)
-                if not held:
-                    break
-                for unique in held & seen:
-                    pid = self.caller(unique)
-                    try:
-                        if pid is not None:
-                            self.abort_if_dying(unique, pid)
-                    except Exception:  # a system task must not raise: it would end the daemon
-                        log.exception("internal error looking at request %d", unique)
-                seen = held
-        finally:
-            self.sweeping = False
-
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
 
@@ -619,8 +479,7 @@ class FastPath(RequestWait):
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         self.sock.sendmsg(self.pieces(n, bufs))
         if opcode in INTERRUPTIBLE_FORWARDED:
-            self.barriers[unique] = (pid, trio.lowlevel.current_task())
-            self.hold()
+            self.interrupts.forwarded(unique, pid)
 
     def pump(self) -> None:
         """Pass libfuse's replies (and notifications) on to /dev/fuse."""
@@ -641,11 +500,8 @@ class FastPath(RequestWait):
                 if unique == self.init_unique:
                     self.init_unique = -1
                     self.negotiated(msg, err)
-                if self.barriers or self.drop:
-                    self.barriers.pop(unique, None)
-                    if unique in self.drop:  # answered EINTR here when it was interrupted
-                        self.drop.discard(unique)
-                        continue
+                if self.interrupts.replied(unique):  # answered EINTR here when interrupted
+                    continue
             self.send(msg)
 
     def negotiated(self, msg, err: int) -> None:

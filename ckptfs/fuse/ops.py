@@ -33,6 +33,7 @@ from ckptfs.format.records import (
     XExtentRec,
 )
 from ckptfs.fuse import loop
+from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
 
 log = logging.getLogger("ckptfs.ops")
@@ -83,13 +84,14 @@ class CkptOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, ns: Namespace, staging: Staging, journal: Journal, flusher: Flusher,
-                 reader: Reader, backing: str, info: dict) -> None:
+                 reader: Reader, backing: str, info: dict, *, interrupts: Interrupts) -> None:
         super().__init__()
         self.ns = ns
         self.staging = staging
         self.journal = journal
         self.flusher = flusher
         self.reader = reader
+        self.interrupts = interrupts  # (a barrier whose caller is being killed ends early)
         self.backing = backing
         self.info = info
         self.readonly = False
@@ -122,11 +124,6 @@ class CkptOperations(pyfuse3.Operations):
         self.maintainer = None  # cleaner.Maintainer (a mount that writes): its figures
         self.started = time.time()
         self.fsyncs = 0
-        # barrier waits (fsync, fsyncdir, the sync xattr) by trio task, so that the fast path
-        # can end one whose caller is being killed (FastPath.abort_if_dying): the task then
-        # serves requests again instead of waiting for a backing store that may never answer
-        self.barrier_waits: dict = {}  # task -> CancelScope
-        self.abandoned: set = set()  # tasks whose barrier was answered before it started
 
     # ------------------------------------------------------------ helpers
     def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:
@@ -788,29 +785,18 @@ class CkptOperations(pyfuse3.Operations):
         await self._barrier()
 
     async def _barrier(self) -> None:
-        task = trio.lowlevel.current_task()
-        if task in self.abandoned:
-            self.abandoned.discard(task)
-            raise _err(errno.EINTR)
-        with trio.CancelScope() as scope:
-            self.barrier_waits[task] = scope
+        # A barrier waits for the backing store, which may never answer: when the caller is
+        # being killed, the request is answered EINTR early and this wait ends, so that the
+        # task serves requests again; the barrier goes on (fuse/interrupts.py).
+        with self.interrupts.waiting() as scope:
+            if scope.cancel_called:  # answered before it started
+                raise _err(errno.EINTR)
             try:
                 await self.flusher.barrier()
             except OSError as exc:
                 raise _err(exc.errno or errno.EIO) from None
-            finally:
-                del self.barrier_waits[task]
-        if scope.cancelled_caught:  # the request was answered EINTR (its caller is gone)
+        if scope.cancelled_caught:
             raise _err(errno.EINTR)
-
-    def abandon_barrier(self, task) -> None:
-        """The request `task` serves was answered already (its caller is being killed): stop
-        its barrier wait (the barrier itself goes on), or skip it if it has not started."""
-        scope = self.barrier_waits.get(task)
-        if scope is not None:
-            scope.cancel()
-        else:
-            self.abandoned.add(task)
 
     # ------------------------------------------------------------ directories
     async def opendir(self, inode, ctx):
