@@ -57,7 +57,14 @@ from crc32c import crc32c
 
 from ckptfs.datapath import mover
 from ckptfs.datapath.flusher import ExtentEntry
-from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Segment, round_up
+from ckptfs.datapath.staging import (
+    CHECKSUM_BLOCK_BYTES,
+    NO_LOG,
+    ExtentMap,
+    Run,
+    Segment,
+    round_up,
+)
 from ckptfs.format import backingdir, records
 from ckptfs.format.logs import RunReader, punch_hole
 from ckptfs.format.records import RetireRec
@@ -105,7 +112,7 @@ class LogSpace:
                 continue
             for p in emap.pieces:
                 run = p.run
-                if run.layer == 0 and run.log >= 0:
+                if run.layer == 0 and run.log != NO_LOG:
                     live[run.log] = live.get(run.log, 0) + p.length
 
     def dead(self, run: Run, n: int) -> None:

@@ -29,7 +29,7 @@ from collections import deque
 
 import trio
 
-from ckptfs.datapath.staging import Run, Segment, Staging, round_up
+from ckptfs.datapath.staging import NO_LOG, Run, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
 from ckptfs.format.logs import LogWriter
@@ -473,7 +473,7 @@ class Flusher:
         # open gets it opened by name, never a stale descriptor number.
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
-            if seg.log < 0:  # first attempt; a retry keeps its place
+            if seg.log == NO_LOG:  # first attempt; a retry keeps its place
                 if nbytes > seg.used:  # (the runs' CRC32C were taken as their bytes landed)
                     seg.view[seg.used:nbytes] = bytes(nbytes - seg.used)
                 self._place(seg, nbytes)

@@ -34,6 +34,9 @@ from ckptfs.io import alloc_aligned
 CHECKSUM_BLOCK_BYTES = 2 << 20
 
 
+NO_LOG = -1  # the log (and offset) of a segment or run not placed in a data log yet
+
+
 class Segment:
     """One fill of a pool buffer. Lives on (tiny, without its buffer) while runs point at it."""
 
@@ -44,8 +47,8 @@ class Segment:
         self.view = memoryview(buf)
         self.used = 0
         self.runs: list[Run] = []
-        self.log = -1
-        self.loff = -1
+        self.log = NO_LOG
+        self.loff = NO_LOG
         self.sealed = False
         self.durable = False
         self.number = number
@@ -58,8 +61,9 @@ class Run:
 
     __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead")
 
-    def __init__(self, seg: Segment | None, soff: int, length: int, log: int = -1, loff: int = -1,
-                 crc: int = 0, verified: bool = False, layer: int = 0) -> None:
+    def __init__(self, seg: Segment | None, soff: int, length: int, log: int = NO_LOG,
+                 loff: int = NO_LOG, crc: int = 0, verified: bool = False,
+                 layer: int = 0) -> None:
         self.seg = seg
         self.soff = soff
         self.length = length
