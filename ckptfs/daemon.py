@@ -37,7 +37,7 @@ from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath, set_entry_timeout
 from ckptfs.fuse.interrupts import Interrupts
-from ckptfs.fuse.ops import CkptOperations, idle_sealer
+from ckptfs.fuse.ops import CkptOperations, Settings, idle_sealer
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
@@ -318,21 +318,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
             "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),
             "conflicts": len(union.conflicts)}
-    ops = CkptOperations(ns, staging, journal, flusher, reader, os.path.abspath(cfg.backing),
-                         info, interrupts=interrupts)
-    ops.readonly = wd is None
-    ops.view = view
-    ops.refresher = refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
+    refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
+    ops = CkptOperations(ns, staging, journal, flusher, reader,
+                         Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
+                         view=view, refresher=refresher, maintainer=maintainer)
     refresher.in_use = lambda: bool(ops.handles)
     set_entry_timeout(cfg.refresh_s)
-    ops.maintainer = maintainer
-    ops.checksum_block = cfg.checksum_block_bytes
-    ops.enable_writeback_cache = cfg.writeback_cache and wd is not None
-    # With the writeback cache the kernel owns mtime and does not move it on direct writes:
-    # the two do not mix (docs/tuning.md).
-    ops.direct_writes = cfg.direct_writes and not ops.enable_writeback_cache
-    ops.direct_reads = bool(cfg.direct_reads)
-    ops.direct_reads_auto = cfg.direct_reads is None
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -521,11 +521,9 @@ class FastPath(RequestWait):
             flags2 = struct.unpack_from("<I", msg, at)[0] if flags & FUSE_INIT_EXT else 0
             struct.pack_into("<I", msg, OUT_HEADER.size + 12, flags | FUSE_INIT_EXT)
             struct.pack_into("<I", msg, at, flags2 | FUSE_DIRECT_IO_ALLOW_MMAP >> 32)
-            self.ops.shared_mmap_direct = True
-            if self.ops.direct_reads_auto:
-                self.ops.direct_reads = True
+            self.ops.initialised(shared_mmap_direct=True)
             log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
-                     "on" if self.ops.direct_reads else "off")
+                     "on" if self.ops.negotiated.direct_reads else "off")
         self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
         if len(self.overflow or b"") < self.request_max:
             self.overflow = bytearray(self.request_max)

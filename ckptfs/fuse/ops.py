@@ -8,6 +8,7 @@ segment), reads of durable data go through a worker thread.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -79,27 +80,66 @@ class _Handle:
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the handlers are told when they are built; Settings.of makes them from a mount's
+    options (daemon.MountConfig)."""
+
+    backing: str  # the backing directory, absolute (statfs, the status)
+    info: dict  # facts the status shows (writer, mount point, io mode, queue depth, ...)
+    readonly: bool = False
+    checksum_block: int = CHECKSUM_BLOCK_BYTES  # the longest run (--checksum-block)
+    writeback_cache: bool = False  # the kernel's writeback cache (--writeback-cache)
+    direct_writes: bool = False  # write-only opens bypass the page cache (_file_info)
+    # read-only opens of files of at least one READ bypass the page cache (_file_info); None:
+    # where the kernel keeps MAP_SHARED mmap of them working, which INIT tells (Negotiated)
+    direct_reads: bool | None = False
+
+    @classmethod
+    def of(cls, cfg, info: dict, readonly: bool) -> "Settings":
+        # The writeback cache is for mounts that write. With it the kernel owns mtime and does
+        # not move it on direct writes: the two do not mix (docs/tuning.md).
+        writeback = cfg.writeback_cache and not readonly
+        return cls(backing=os.path.abspath(cfg.backing), info=info, readonly=readonly,
+                   checksum_block=cfg.checksum_block_bytes, writeback_cache=writeback,
+                   direct_writes=cfg.direct_writes and not writeback,
+                   direct_reads=cfg.direct_reads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Negotiated:
+    """What FUSE INIT settled: replaced once, when the INIT reply goes by (initialised(), from
+    the fast path, which reads it; without the fast path nothing is learnt and this stays)."""
+
+    # the kernel keeps MAP_SHARED mmap of direct-I/O files working (FUSE_DIRECT_IO_ALLOW_MMAP,
+    # Linux 6.6+; without it such a mmap fails with ENODEV)
+    shared_mmap_direct: bool = False
+    direct_reads: bool = False  # Settings.direct_reads, None decided
+
+
 class CkptOperations(pyfuse3.Operations):
-    enable_writeback_cache = True
     supports_dot_lookup = True
 
     def __init__(self, ns: Namespace, staging: Staging, journal: Journal, flusher: Flusher,
-                 reader: Reader, backing: str, info: dict, *, interrupts: Interrupts) -> None:
+                 reader: Reader, settings: Settings, *, interrupts: Interrupts, view=None,
+                 refresher=None, maintainer=None) -> None:
+        """`interrupts`: the mount's (fuse/interrupts.py: a barrier whose caller is being
+        killed is answered early); `view` and `refresher`: other writers' changes, the merged
+        tree and what reads their index tails (replay.View, fuse/refresh.py); `maintainer`:
+        the cleaner of a mount that writes (its figures in the status)."""
         super().__init__()
         self.ns = ns
         self.staging = staging
         self.journal = journal
         self.flusher = flusher
         self.reader = reader
-        self.interrupts = interrupts  # (a barrier whose caller is being killed ends early)
-        self.backing = backing
-        self.info = info
-        self.readonly = False
-        self.direct_writes = False
-        self.direct_reads = False
-        self.checksum_block = CHECKSUM_BLOCK_BYTES  # the longest run (--checksum-block)
-        self.direct_reads_auto = False  # turned on at INIT if shared mmap stays possible
-        self.shared_mmap_direct = False  # the kernel maps direct-I/O files MAP_SHARED
+        self.settings = settings
+        self.enable_writeback_cache = settings.writeback_cache  # (pyfuse3 reads it at INIT)
+        self.negotiated = Negotiated(direct_reads=bool(settings.direct_reads))
+        self.interrupts = interrupts
+        self.view = view
+        self.refresher = refresher
+        self.maintainer = maintainer
         self.written_direct: set[int] = set()
         self.handles: dict[int, _Handle] = {}
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
@@ -116,14 +156,19 @@ class CkptOperations(pyfuse3.Operations):
         self.write_requests = 0
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
-        self.request_wait: loop.RequestWait | None = None  # installed by the daemon
-        # Other writers' changes (set by the daemon): the merged tree and what reads their
-        # index tails (fuse/refresh.py)
-        self.view = None
-        self.refresher = None
-        self.maintainer = None  # cleaner.Maintainer (a mount that writes): its figures
+        # the wait for the next request, for its figures in the status: the daemon installs it
+        # right after pyfuse3.init(), which these handlers are built for (loop.install)
+        self.request_wait: loop.RequestWait | None = None
         self.started = time.time()
         self.fsyncs = 0
+
+    def initialised(self, shared_mmap_direct: bool) -> None:
+        """FUSE INIT passed (the fast path reads its reply): what it settled. --direct-reads
+        left to its default is on where MAP_SHARED mmap of direct-I/O files keeps working."""
+        direct = self.settings.direct_reads
+        self.negotiated = Negotiated(shared_mmap_direct=shared_mmap_direct,
+                                     direct_reads=shared_mmap_direct if direct is None
+                                     else direct)
 
     # ------------------------------------------------------------ helpers
     def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:
@@ -175,7 +220,7 @@ class CkptOperations(pyfuse3.Operations):
 
     def _writable(self, x: Inode) -> Inode:
         """Entries of other writers (and everything in a read-only mount) cannot change."""
-        if self.readonly or x.layer != 0:
+        if self.settings.readonly or x.layer != 0:
             raise _err(errno.EROFS)
         return x
 
@@ -183,7 +228,7 @@ class CkptOperations(pyfuse3.Operations):
         """A directory to create entries in. If it belongs to another writer, adopt it into
         this writer's tree first (copy-up): an INODE record gives it an own inode number, and
         the live inode answers to both numbers, so the kernel's cached entries stay valid."""
-        if self.readonly or d.layer < 0:
+        if self.settings.readonly or d.layer < 0:
             raise _err(errno.EROFS)
         if d.layer == 0:
             return d
@@ -206,7 +251,7 @@ class CkptOperations(pyfuse3.Operations):
     def _owned(self, x: Inode, keep_data: bool = True) -> Inode:
         """x made this writer's own, to change it: another writer's directory is adopted
         (_own_dir), another writer's file copied up (_copy_up)."""
-        if self.readonly or x.layer < 0:
+        if self.settings.readonly or x.layer < 0:
             raise _err(errno.EROFS)
         if x.layer == 0:
             return x
@@ -267,7 +312,7 @@ class CkptOperations(pyfuse3.Operations):
         """Whether `name` in view directory v has a version of another writer (the one shown,
         or one a conflict hides)."""
         view = self.view
-        return (view is not None and not self.readonly and v.layer >= 0
+        return (view is not None and not self.settings.readonly and v.layer >= 0
                 and any(c[0] != 0 for c in view.versions(v, name)))
 
     @staticmethod
@@ -417,7 +462,7 @@ class CkptOperations(pyfuse3.Operations):
         return x.target
 
     async def statfs(self, ctx):
-        st = os.statvfs(self.backing)
+        st = os.statvfs(self.settings.backing)
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLOCK_BYTES
         s.f_frsize = st.f_frsize
@@ -510,7 +555,7 @@ class CkptOperations(pyfuse3.Operations):
         if x.children:
             raise _err(errno.ENOTEMPTY)
         if self._others_at(parent, name) or (self.view is not None and self.view.members.get(x)):
-            if self.readonly:
+            if self.settings.readonly:
                 raise _err(errno.EROFS)
             self.view.remove_all(parent, name)  # the directory of every writer merged there
             self._touch_dir(parent, time.time_ns())
@@ -549,7 +594,7 @@ class CkptOperations(pyfuse3.Operations):
                 and self.ns.is_ancestor(target, op)):
             raise _err(errno.EINVAL)
         view = self.view
-        if view is not None and not self.readonly and (
+        if view is not None and not self.settings.readonly and (
                 moving.layer != 0 or (target is not None and target.layer != 0)
                 or self._others_at(op, name_old)
                 or (target is not None and self._others_at(np_, name_new))
@@ -616,13 +661,13 @@ class CkptOperations(pyfuse3.Operations):
         # growth, no dirty-page throttling, close() does not wait for writeback); readers keep
         # the page cache and its readahead. A file written that way may have stale pages
         # cached from an earlier read: the next read-open drops them (keep_cache off).
-        direct = self.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
+        direct = self.settings.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
         if direct:
             self.written_direct.add(x.ino)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         keep = x.ino not in self.written_direct
         self.written_direct.discard(x.ino)
-        if (self.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY
+        if (self.negotiated.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY
                 and x.size >= DIRECT_READ_MIN_BYTES):
             # --direct-reads: read() goes straight from the daemon into the reader's buffer
             # (no page-cache copy); MAP_SHARED mmap of such a handle fails with ENODEV. Files
@@ -689,7 +734,7 @@ class CkptOperations(pyfuse3.Operations):
         x = h.inode
         if x.emap is None:
             raise _err(errno.EBADF)
-        if x.layer or self.readonly:
+        if x.layer or self.settings.readonly:
             raise _err(errno.EROFS)
         return h, x
 
@@ -719,7 +764,7 @@ class CkptOperations(pyfuse3.Operations):
         The GIL is kept (a release would let the flusher thread in mid-request)."""
         journal = self.journal
         emap = x.emap
-        block = self.checksum_block
+        block = self.settings.checksum_block
 
         def on_piece(seg, dpos, soff, k):
             while k > 0:
@@ -770,7 +815,7 @@ class CkptOperations(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh, None)
         self.snapshots.pop(fh, None)
-        if h is not None and h.wrote and h.inode.layer == 0 and not self.readonly:
+        if h is not None and h.wrote and h.inode.layer == 0 and not self.settings.readonly:
             # Writes move mtime/ctime; one SETATTR per written file at close makes them
             # durable (journaled after the file's extents).
             x = h.inode
@@ -837,7 +882,7 @@ class CkptOperations(pyfuse3.Operations):
         """The writers and conflicts of the view as they are now, and what reading the other
         writers' changes has cost."""
         view = self.view
-        out = {"writers": len(view.trees) + (0 if self.readonly else 1),
+        out = {"writers": len(view.trees) + (0 if self.settings.readonly else 1),
                "conflicts": len(view.conflicts)}
         if self.refresher is not None:
             out.update(self.refresher.counts())
@@ -848,8 +893,8 @@ class CkptOperations(pyfuse3.Operations):
         ninodes, user_bytes = self.ns.totals()
         return {
             "pid": os.getpid(),
-            "backing": self.backing,
-            **self.info,
+            "backing": self.settings.backing,
+            **self.settings.info,
             **(self.live_union() if self.view is not None else {}),
             "engine": self.flusher.engine_name,
             "uptime_s": round(time.time() - self.started, 3),
@@ -884,8 +929,8 @@ class CkptOperations(pyfuse3.Operations):
             "read_runs_verified_ahead": self.reader.verified_ahead,
             "read_load_seconds": round(self.reader.load_seconds, 3),
             "read_wait_seconds": round(self.reader.wait_seconds, 3),
-            "direct_reads": self.direct_reads,
-            "shared_mmap_of_direct_files": self.shared_mmap_direct,
+            "direct_reads": self.negotiated.direct_reads,
+            "shared_mmap_of_direct_files": self.negotiated.shared_mmap_direct,
             **(self.request_wait.counts() if self.request_wait else loop.NO_COUNTS),
             **(self.maintainer.status() if self.maintainer is not None else {}),
         }
