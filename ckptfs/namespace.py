@@ -118,6 +118,10 @@ class Namespace:
         # ... and, for XEXTENT records (bytes in another writer's data logs), the layer of a
         # writer id in this mount or tool (replay.View.layer_of); None: not known here
         self.layer_of: Callable[[str], int | None] = lambda writer: None
+        # The files an XEXTENT record gave bytes of another writer's data logs (some may have
+        # none left): where to look for the logs this tree keeps in use in other writers'
+        # directories (cleaner.logs_named_by_others), instead of in every file
+        self.cross_files: set[int] = set()
 
     # ------------------------------------------------------------ lookups
     def get(self, ino: int) -> Inode:
@@ -241,6 +245,7 @@ class Namespace:
                                   "is not in the backing directory")
             run = Run(None, 0, rec.run_length, rec.log, rec.loff, rec.crc, layer=layer)
             ino.emap.insert(rec.foff, rec.length, run, rec.roff)
+            self.cross_files.add(rec.ino)
             if rec.foff + rec.length > ino.size:
                 ino.size = rec.foff + rec.length
         elif t is XUnlinkRec:

@@ -287,3 +287,7 @@ def test_every_own_log_is_named_while_another_writers_index_cannot_be_read(tmp_p
     assert view.unloaded() == []
     assert view.trees[layer].inodes[2].size == 100
     assert cleaner.logs_named_by_others(view, own) == {3}
+    # the other writer overwrites the file with bytes of its own: nothing of w0 is named
+    view.apply_group(layer, [ExtentRec(2, 0, 100, 1, 4096, 0)], 2)
+    assert cleaner.logs_named_by_others(view, own) == set()
+    assert view.trees[layer].cross_files == set()

@@ -721,11 +721,13 @@ def logs_named_by_others(view, own_logs=()) -> set[int]:
         return set()
     out = set()
     for tree in view.trees.values():
-        for x in tree.inodes.values():
-            if x.emap is not None:
-                for p in x.emap.pieces:
-                    if p.run.layer == alias:
-                        out.add(p.run.log)
+        for ino in list(tree.cross_files):
+            x = tree.inodes.get(ino)
+            foreign = [p.run for p in x.emap.pieces if p.run.layer != tree.layer] \
+                if x is not None and x.emap is not None else []
+            if not foreign:
+                tree.cross_files.discard(ino)  # (overwritten, truncated or gone since)
+            out.update(run.log for run in foreign if run.layer == alias)
     return out
 
 
