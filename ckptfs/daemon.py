@@ -35,7 +35,7 @@ from ckptfs.format.backingdir import WriterDir
 from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
-from ckptfs.fuse.fastpath import FastPath, set_entry_timeout
+from ckptfs.fuse.fastpath import FastPath
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.ops import CkptOperations, Settings, idle_sealer
 from ckptfs.metrics import stats_exporter
@@ -323,7 +323,6 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
                          view=view, refresher=refresher, maintainer=maintainer)
     refresher.in_use = lambda: bool(ops.handles)
-    set_entry_timeout(cfg.refresh_s)
     if wd is not None:
         flusher.start()
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",

@@ -53,8 +53,7 @@ import trio
 
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse import ops as ops_module
-from ckptfs.fuse.ops import ATTR_TIMEOUT_S, ENTRY_TIMEOUT_S, SETID_BITS
+from ckptfs.fuse.ops import ATTR_TIMEOUT_S, SETID_BITS
 
 log = logging.getLogger("ckptfs")
 
@@ -125,23 +124,13 @@ def _valid(t: float) -> tuple[int, int]:
     return sec, int((t - sec) * 1e9)
 
 
-ENTRY_VALID = _valid(ENTRY_TIMEOUT_S)
 ATTR_VALID = _valid(ATTR_TIMEOUT_S)
 
 
-def set_entry_timeout(seconds: float) -> None:
-    """How long the kernel keeps a name before a path walk asks again (LOOKUP), in the
-    replies of the fast path and of pyfuse3 (ops._attr; one mount per process). A mount
-    gives its --refresh: a name another writer changed while nobody used the mount is asked
-    for again, and that LOOKUP looks at the other writers first (fuse/refresh.py)."""
-    global ENTRY_VALID
-    ENTRY_VALID = _valid(seconds)
-    ops_module.ENTRY_TIMEOUT_S = seconds
-
-
-def _entry_of(x, fields: tuple) -> bytes:
-    """fuse_entry_out of inode x (generation 0, as fs._attr says) with its attribute fields."""
-    return ENTRY_OUT.pack(x.ino, 0, ENTRY_VALID[0], ATTR_VALID[0], ENTRY_VALID[1],
+def _entry_of(x, fields: tuple, entry_valid: tuple[int, int]) -> bytes:
+    """fuse_entry_out of inode x (generation 0, as ops._attr says) with its attribute fields;
+    `entry_valid`: the mount's entry timeout (ops.Settings.entry_timeout)."""
+    return ENTRY_OUT.pack(x.ino, 0, entry_valid[0], ATTR_VALID[0], entry_valid[1],
                           ATTR_VALID[1], *fields)
 
 
@@ -165,6 +154,7 @@ class FastPath(RequestWait):
         self.sock = sock
         self.ops = ops
         self.staging = ops.staging
+        self.entry_valid = _valid(ops.settings.entry_timeout)
         self.head = bytearray(HEAD)
         self.overflow: bytearray | None = bytearray(REQUEST_MAX)
         self.request_max = REQUEST_MAX
@@ -402,7 +392,7 @@ class FastPath(RequestWait):
                     self.reply_error(unique, errno.ENOENT)
                     return
                 x.lookups += 1
-                out = _entry_of(x, ops.attr_fields(x))
+                out = _entry_of(x, ops.attr_fields(x), self.entry_valid)
             elif opcode == FUSE_OPEN:
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
@@ -412,7 +402,7 @@ class FastPath(RequestWait):
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
                 ctx.umask = umask
                 fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
-                out = _entry_of(x, ops.attr_fields(x)) + OPEN_OUT.pack(
+                out = _entry_of(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
                     fi.fh, _open_flags(fi, flags), 0)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)

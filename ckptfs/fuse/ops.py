@@ -39,7 +39,7 @@ from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode,
 
 log = logging.getLogger("ckptfs.ops")
 
-ENTRY_TIMEOUT_S = 300.0  # a mount gives its --refresh (fastpath.set_entry_timeout)
+ENTRY_TIMEOUT_S = 300.0  # (Settings.entry_timeout: a mount gives its --refresh)
 ATTR_TIMEOUT_S = 300.0
 BLOCK_BYTES = 4096
 # st_blksize, the preferred I/O size (Lustre reports its stripe size here): Python's open()
@@ -88,6 +88,11 @@ class Settings:
     backing: str  # the backing directory, absolute (statfs, the status)
     info: dict  # facts the status shows (writer, mount point, io mode, queue depth, ...)
     readonly: bool = False
+    # How long the kernel keeps a name before a path walk asks again (LOOKUP), in the replies
+    # of the fast path and of pyfuse3. A mount gives its --refresh: a name another writer
+    # changed while nobody used the mount is asked for again, and that LOOKUP looks at the
+    # other writers first (fuse/refresh.py).
+    entry_timeout: float = ENTRY_TIMEOUT_S
     checksum_block: int = CHECKSUM_BLOCK_BYTES  # the longest run (--checksum-block)
     writeback_cache: bool = False  # the kernel's writeback cache (--writeback-cache)
     direct_writes: bool = False  # write-only opens bypass the page cache (_file_info)
@@ -101,6 +106,7 @@ class Settings:
         # not move it on direct writes: the two do not mix (docs/tuning.md).
         writeback = cfg.writeback_cache and not readonly
         return cls(backing=os.path.abspath(cfg.backing), info=info, readonly=readonly,
+                   entry_timeout=cfg.refresh_s,
                    checksum_block=cfg.checksum_block_bytes, writeback_cache=writeback,
                    direct_writes=cfg.direct_writes and not writeback,
                    direct_reads=cfg.direct_reads)
@@ -178,7 +184,7 @@ class CkptOperations(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
-        a.entry_timeout = ENTRY_TIMEOUT_S
+        a.entry_timeout = self.settings.entry_timeout
         a.attr_timeout = ATTR_TIMEOUT_S
         a.st_mode = mode
         a.st_nlink = nlink
