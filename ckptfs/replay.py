@@ -731,8 +731,15 @@ class View:
             del self.names[x.ino]
         x.nlink = 0 if x.is_dir else max(0, x.nlink - 1)
         if x.nlink <= 0:
-            self.gone.add(x.ino)
             self.ns.maybe_forget(x)
+            if x.ino in self.ns.inodes:  # (the kernel still knows it: an open of it is stale)
+                self.gone.add(x.ino)
+
+    def forgotten(self, ino: int) -> None:
+        """The kernel forgot inode `ino` and it left the tree: no request names it again, so
+        nothing about it is kept (a long job on several nodes removes files all day)."""
+        self.gone.discard(ino)
+        self.dirty.discard(ino)
 
     def _clear(self, d: Inode) -> None:
         """A view directory leaves the view: the other writers' entries in it go with it

@@ -180,3 +180,26 @@ def test_the_own_writer_carries_out_the_same_whiteouts_in_any_order(tmp_path, se
         recs, stamp = pending[w].pop(0)
         live.apply_group(layers[w], recs, stamp)
     assert shape(live) == shape(fresh), seed
+
+
+def test_what_the_view_keeps_of_a_removed_entry_goes_once_the_kernel_forgot_it(tmp_path):
+    """An entry another writer removes is stale for the kernel only while the kernel still
+    knows its inode: the view keeps nothing of one it never looked up, and drops what it
+    kept once the kernel forgets it (a job on several nodes removes files all day)."""
+    backing = str(tmp_path / "backing")
+    wdir = os.path.join(backing, backingdir.WRITERS_DIR, "w1")
+    os.makedirs(wdir)
+    view = View(Namespace(now_ns=0), Union(), backing, "w0")
+    layer = view.add_tree(wdir, records.IndexScan(), (0, 0))
+    view.apply_group(layer, [InodeRec(2, 1, b"seen", 0o100644, 0, 0, 0, 1, 1, 1),
+                             InodeRec(3, 1, b"unseen", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
+    ns = view.ns
+    seen = ns.inodes[ns.inodes[ROOT_INO].children[b"seen"]]
+    seen.lookups = 1  # (the kernel looked it up)
+    view.apply_group(layer, [UnlinkRec(1, b"seen"), UnlinkRec(1, b"unseen")], 11)
+    assert ns.inodes[ROOT_INO].children == {}
+    assert view.gone == {seen.ino}  # an open of it is stale; of the other nothing is kept
+    seen.lookups = 0
+    ns.maybe_forget(seen)
+    view.forgotten(seen.ino)
+    assert view.gone == set() and seen.ino not in ns.inodes

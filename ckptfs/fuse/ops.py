@@ -414,6 +414,8 @@ class CkptOperations(pyfuse3.Operations):
             if x is not None:
                 x.lookups -= n
                 self.ns.maybe_forget(x)
+                if self.view is not None and ino not in self.ns.inodes:
+                    self.view.forgotten(ino)
 
     async def getattr(self, inode, ctx):
         return self._attr(self._inode(inode))
