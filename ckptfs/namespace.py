@@ -34,6 +34,7 @@ from ckptfs.format.records import (
 
 ROOT_INO = 1
 DIR_BYTES = 4096  # st_size of a directory
+CONTROL_LAYER = -1  # the layer of the mount's control files (/.ckptfs): no writer's
 _S_IFMT, _S_IFREG, _S_IFDIR = 0o170000, stat.S_IFREG, stat.S_IFDIR
 # the file types an index may hold
 _TYPES = frozenset((stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
@@ -89,7 +90,8 @@ class Inode:
         # The run that the next sequential write may extend (see Namespace.write_piece).
         self.tail_run: Run | None = None
         self.tail_end = -1
-        self.layer = 0  # 0: this mount's own writer; >0: another writer's (read-only) entry
+        # 0: this mount's own writer; >0: another writer's (read-only) entry; CONTROL_LAYER
+        self.layer = 0
         self.commit_ns = 0  # wall time of the commit that last changed it (merge order)
 
     @property

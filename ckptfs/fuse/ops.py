@@ -35,7 +35,14 @@ from ckptfs.format.records import (
 )
 from ckptfs.fuse import loop
 from ckptfs.fuse.interrupts import Interrupts
-from ckptfs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Inode, Namespace
+from ckptfs.namespace import (
+    CONTROL_LAYER,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    Inode,
+    Namespace,
+)
 
 log = logging.getLogger("ckptfs.ops")
 
@@ -151,10 +158,10 @@ class CkptOperations(pyfuse3.Operations):
         self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
         now = time.time_ns()
         ctl = Inode(CTL_DIR_INO, stat.S_IFDIR | 0o555, 0, 0, 0, now, now, now)
-        ctl.nlink, ctl.parent, ctl.layer = 2, ROOT_INO, -1
+        ctl.nlink, ctl.parent, ctl.layer = 2, ROOT_INO, CONTROL_LAYER
         ctl.children[b"stats.json"] = CTL_STATS_INO
         stats = Inode(CTL_STATS_INO, stat.S_IFREG | 0o444, 0, 0, 0, now, now, now)
-        stats.nlink, stats.layer = 1, -1
+        stats.nlink, stats.layer = 1, CONTROL_LAYER
         ns.inodes[CTL_DIR_INO] = ctl
         ns.inodes[CTL_STATS_INO] = stats
         self.next_fh = 1
@@ -234,7 +241,7 @@ class CkptOperations(pyfuse3.Operations):
         """A directory to create entries in. If it belongs to another writer, adopt it into
         this writer's tree first (copy-up): an INODE record gives it an own inode number, and
         the live inode answers to both numbers, so the kernel's cached entries stay valid."""
-        if self.settings.readonly or d.layer < 0:
+        if self.settings.readonly or d.layer == CONTROL_LAYER:
             raise _err(errno.EROFS)
         if d.layer == 0:
             return d
@@ -257,7 +264,7 @@ class CkptOperations(pyfuse3.Operations):
     def _owned(self, x: Inode, keep_data: bool = True) -> Inode:
         """x made this writer's own, to change it: another writer's directory is adopted
         (_own_dir), another writer's file copied up (_copy_up)."""
-        if self.settings.readonly or x.layer < 0:
+        if self.settings.readonly or x.layer == CONTROL_LAYER:
             raise _err(errno.EROFS)
         if x.layer == 0:
             return x
@@ -318,7 +325,7 @@ class CkptOperations(pyfuse3.Operations):
         """Whether `name` in view directory v has a version of another writer (the one shown,
         or one a conflict hides)."""
         view = self.view
-        return (view is not None and not self.settings.readonly and v.layer >= 0
+        return (view is not None and not self.settings.readonly and v.layer != CONTROL_LAYER
                 and any(c[0] != 0 for c in view.versions(v, name)))
 
     @staticmethod
@@ -690,7 +697,7 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EBADF)
         x = h.inode
         self.read_requests += 1
-        if x.layer < 0:
+        if x.layer == CONTROL_LAYER:
             out = self.snapshots.get(fh, b"")[off:off + size]
             return [out] if gather else out
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
