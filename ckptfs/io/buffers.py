@@ -52,13 +52,23 @@ def alloc_aligned(nbytes: int, populate: bool = True, huge: bool = False) -> mma
             m.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass
-        if populate:
-            try:
-                m.madvise(MADV_POPULATE_WRITE)
-            except OSError:
-                for off in range(0, nbytes, PAGE_SIZE):
-                    m[off] = 0
+        if populate and not _populate_write(m):
+            for off in range(0, nbytes, PAGE_SIZE):
+                m[off] = 0
     return m
+
+
+def _populate_write(m: mmap.mmap) -> bool:
+    """Fault the mapping in (MADV_POPULATE_WRITE, Linux 5.14+) through libc, which runs
+    without the GIL; mmap.madvise keeps it for the whole call, so a thread faulting a staging
+    pool in stopped every other thread (the daemon faults its pool in while it replays)."""
+    c = ctypes.c_char.from_buffer(m)
+    try:
+        rc = _libc.madvise(ctypes.c_void_p(ctypes.addressof(c)), ctypes.c_size_t(len(m)),
+                           MADV_POPULATE_WRITE)
+    finally:
+        del c  # (the mapping stays closable)
+    return rc == 0
 
 
 HUGE_PAGE = 2 << 20
