@@ -35,6 +35,7 @@ from ckptfs.format.records import (
 )
 from ckptfs.fuse import loop
 from ckptfs.fuse.interrupts import Interrupts
+from ckptfs.fuse.refresh import IDLE_PERIOD_S
 from ckptfs.namespace import (
     CONTROL_LAYER,
     RENAME_EXCHANGE,
@@ -98,7 +99,9 @@ class Settings:
     # How long the kernel keeps a name before a path walk asks again (LOOKUP), in the replies
     # of the fast path and of pyfuse3. A mount gives its --refresh: a name another writer
     # changed while nobody used the mount is asked for again, and that LOOKUP looks at the
-    # other writers first (fuse/refresh.py).
+    # other writers first (fuse/refresh.py). --refresh 0 looks at every LOOKUP that reaches
+    # it and in the background every IDLE_PERIOD_S while in use: names are kept that long
+    # (0 would make every path walk ask for every name, and look for each).
     entry_timeout: float = ENTRY_TIMEOUT_S
     checksum_block: int = CHECKSUM_BLOCK_BYTES  # the longest run (--checksum-block)
     writeback_cache: bool = False  # the kernel's writeback cache (--writeback-cache)
@@ -113,7 +116,7 @@ class Settings:
         # not move it on direct writes: the two do not mix (docs/tuning.md).
         writeback = cfg.writeback_cache and not readonly
         return cls(backing=os.path.abspath(cfg.backing), info=info, readonly=readonly,
-                   entry_timeout=cfg.refresh_s,
+                   entry_timeout=cfg.refresh_s or IDLE_PERIOD_S,
                    checksum_block=cfg.checksum_block_bytes, writeback_cache=writeback,
                    direct_writes=cfg.direct_writes and not writeback,
                    direct_reads=cfg.direct_reads)
