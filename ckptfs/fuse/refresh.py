@@ -10,7 +10,7 @@ its index. Only an index that grew is read, from where the last read stopped to 
 only its complete commit groups are taken (a group being appended is read the next time).
 The trio thread then applies them to the view (replay.View), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
-it caches attributes for 300 s and entries for `--refresh` (ops.py; after that a path walk
+it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py; then a path walk
 asks again with a LOOKUP, which looks first when a look is due), so changed names, and the
 attributes and pages of changed files, are invalidated. The invalidations are written from a
 worker thread: the kernel may hold the directory's lock for a request the trio thread has yet
