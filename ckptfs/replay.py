@@ -361,9 +361,11 @@ class View:
         t = self.trees[layer]
         touched = _Touched()
         first_x = len(t.xunlinks)
+        leaving = self._leaving(t, self.writer_of(layer), group)
         apply_group(t, group, when, self.writer_of(layer), self.union.warnings, touched)
         if when > self.max_stamp:
             self.max_stamp = when
+        self._forget_whiteouts(self.writer_of(layer), t, leaving)
         for rec in t.xunlinks[first_x:]:
             self._whiteout(rec)
         for ino in touched.inos:
@@ -380,6 +382,41 @@ class View:
         return touched.runs
 
     # ------------------------------------------------------------ whiteouts
+    def _leaving(self, t: Namespace, wid: str, group: list) -> list[int]:
+        """The inodes of tree t (writer wid) that whiteouts name and the records of `group`
+        may remove (an UNLINK, or a RENAME over them)."""
+        if wid not in self.wo:
+            return []
+        out = []
+        for rec in group:
+            kind = type(rec)
+            if kind is UnlinkRec:
+                where = (rec.parent, rec.name)
+            elif kind is RenameRec:
+                where = (rec.new_parent, rec.new_name)
+            else:
+                continue
+            d = t.inodes.get(where[0])
+            ino = d.children.get(where[1]) if d is not None and d.children else None
+            if ino is not None and (wid, ino) in self.wo_dirs:
+                out.append(ino)
+        return out
+
+    def _forget_whiteouts(self, wid: str, t: Namespace, inos: list[int]) -> None:
+        """Whiteouts of inodes that left writer wid's tree t for good hide nothing any more
+        (a writer never uses an inode number again): the view lets go of them, or a job on
+        several nodes deleting each other's files would grow them all its life."""
+        wo = self.wo.get(wid)
+        if wo is None:
+            return
+        for ino in inos:
+            if ino in t.inodes:
+                continue  # (another name of it is left)
+            for parent, name in self.wo_dirs.pop((wid, ino), ()):
+                wo.discard((parent, ino, name))
+        if not wo:
+            del self.wo[wid]
+
     def _whiteout(self, rec: XUnlinkRec, touch: bool = True) -> None:
         self.wo.setdefault(rec.writer, set()).add((rec.parent, rec.ino, rec.name))
         # (kept for every whiteout: the inode may not be in its writer's tree as read so far)
@@ -468,9 +505,11 @@ class View:
                 p.nlink += 1
         self.hidden_own.pop((p, name), None)
         self.ns.change(UnlinkRec(p.ino, name))
-        if x.nlink <= 0:
+        if x.nlink <= 0 and x.ino in self.ns.inodes:  # (the kernel knows it: stale)
             self.gone.add(x.ino)
         self.remerge(p, name, notify)
+        if self.own:
+            self._forget_whiteouts(self.own, self.ns, [x.ino])
         self.own_removed(p)
 
     def own_removed(self, d: Inode) -> None:
@@ -740,6 +779,8 @@ class View:
         nothing about it is kept (a long job on several nodes removes files all day)."""
         self.gone.discard(ino)
         self.dirty.discard(ino)
+        if self.own:
+            self._forget_whiteouts(self.own, self.ns, [ino])
 
     def _clear(self, d: Inode) -> None:
         """A view directory leaves the view: the other writers' entries in it go with it

@@ -203,3 +203,25 @@ def test_what_the_view_keeps_of_a_removed_entry_goes_once_the_kernel_forgot_it(t
     ns.maybe_forget(seen)
     view.forgotten(seen.ino)
     assert view.gone == set() and seen.ino not in ns.inodes
+
+
+def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
+    """A whiteout hides another writer's entry until that writer removes it; then the view
+    keeps nothing of it (the writer never uses the inode number again), while a whiteout of
+    an entry that is still there, or not read yet, stays."""
+    backing = str(tmp_path / "backing")
+    dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
+    for d in dirs.values():
+        os.makedirs(d)
+    view = View(Namespace(now_ns=0), Union(), backing, None)
+    l1, l2 = (view.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    view.apply_group(l1, [InodeRec(2, 1, b"f", 0o100644, 0, 0, 0, 1, 1, 1),
+                          InodeRec(3, 1, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
+    view.apply_group(l2, [XUnlinkRec("w1", 1, 2, b"f"), XUnlinkRec("w1", 1, 3, b"g"),
+                          XUnlinkRec("w1", 1, 9, b"later")], 11)
+    assert sorted(view.ns.inodes[ROOT_INO].children) == []  # all hidden
+    view.apply_group(l1, [UnlinkRec(1, b"f")], 12)  # w1 carries one out
+    assert view.wo == {"w1": {(1, 3, b"g"), (1, 9, b"later")}}
+    assert ("w1", 2) not in view.wo_dirs
+    view.apply_group(l1, [InodeRec(9, 1, b"later", 0o100644, 0, 0, 0, 1, 1, 1)], 13)
+    assert sorted(view.ns.inodes[ROOT_INO].children) == []  # (still hidden)
