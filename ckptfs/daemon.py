@@ -312,6 +312,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         maintainer.configure(staging, cfg)
         maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
         maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)
+        maintainer.settled = lambda: view.settled_whiteouts(ns.xunlinks)
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",

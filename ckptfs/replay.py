@@ -417,6 +417,18 @@ class View:
         if not wo:
             del self.wo[wid]
 
+    def settled_whiteouts(self, recs) -> set[tuple[str, int]]:
+        """(writer, ino) of the whiteouts among `recs` (this writer's XUNLINK records) whose
+        entry its writer has removed from its tree as this view has read it: an index
+        snapshot may leave them out once every view has read that (cleaner.Maintainer)."""
+        out = set()
+        for rec in recs:
+            layer = self.union.layers.get(rec.writer)
+            t = self.trees.get(layer) if layer else None
+            if t is not None and rec.ino < t.next_ino and rec.ino not in t.inodes:
+                out.add((rec.writer, rec.ino))
+        return out
+
     def _whiteout(self, rec: XUnlinkRec, touch: bool = True) -> None:
         self.wo.setdefault(rec.writer, set()).add((rec.parent, rec.ino, rec.name))
         # (kept for every whiteout: the inode may not be in its writer's tree as read so far)

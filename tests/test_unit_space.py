@@ -291,3 +291,21 @@ def test_every_own_log_is_named_while_another_writers_index_cannot_be_read(tmp_p
     view.apply_group(layer, [ExtentRec(2, 0, 100, 1, 4096, 0)], 2)
     assert cleaner.logs_named_by_others(view, own) == set()
     assert view.trees[layer].cross_files == set()
+
+
+def test_a_snapshot_leaves_out_the_whiteouts_it_is_told_are_settled(tmp_path):
+    from ckptfs.datapath import mover
+    from ckptfs.format.records import XUnlinkRec
+
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+    recs = [InodeRec(2, 1, b"f", stat.S_IFREG | 0o644, 0, 0, 0, 1, 1, 1),
+            XUnlinkRec("other", 1, 5, b"gone"), XUnlinkRec("other", 1, 6, b"there")]
+    index = str(wdir / "index.log")
+    write_fresh(index, b"".join(map(records.encode, recs)) + records.encode(CommitRec(3, 9)),
+                records.CROSS_INDEX_VERSION)
+    fresh, _, _ = mover.build_snapshot(index, os.path.getsize(index), "w", 0, 0, 1,
+                                       frozenset({("other", 5)}))
+    got = [r for g in records.read_index(fresh).groups for r in g]
+    assert [(r.ino, r.name) for r in got if type(r) is XUnlinkRec] == [(6, b"there")]
+    assert [r.name for r in got if type(r) is InodeRec] == [b"f"]

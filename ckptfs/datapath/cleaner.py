@@ -194,6 +194,11 @@ class Maintainer:
         # took over without copying its bytes): kept while named, whatever the own tree says.
         self.others_use = lambda: set()
         self.dead_since: dict[int, float] = {}  # log -> when its last live byte died
+        # The own whiteouts (XUNLINK records) whose entries their writers have removed, as
+        # (writer, ino), and since when this mount knows it: a snapshot leaves out those
+        # known longer than another mount's view can lag (the daemon sets the hook)
+        self.settled: Callable[[], set[tuple[str, int]]] = lambda: set()
+        self.settled_since: dict[tuple[str, int], float] = {}
         # Whether other writers share the backing directory (the daemon sets it; looked at
         # on every tick, as writers may join while mounted): then dead bytes wait grace().
         self.shared: Callable[[], bool] = lambda: False
@@ -394,12 +399,20 @@ class Maintainer:
         idx = self.flusher.index
         upto, before = idx.size, idx.size
         root = self.ns.inodes[ROOT_INO]
+        now, since = time.monotonic(), self.settled_since
+        settled = self.settled()
+        for key in list(since):
+            if key not in settled:
+                del since[key]
+        for key in settled:
+            since.setdefault(key, now)
+        drop = frozenset(k for k, t in since.items() if now - t >= SHARED_GRACE_S)
         self.doing = "writing an index snapshot"
         t0 = time.perf_counter()
         try:
             fresh, size, version = await trio.to_thread.run_sync(
                 mover.build_snapshot, idx.path, upto, self.writer_id, os.getuid(),
-                os.getgid(), root.atime_ns)
+                os.getgid(), root.atime_ns, drop)
         finally:
             self.doing = "idle"
         self.snapshot_seconds = time.perf_counter() - t0
@@ -417,6 +430,10 @@ class Maintainer:
             self.doing = "idle"
         if result[0] is not None:
             raise result[0]
+        if drop:  # (gone from the index: from memory too)
+            self.ns.xunlinks = [r for r in self.ns.xunlinks if (r.writer, r.ino) not in drop]
+            for key in drop:
+                del since[key]
         self.snapshots += 1
         self.fresh_bytes = size
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",

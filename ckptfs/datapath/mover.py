@@ -49,7 +49,7 @@ from ckptfs.format.index import FRESH_SUFFIX, write_fresh
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.format.logs import RunReader
 from ckptfs.io import alloc_aligned
-from ckptfs.replay import apply_group, validate_extents
+from ckptfs.replay import apply_group, bulk_load, validate_extents
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
 # large a fresh index of a tree would be, without writing it.
@@ -180,17 +180,18 @@ def extents_in_place(pieces_of: RunReader,
 
 
 def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: int,
-                   root_time_ns: int) -> tuple[str, int, int]:
+                   root_time_ns: int, settled: frozenset = frozenset()) -> tuple[str, int, int]:
     """Worker thread: the index snapshot of the first `upto` bytes of this writer's index (a
     commit boundary), written and fsynced beside it (format/index.py: FRESH_SUFFIX). Returns
     (its path, its size, its index version). The root starts as at a mount (`uid`, `gid`,
-    `root_time_ns`). Raises OSError when a piece's bytes fail their checksum (no snapshot:
-    the damage stays where it is, for reads and `ckptfs verify` to report)."""
+    `root_time_ns`); the XUNLINK records of (writer, ino) in `settled` are left out (their
+    writers removed those entries: View.settled_whiteouts). Raises OSError when a piece's
+    bytes fail their checksum (no snapshot: the damage stays where it is, for reads and
+    `ckptfs verify` to report)."""
     with open(index_path, "rb") as f:
         data = f.read(upto)
     if len(data) != upto:
         raise OSError(errno.EIO, f"{index_path}: {len(data)} bytes read, {upto} committed")
-    scan = records.scan_index(index_path, data)
     layers: dict[str, int] = {writer_id: 0}
     ns = Namespace(uid=uid, gid=gid, now_ns=root_time_ns)
 
@@ -198,8 +199,14 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
         return layers.setdefault(writer, len(layers))
     ns.layer_of = layer_of
     warnings: list = []
-    for group, when in zip(scan.groups, scan.group_times):
+    times: list[int] = []
+
+    def apply(group: list, when: int) -> None:
         apply_group(ns, group, when, index_path, warnings)
+        times[:] = [when]
+    with bulk_load():
+        scan = records.scan_index(index_path, data, on_group=apply)
+    del data
     writer_dir = os.path.dirname(index_path)
     validate_extents(ns, writer_dir)  # (dropped at mount already, with a warning)
     writers = {layer: w for w, layer in layers.items()}
@@ -207,9 +214,9 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     try:
         blob, version = tree_records(
             ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
-            last_time=scan.group_times[-1] if scan.group_times else 0,
+            last_time=times[0] if times else 0,
             next_log=max(backingdir.data_logs(writer_dir), default=0) + 1,
-            xunlinks=ns.xunlinks)
+            xunlinks=[r for r in ns.xunlinks if (r.writer, r.ino) not in settled])
     finally:
         pieces_of.close()
     fresh = index_path + FRESH_SUFFIX
