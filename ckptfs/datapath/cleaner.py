@@ -198,6 +198,10 @@ class Maintainer:
         # (writer, ino), and since when this mount knows it: a snapshot leaves out those
         # known longer than another mount's view can lag (the daemon sets the hook)
         self.settled: Callable[[], set[tuple[str, int]]] = lambda: set()
+        # Logs whose live bytes all belong to unlinked files still open (nothing to move:
+        # they go when the files close), with their live bytes when that was found: not
+        # looked at again while the count stays so
+        self.unmovable: dict[int, int] = {}
         self.settled_since: dict[tuple[str, int], float] = {}
         # Whether other writers share the backing directory (the daemon sets it; looked at
         # on every tick, as writers may join while mounted): then dead bytes wait grace().
@@ -563,7 +567,7 @@ class Maintainer:
             if live <= 0 or size <= 0 or lg in busy:
                 continue
             u = live / size
-            if u >= self.clean_below:
+            if u >= self.clean_below or self.unmovable.get(lg) == live:
                 continue
             if named is None:
                 named = self.others_use()
@@ -595,6 +599,10 @@ class Maintainer:
         """Move the live pieces out of data log `lg` (step 3 of the module docstring)."""
         pieces = await self.live_pieces(lg)
         total = sum(p[2] for p in pieces)
+        if not pieces:
+            self.unmovable[lg] = self.space.live.get(lg, 0)
+            return
+        self.unmovable.pop(lg, None)
         t0 = time.perf_counter()
         moved = 0
         if self._logs is None:
