@@ -315,6 +315,23 @@ def test_a_log_held_only_by_unlinked_open_files_waits_for_their_close(mounts):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_a_remount_leaves_the_last_log_of_a_small_tree_where_it_is(mounts):
+    """The log a mount last wrote is mostly empty when a small tree is mounted again:
+    copying its few live bytes into a new log would free nothing (less than a segment)."""
+    backing = mounts.backing()
+    opts = dict(OPTS, clean_idle=0.2)
+    m = mounts.mount(backing, **opts)
+    write_file(os.path.join(m.mountpoint, "x"), b"x" * 1000)
+    m.stop()
+    before = logs_of(backing)
+    m = mounts.mount(backing, **opts)
+    time.sleep(1.5)
+    st = m.status()
+    assert st["logs_cleaned"] == 0 and st["bytes_moved"] == 0, st
+    assert logs_of(backing)[:len(before)] == before
+    m.stop()
+
+
 def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
     import multiprocessing
     import random

@@ -569,6 +569,10 @@ class Maintainer:
             u = live / size
             if u >= self.clean_below or self.unmovable.get(lg) == live:
                 continue
+            if size - live < self.staging.segment_bytes:
+                # (less than a segment to win: a mount's last log of a small tree would be
+                # copied into a new log as large at every remount)
+                continue
             if named is None:
                 named = self.others_use()
             if lg in named or any(d[0] == lg for d in self.damaged_runs):
