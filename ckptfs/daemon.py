@@ -38,6 +38,7 @@ from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.ops import CkptOperations, Settings, idle_sealer
+from ckptfs import metrics
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
@@ -455,7 +456,7 @@ async def serve_status(ops, listener: socket.socket) -> None:
                     cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
                     if int.from_bytes(cred[4:8], sys.byteorder) not in allowed:  # struct ucred
                         continue
-                    data = memoryview(json.dumps(ops.status()).encode() + b"\n")
+                    data = memoryview(json.dumps(metrics.status(ops)).encode() + b"\n")
                     while data:
                         data = data[await conn.send(data):]
                 except OSError:

@@ -1,13 +1,17 @@
-"""The status figures as Prometheus text (--prometheus FILE, for node_exporter's textfile
-collector): each figure's name, type and help in METRICS, the file written by
-stats_exporter on the trio thread every few seconds."""
+"""The status figures: what they are (status), and as Prometheus text (--prometheus FILE, for
+node_exporter's textfile collector): each figure's name, type and help in METRICS, the file
+written by stats_exporter on the trio thread every few seconds."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import trio
+
+from ckptfs.datapath.reader import CHUNK_BYTES
+from ckptfs.fuse import loop
 
 log = logging.getLogger("ckptfs.metrics")
 
@@ -34,6 +38,67 @@ def prometheus_text(st: dict) -> str:
         lines += [f"# HELP ckptfs_{name} {text}", f"# TYPE ckptfs_{name} {kind}",
                   f"ckptfs_{name}{{{labels}}} {value * scale[0] if scale else value}"]
     return "\n".join(lines) + "\n"
+
+
+def _live_union(ops) -> dict:
+    """The writers and conflicts of the view as they are now, and what reading the other
+    writers' changes has cost."""
+    view = ops.view
+    out = {"writers": len(view.trees) + (0 if ops.settings.readonly else 1),
+           "conflicts": len(view.conflicts)}
+    if ops.refresher is not None:
+        out.update(ops.refresher.counts())
+    return out
+
+def status(ops) -> dict:
+    """Every figure of a mount, from its parts (fuse/ops.CkptOperations and what it holds):
+    what `ckptfs status`, /.ckptfs/stats.json and the Prometheus file show; METRICS below
+    names and types each."""
+    st = ops.flusher.stats
+    ninodes, user_bytes = ops.ns.totals()
+    return {
+        "pid": os.getpid(),
+        "backing": ops.settings.backing,
+        **ops.settings.info,
+        **(_live_union(ops) if ops.view is not None else {}),
+        "engine": ops.flusher.engine_name,
+        "uptime_s": round(time.time() - ops.started, 3),
+        "bytes_written": ops.bytes_written,
+        "write_requests": ops.write_requests,
+        "read_requests": ops.read_requests,
+        "bytes_read": ops.bytes_read,
+        "bytes_staged": ops.staging.staged_segments() * ops.staging.segment_bytes,
+        "staging_bytes": ops.staging.capacity_bytes,
+        "segments_flushed": st.segments,
+        "bytes_durable": st.payload_bytes,
+        "log_bytes_written": st.bytes_written,
+        "flush_seconds": round(st.flush_seconds, 3),
+        "flush_gbps": round(st.bytes_written / st.flush_seconds / 1e9, 3)
+        if st.flush_seconds else 0.0,
+        "index_bytes": st.index_bytes,
+        "index_commits": st.index_commits,
+        "data_syncs": st.data_syncs,
+        "segments_in_flight": ops.flusher.inflight_segments,
+        "writers_waiting": ops.staging.waiting_writers,
+        "uncommitted_changes": len(ops.journal.entries),
+        "fsyncs": ops.fsyncs,
+        "errors": st.errors,
+        "last_error": st.last_error,
+        "current_error": str(ops.flusher.error) if ops.flusher.error else "",
+        "inodes": ninodes,
+        "file_bytes": user_bytes,
+        "read_disk_bytes": ops.reader.disk_bytes,
+        "read_cache_bytes": ops.reader.cached,
+        "read_cache_allocated_bytes": ops.reader.allocated * CHUNK_BYTES,
+        "read_chunks_recycled": ops.reader.recycled,
+        "read_runs_verified_ahead": ops.reader.verified_ahead,
+        "read_load_seconds": round(ops.reader.load_seconds, 3),
+        "read_wait_seconds": round(ops.reader.wait_seconds, 3),
+        "direct_reads": ops.negotiated.direct_reads,
+        "shared_mmap_of_direct_files": ops.negotiated.shared_mmap_direct,
+        **(ops.request_wait.counts() if ops.request_wait else loop.NO_COUNTS),
+        **(ops.maintainer.status() if ops.maintainer is not None else {}),
+    }
 
 
 # status key -> (metric name without the ckptfs_ prefix, type, help[, factor to the base
@@ -174,7 +239,7 @@ NOT_METRICS = {"flush_gbps", "pid"}
 async def stats_exporter(ops, path: str, interval_s: float) -> None:
     """Write the status as a Prometheus text file every `interval_s` (atomically)."""
     while True:
-        text = prometheus_text(ops.status())
+        text = prometheus_text(status(ops))
         tmp = f"{path}.tmp"
         try:
             with open(tmp, "w") as f:

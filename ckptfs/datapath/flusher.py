@@ -7,7 +7,7 @@ Two halves with one contract between them:
   prefix whose extents are all durable can be committed, so the index never points at data that
   is not on disk and replay always sees operations in their real order.
 - `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
-  runs' CRC32C were taken as the bytes landed: ops.piece_recorder), writes each segment whole
+  runs' CRC32C were taken as the bytes landed: datapath/writes.py), writes each segment whole
   (tail padded to the alignment) at the next aligned offset of the current data log
   (format/logs.LogWriter),
   fdatasyncs, reports the segments durable to the trio thread, then appends the committable

@@ -3,7 +3,7 @@
 Everything here is owned by the trio thread, except that the flusher thread reads sealed
 segments' memory and fills in a run's log location (plain attribute writes) before it reports
 the segment durable. A run's checksum is carried along on the trio thread as its pieces land
-(ops.piece_recorder).
+(datapath/writes.py).
 
 - A `Segment` wraps one buffer of the fixed, pre-faulted pool while it fills and drains.
 - A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
@@ -57,7 +57,7 @@ class Segment:
 class Run:
     """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
     data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (kept up to date as the
-    run grows: ops.piece_recorder; from the index after replay)."""
+    run grows: datapath/writes.py; from the index after replay)."""
 
     __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead")
 

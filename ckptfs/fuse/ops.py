@@ -18,11 +18,10 @@ import time
 
 import pyfuse3
 import trio
-from crc32c import crc32c
 
-from ckptfs.datapath.flusher import ExtentEntry, Flusher, Journal
-from ckptfs.datapath.reader import CHUNK_BYTES, Reader
-from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Run, Staging
+from ckptfs.datapath.flusher import Flusher, Journal
+from ckptfs.datapath.reader import Reader
+from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Staging
 from ckptfs.format.records import (
     NAME_MAX,
     InodeRec,
@@ -33,6 +32,8 @@ from ckptfs.format.records import (
     UnlinkRec,
     XExtentRec,
 )
+from ckptfs import metrics
+from ckptfs.datapath import writes
 from ckptfs.fuse import loop
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.refresh import IDLE_PERIOD_S
@@ -666,7 +667,7 @@ class CkptOperations(pyfuse3.Operations):
             self._writable(x)
         if x.ino == CTL_STATS_INO:
             fh = self._open_handle(x, flags)
-            self.snapshots[fh] = json.dumps(self.status(), indent=1).encode() + b"\n"
+            self.snapshots[fh] = json.dumps(metrics.status(self), indent=1).encode() + b"\n"
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
@@ -769,51 +770,8 @@ class CkptOperations(pyfuse3.Operations):
                                       time.time_ns()))
 
     def piece_recorder(self, x: Inode, off: int):
-        """on_piece for Staging: records that data bytes [dpos, dpos+k) of a write at file
-        offset `off` now sit in `seg` at `soff` (extends the file's last run when the write
-        continues it in the same segment, up to `checksum_block` bytes: one index record per
-        file and block of a segment).
-
-        The run's CRC32C is carried along piece by piece, here, while the bytes are still in
-        the CPU cache (the kernel or staging.append has just written them: crc32c runs at
-        ~25 GB/s over them). At flush time they are cold (~7.7 GB/s): a pass by the flusher
-        would cost ~130 us of CPU and memory bandwidth per MiB, which on a 2-CPU machine comes
-        out of the writer's time (~15% of a stream of 1 MiB writes; docs/performance-notes.md).
-        The GIL is kept (a release would let the flusher thread in mid-request)."""
-        journal = self.journal
-        emap = x.emap
-        block = self.settings.checksum_block
-
-        def on_piece(seg, dpos, soff, k):
-            while k > 0:
-                foff = off + dpos
-                run = x.tail_run
-                tail = journal.entries[-1][1] if journal.entries else None
-                if (run is not None and run.seg is seg and run.soff + run.length == soff
-                        and run.length < block and x.tail_end == foff
-                        and type(tail) is ExtentEntry and tail.run is run):
-                    m = min(k, block - run.length)
-                    run.crc = crc32c(seg.view[soff:soff + m], run.crc, 0)
-                    roff = run.length
-                    run.length += m
-                    last = emap.pieces[-1] if emap.pieces else None
-                    if last is not None and last.run is run and last.start + last.length == foff:
-                        emap.grow(m)
-                    else:
-                        emap.insert(foff, m, run, roff)
-                else:
-                    m = min(k, block)
-                    run = Run(seg, soff, m, crc=crc32c(seg.view[soff:soff + m], 0, 0))
-                    seg.runs.append(run)
-                    if x.nlink > 0:  # an unlinked, still open file needs no index record
-                        journal.add(ExtentEntry(x.ino, foff, run))
-                    emap.insert(foff, m, run, 0)
-                    x.tail_run = run
-                x.tail_end = foff + m
-                dpos += m
-                soff += m
-                k -= m
-        return on_piece
+        """on_piece for Staging, for a write of file x at offset `off` (datapath/writes.py)."""
+        return writes.piece_recorder(self.journal, x, off, self.settings.checksum_block)
 
     def wrote(self, h: _Handle, x: Inode, end: int, n: int) -> None:
         if end > x.size:
@@ -896,66 +854,9 @@ class CkptOperations(pyfuse3.Operations):
         await self._barrier()
 
     # ------------------------------------------------------------ status (xattrs on the root)
-    def live_union(self) -> dict:
-        """The writers and conflicts of the view as they are now, and what reading the other
-        writers' changes has cost."""
-        view = self.view
-        out = {"writers": len(view.trees) + (0 if self.settings.readonly else 1),
-               "conflicts": len(view.conflicts)}
-        if self.refresher is not None:
-            out.update(self.refresher.counts())
-        return out
-
-    def status(self) -> dict:
-        st = self.flusher.stats
-        ninodes, user_bytes = self.ns.totals()
-        return {
-            "pid": os.getpid(),
-            "backing": self.settings.backing,
-            **self.settings.info,
-            **(self.live_union() if self.view is not None else {}),
-            "engine": self.flusher.engine_name,
-            "uptime_s": round(time.time() - self.started, 3),
-            "bytes_written": self.bytes_written,
-            "write_requests": self.write_requests,
-            "read_requests": self.read_requests,
-            "bytes_read": self.bytes_read,
-            "bytes_staged": self.staging.staged_segments() * self.staging.segment_bytes,
-            "staging_bytes": self.staging.capacity_bytes,
-            "segments_flushed": st.segments,
-            "bytes_durable": st.payload_bytes,
-            "log_bytes_written": st.bytes_written,
-            "flush_seconds": round(st.flush_seconds, 3),
-            "flush_gbps": round(st.bytes_written / st.flush_seconds / 1e9, 3)
-            if st.flush_seconds else 0.0,
-            "index_bytes": st.index_bytes,
-            "index_commits": st.index_commits,
-            "data_syncs": st.data_syncs,
-            "segments_in_flight": self.flusher.inflight_segments,
-            "writers_waiting": self.staging.waiting_writers,
-            "uncommitted_changes": len(self.journal.entries),
-            "fsyncs": self.fsyncs,
-            "errors": st.errors,
-            "last_error": st.last_error,
-            "current_error": str(self.flusher.error) if self.flusher.error else "",
-            "inodes": ninodes,
-            "file_bytes": user_bytes,
-            "read_disk_bytes": self.reader.disk_bytes,
-            "read_cache_bytes": self.reader.cached,
-            "read_cache_allocated_bytes": self.reader.allocated * CHUNK_BYTES,
-            "read_chunks_recycled": self.reader.recycled,
-            "read_runs_verified_ahead": self.reader.verified_ahead,
-            "read_load_seconds": round(self.reader.load_seconds, 3),
-            "read_wait_seconds": round(self.reader.wait_seconds, 3),
-            "direct_reads": self.negotiated.direct_reads,
-            "shared_mmap_of_direct_files": self.negotiated.shared_mmap_direct,
-            **(self.request_wait.counts() if self.request_wait else loop.NO_COUNTS),
-            **(self.maintainer.status() if self.maintainer is not None else {}),
-        }
-
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INO and name == XATTR_PREFIX + b"status":
-            return json.dumps(self.status()).encode()
+            return json.dumps(metrics.status(self)).encode()
         if inode == ROOT_INO and name == XATTR_PREFIX + b"sync":
             await self._barrier()
             if self.refresher is not None:  # and what the others made durable before it
