@@ -7,7 +7,6 @@ child's first line (ready or error) to the user.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import errno
 import gc
@@ -218,18 +217,27 @@ def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
             wd.close()
 
 
-def _in_thread(fn, *args) -> concurrent.futures.Future:
-    """fn(*args) in a thread of its own; its result (or exception) from .result()."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
+class _InThread:
+    """fn(*args) in a thread of its own; result() waits for it and returns what it returned
+    (or raises what it raised)."""
 
-    def run() -> None:
+    def __init__(self, fn, *args) -> None:
+        self._out = self._exc = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args),
+                                        name=f"ckptfs-{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
         try:
-            fut.set_result(fn(*args))
+            self._out = fn(*args)
         except BaseException as exc:  # (handed to the caller)
-            fut.set_exception(exc)
+            self._exc = exc
 
-    threading.Thread(target=run, name=f"ckptfs-{fn.__name__}", daemon=True).start()
-    return fut
+    def result(self):
+        self._thread.join()
+        if self._exc is not None:
+            raise self._exc
+        return self._out
 
 
 async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> int:
@@ -238,7 +246,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
-    pool = _in_thread(allocate_pool, seg_bytes, staging_bytes,
+    pool = _InThread(allocate_pool, seg_bytes, staging_bytes,
                       cfg.populate and wd is not None)  # (meanwhile: the replay)
     union = Union()
     # (layers for every writer before the own index is replayed: it may name their logs)

@@ -42,10 +42,12 @@ _TYPES = frozenset((stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat
 
 
 _COMMON: dict[int, int] = {}
+_MODES: dict[int, int] = {}  # (of modes up to 0xFFFF, st_mode's width: bounded)
 
 
 def _common(n: int) -> int:
-    """One int object per value for the values most inodes share (modes, owners)."""
+    """One int object per value for the values most inodes share (owners; below 256 Python
+    keeps one anyway)."""
     got = _COMMON.get(n)
     if got is None:
         if len(_COMMON) > 4096:  # (bounded: a tree of many owners gains nothing)
@@ -212,8 +214,10 @@ class Namespace:
             self._apply_inode(rec)
         elif t is SetattrRec:
             ino = self._ino(rec.ino)
-            ino.mode = _common(stat.S_IFMT(ino.mode) | (rec.mode & 0o7777))
-            ino.uid, ino.gid = _common(rec.uid), _common(rec.gid)
+            ino.mode = _MODES.setdefault(m := stat.S_IFMT(ino.mode) | (rec.mode & 0o7777), m)
+            uid, gid = rec.uid, rec.gid
+            ino.uid = uid if uid < 256 else _common(uid)
+            ino.gid = gid if gid < 256 else _common(gid)
             ino.atime_ns, ino.mtime_ns, ino.ctime_ns = _times(rec.atime_ns, rec.mtime_ns,
                                                               rec.ctime_ns)
         elif t is SizeRec:
@@ -300,8 +304,11 @@ class Namespace:
         if len(rec.target) > 4096:
             raise FormatError("symlink target too long")
         # (a tree holds a few distinct modes, owners and groups: one int object each)
-        x = Inode(ino, _common(mode), _common(rec.uid), _common(rec.gid), rec.rdev, rec.atime_ns,
-                  rec.mtime_ns, rec.ctime_ns, rec.target)
+        uid, gid = rec.uid, rec.gid
+        x = Inode(ino, _MODES.setdefault(mode, mode) if mode <= 0xFFFF else mode,
+                  uid if uid < 256 else _common(uid),
+                  gid if gid < 256 else _common(gid), rec.rdev, rec.atime_ns, rec.mtime_ns,
+                  rec.ctime_ns, rec.target)
         inodes[ino] = x
         children[name] = ino
         # a directory's times are not journaled on their own: an entry created in it is its

@@ -8,12 +8,16 @@ import logging
 import os
 from typing import Any, Iterable, Sequence
 
-import cffi
-
 log = logging.getLogger("ckptfs.io")
 
-# One plain FFI for taking addresses of Python buffers (zero copy) outside the compiled module.
-_ffi = cffi.FFI()
+# One FFI for taking addresses of Python buffers (zero copy): the compiled module's where it is
+# built (a plain cffi.FFI() loads cffi's C parser, ~40 ms of every daemon's and tool's start).
+try:
+    from ._uring_cffi import ffi as _ffi  # type: ignore[import-not-found]
+except ImportError:
+    import cffi
+
+    _ffi = cffi.FFI()
 
 # Largest single read/write handed to the kernel; longer requests continue like short writes.
 MAX_IO = 1 << 30

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -28,7 +27,17 @@ _AT_FDCWD = -100
 # statfs(2) f_type values of memory-backed file systems.
 _MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+def _load_libc() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # (not glibc: ask; ctypes.util runs the linker's tools, so only then)
+        from ctypes.util import find_library
+
+        return ctypes.CDLL(find_library("c"), use_errno=True)
+
+
+_libc = _load_libc()
 
 
 def alloc_aligned(nbytes: int, populate: bool = True, huge: bool = False) -> mmap.mmap:
