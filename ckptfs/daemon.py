@@ -300,7 +300,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
                       log_bytes=cfg.log_bytes, next_log=next_log, index=index,
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
-                      stripe_bytes=cfg.stripe_bytes)
+                      stripe_bytes=cfg.stripe_bytes, fixed_buffers=cfg.populate)
     # requests whose caller is being killed, answered early (the fast path, the barriers, the
     # reader's disk waits)
     interrupts = Interrupts()

@@ -11,7 +11,8 @@ own code
 a million files. Then, after one warm-up mount, --mounts timed mounts of it alternate with
 timed mounts of an empty backing directory, and it reports the medians of:
 
-  ready_s     from `ckptfs mount` until the mount is live (fork, imports, replay, FUSE init)
+  ready_s     from `ckptfs mount` until the mount is live (fork, imports, replay, FUSE init;
+              with the staging memory faulted in meanwhile, unless --no-populate)
   replay_s    of that, what the daemon logs as its replay (all writers' trees built)
   rss_bytes   the daemon's resident memory once the mount is live (the staging memory
               included), and per file: (rss - the empty mount's rss) / files
@@ -106,10 +107,10 @@ def _fill(wdir: str, files: int, per_dir: int, file_bytes: int, group: int) -> d
             "data_logs": log}
 
 
-def timed_mount(backing: str, mnt: str, log_file: str) -> dict:
+def timed_mount(backing: str, mnt: str, log_file: str, opts: dict) -> dict:
     """Mount, take the daemon's RSS, list the root, unmount."""
     t0 = time.perf_counter()
-    m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER).start()
+    m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER, **opts).start()
     ready = time.perf_counter() - t0
     try:
         mem = rss(m.pid)
@@ -122,14 +123,15 @@ def timed_mount(backing: str, mnt: str, log_file: str) -> dict:
             "rss_bytes": mem}
 
 
-def measure(backing: str, empty: str, mnt: str, log_file: str, mounts: int) -> dict:
+def measure(backing: str, empty: str, mnt: str, log_file: str, mounts: int,
+            opts: dict) -> dict:
     for b in (backing, empty):  # warm-up: the first mount starts a cold daemon
-        timed_mount(b, mnt, log_file)
+        timed_mount(b, mnt, log_file, opts)
     runs: dict[str, list[dict]] = {"tree": [], "empty": []}
     for i in range(mounts):
         order = [("tree", backing), ("empty", empty)]
         for name, b in order if i % 2 == 0 else order[::-1]:
-            runs[name].append(timed_mount(b, mnt, log_file))
+            runs[name].append(timed_mount(b, mnt, log_file, opts))
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for name, rs in runs.items()}
     return {"runs": runs, "median": med}
@@ -152,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--file-size", type=parse_size, default=512, help="bytes per file")
     ap.add_argument("--group", type=int, default=100, help="files per commit group")
     ap.add_argument("--mounts", type=int, default=5, help="timed mounts of each")
+    ap.add_argument("--no-populate", action="store_true",
+                    help="mount with --no-populate: the staging memory (512 MiB) is not "
+                    "faulted in at mount, what is left is the tree's cost")
     ap.add_argument("--dir", default="/var/tmp", help="where the backing directories go")
     ap.add_argument("--json", default=None, help="write all results as JSON here")
     return ap
@@ -162,7 +167,8 @@ def main(argv: list[str]) -> int:
     counts = [int(parse_size(c)) for c in a.files.split(",")]
     work = tempfile.mkdtemp(prefix="ckptfs-bench-mount-", dir=a.dir)
     out: dict = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
-                 "file_bytes": a.file_size, "per_dir": a.per_dir, "results": []}
+                 "file_bytes": a.file_size, "per_dir": a.per_dir,
+                 "populate": not a.no_populate, "results": []}
     try:
         mnt, empty = os.path.join(work, "mnt"), os.path.join(work, "empty")
         os.mkdir(mnt)
@@ -173,7 +179,8 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             built = build(backing, n, a.per_dir, a.file_size, a.group)
             built["build_s"] = time.perf_counter() - t0
-            m = measure(backing, empty, mnt, log_file, a.mounts)
+            m = measure(backing, empty, mnt, log_file, a.mounts,
+                        {"no_populate": True} if a.no_populate else {})
             tree, base = m["median"]["tree"], m["median"]["empty"]
             per_file = (tree["rss_bytes"] - base["rss_bytes"]) / max(n, 1)
             res = {**built, **m, "rss_per_file": per_file,

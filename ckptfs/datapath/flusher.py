@@ -215,7 +215,7 @@ class Flusher:
     def __init__(self, writer_dir: str, writer_id: str, staging: Staging, journal: Journal,
                  *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
                  next_log: int, index: IndexWriter | None, io_chunk_bytes: int,
-                 data_logs: int = 1, stripe_bytes: int = 0) -> None:
+                 data_logs: int = 1, stripe_bytes: int = 0, fixed_buffers: bool = True) -> None:
         self.writer_dir = writer_dir
         self.writer_id = writer_id
         self.staging = staging
@@ -247,6 +247,9 @@ class Flusher:
         self._start_error: BaseException | None = None
         self.data_logs = data_logs
         self.stripe_bytes = stripe_bytes
+        # The staging buffers registered with the io engine (fixed buffers): that pins, so
+        # faults in, every page of them; off with --no-populate, which leaves them unfaulted
+        self.fixed_buffers = fixed_buffers
         self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
 
     # ------------------------------------------------------------ trio side
@@ -357,10 +360,11 @@ class Flusher:
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
             self.engine_name = self.engine.name
-            try:
-                self.engine.register_buffers(self.staging.buffers)
-            except Exception as exc:  # registration is an optimisation only
-                log.info("buffer registration skipped: %s", exc)
+            if self.fixed_buffers:
+                try:
+                    self.engine.register_buffers(self.staging.buffers)
+                except Exception as exc:  # registration is an optimisation only
+                    log.info("buffer registration skipped: %s", exc)
             self.logs = LogWriter(self.writer_dir, self.writer_id, self.engine,
                                   direct=self.direct, align=self.align,
                                   log_bytes=self.log_bytes, next_log=self.next_log,
