@@ -160,6 +160,23 @@ def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
     m.stop()
 
 
+def test_a_small_tree_gets_its_index_snapshot_without_idle_writers(mounts):
+    """A job that saves so often that its writers are never idle for --clean-idle still gets
+    index snapshots while its tree is small (they take milliseconds), the first one too."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, **dict(OPTS, clean_idle=3600, index_snapshot_min="4K"))
+    for step in range(8):
+        save_step(m.mountpoint, step, files=20, size=3 * KiB)
+        m.sync()
+        if step >= 2:
+            shutil.rmtree(os.path.join(m.mountpoint, f"step_{step - 2}"))
+    st = wait_for(lambda: (s := m.status())["index_snapshots"] >= 1 and s, "an index snapshot")
+    assert st["index_size_bytes"] <= 2.5 * st["index_fresh_bytes"], st
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
     backing = mounts.backing()
     opts = dict(OPTS, clean_idle=0.3, index_snapshot_ratio=0)

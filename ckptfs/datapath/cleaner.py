@@ -82,6 +82,9 @@ CLEAN_BATCH_BYTES = 16 << 20  # runs read back at once; between batches the clea
 # An index snapshot of a tree this small (its fresh index) takes milliseconds: it does not
 # wait for the writers to be idle.
 SNAPSHOT_ANYTIME_BYTES = 1 << 20
+# More than a fresh index holds per inode (an INODE record with its name and an EXTENT): before
+# the first estimate, what says a tree is that small
+FRESH_BYTES_PER_INODE = 160
 PUNCH_MIN_BYTES = 64 << 10  # a smaller dead range is left (the cleaner may move its neighbours)
 
 
@@ -254,7 +257,11 @@ class Maintainer:
         dead = self.retirable()
         if dead:
             await self.retire(dead)
-        small = self.fresh_bytes is not None and self.fresh_bytes < SNAPSHOT_ANYTIME_BYTES
+        # (a job that saves every few seconds may never leave the writers idle for long: a
+        # small tree does not wait for that, not even for its first estimate)
+        fresh = self.fresh_bytes if self.fresh_bytes is not None else \
+            len(self.ns.inodes) * FRESH_BYTES_PER_INODE
+        small = fresh < SNAPSHOT_ANYTIME_BYTES
         if (self.idle() or small) and await self.snapshot_due():
             await self.snapshot()
         if self.idle() and self.punch_ok:
