@@ -289,9 +289,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     gc.freeze()
     gc.enable()
     ninodes, nbytes = ns.totals()
+    replay_s = time.perf_counter() - t0
     log.info("replayed %d writers: %d inodes, %d bytes in files, %d warnings, %d conflicts, "
              "%.3f s", len(union.writer_dirs), ninodes, nbytes, len(union.warnings),
-             len(union.conflicts), time.perf_counter() - t0)
+             len(union.conflicts), replay_s)
 
     flusher: Flusher | None = None
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg),
@@ -327,7 +328,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             "io_mode": "direct" if facts["direct"] else "buffered",
             "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
             "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),
-            "conflicts": len(union.conflicts)}
+            "replay_seconds": round(replay_s, 3), "conflicts": len(union.conflicts)}
     refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,

@@ -111,6 +111,8 @@ METRICS = {
     "segment_bytes": ("segment_size_bytes", "gauge", "Size of a staging segment"),
     "writers": ("writers", "gauge", "Writers whose trees the mount shows"),
     "replay_warnings": ("replay_warnings", "gauge", "Problems replay reported at mount time"),
+    "replay_seconds": ("replay_seconds", "gauge",
+                       "Seconds the mount took to build the tree from the writers' indexes"),
     "conflicts": ("conflicts", "gauge", "Paths that several writers hold (the newest shows)"),
     "bytes_written": ("written_bytes_total", "counter", "Bytes written into files"),
     "write_requests": ("write_requests_total", "counter", "WRITE requests"),

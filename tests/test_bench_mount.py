@@ -28,6 +28,8 @@ def test_the_synthesised_tree_is_a_valid_backing_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with api.Mount(str(backing), str(mnt), writer_id=mount.WRITER) as m:
+        st = m.status()  # (what the mount took to build the tree is a status figure)
+        assert st["inodes"] >= 1 + 3 + 250 and 0 < st["replay_seconds"] < 60, st
         names = sorted(os.listdir(m.mountpoint))
         assert names == ["d000001", "d000002", "d000003"]
         files = [os.path.join(m.mountpoint, d, f) for d in names

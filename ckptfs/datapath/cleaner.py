@@ -655,7 +655,8 @@ class Maintainer:
             try:
                 out[run] = self._logs.read_run(run)
             except OSError as exc:
-                log.error("cleaner: %s; those bytes stay where they are", exc)
+                log.error("cleaner: %s; those bytes stay where they are",
+                          exc.strerror or exc)  # (RunError's message, without "[Errno 5]")
                 self.damaged_runs.add((run.log, run.loff))
         return out
 
