@@ -108,16 +108,6 @@ def read_journal_with_deletes(path: str) -> tuple[dict[str, int], set[str], set[
             elif parts[0] == "U":
                 deleted.add(parts[1])
     return planned, durable, deleted
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if not line.endswith("\n") or not parts:
-                continue
-            if parts[0] == "P":
-                planned[parts[1]] = int(parts[2])
-            elif parts[0] == "D":
-                durable.add(parts[1])
-    return planned, durable
 
 
 def list_files(mnt: str) -> dict[str, str]:
