@@ -120,14 +120,20 @@ def shape(view: View) -> dict:
     return walk(ns.inodes[ROOT_INO])
 
 
-@pytest.mark.parametrize("seed", range(100))
-def test_the_view_does_not_depend_on_the_order_it_reads_the_writers_in(tmp_path, seed):
-    rng = random.Random(seed)
+def written_history(rng: random.Random, tmp_path) -> tuple[History, str]:
+    """A random history of 20-70 steps, its indexes written into a backing directory."""
     h = History(rng)
     for _ in range(rng.randrange(20, 70)):
         h.step()
     backing = str(tmp_path / "backing")
     h.write(backing)
+    return h, backing
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_view_does_not_depend_on_the_order_it_reads_the_writers_in(tmp_path, seed):
+    rng = random.Random(seed)
+    h, backing = written_history(rng, tmp_path)
     fresh = load_foreign(Namespace(now_ns=0), backing, None, Union())
     # one group at a time, the writers interleaved at random (each in its own order)
     live = View(Namespace(now_ns=0), Union(), backing, None)
@@ -153,11 +159,7 @@ def test_the_own_writer_carries_out_the_same_whiteouts_in_any_order(tmp_path, se
     one group at a time, and what they removed of w0's tree leaves it (w0 carries their
     whiteouts out), as when it mounts after all of them."""
     rng = random.Random(seed)
-    h = History(rng)
-    for _ in range(rng.randrange(20, 70)):
-        h.step()
-    backing = str(tmp_path / "backing")
-    h.write(backing)
+    h, backing = written_history(rng, tmp_path)
     own_index = os.path.join(backing, backingdir.WRITERS_DIR, "w0", backingdir.INDEX_NAME)
 
     def own_view() -> View:

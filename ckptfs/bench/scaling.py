@@ -474,23 +474,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _list(text: str, kind, option: str, takes: str, least) -> list:
+    """A comma-separated list of numbers given to `option`; None (with the message printed)
+    when it is not one, or a number is below `least`."""
+    try:
+        out = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        print(f"ckptfs bench scaling: {option} takes {takes}", file=sys.stderr)
+        return None
+    if not out or min(out) < least:
+        print(f"ckptfs bench scaling: {option} must be >= {least}", file=sys.stderr)
+        return None
+    return out
+
+
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        writers = [int(x) for x in a.writers.split(",") if x.strip()]
-    except ValueError:
-        print("ckptfs bench scaling: --writers takes numbers, e.g. 1,2,4", file=sys.stderr)
-        return 2
-    if not writers or min(writers) < 1:
-        print("ckptfs bench scaling: --writers must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        refreshes = [float(x) for x in a.refresh.split(",") if x.strip()]
-    except ValueError:
-        print("ckptfs bench scaling: --refresh takes seconds, e.g. 1,0", file=sys.stderr)
-        return 2
-    if not refreshes or min(refreshes) < 0:
-        print("ckptfs bench scaling: --refresh must be >= 0", file=sys.stderr)
+    writers = _list(a.writers, int, "--writers", "numbers, e.g. 1,2,4", 1)
+    refreshes = _list(a.refresh, float, "--refresh", "seconds, e.g. 1,0", 0)
+    if writers is None or refreshes is None:
         return 2
     a.idle = a.idle if a.idle is not None else (1.0 if a.quick else 5.0)
     if a.quick:
