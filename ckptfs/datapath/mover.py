@@ -199,11 +199,12 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
         return layers.setdefault(writer, len(layers))
     ns.layer_of = layer_of
     warnings: list = []
-    times: list[int] = []
+    last_time = 0  # the last commit's stamp: the snapshot ends with it
 
     def apply(group: list, when: int) -> None:
+        nonlocal last_time
         apply_group(ns, group, when, index_path, warnings)
-        times[:] = [when]
+        last_time = when
     with bulk_load():
         scan = records.scan_index(index_path, data, on_group=apply)
     del data
@@ -214,7 +215,7 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     try:
         blob, version = tree_records(
             ns, extents_in_place(pieces_of, writers.__getitem__), seq=scan.last_seq,
-            last_time=times[0] if times else 0,
+            last_time=last_time,
             next_log=max(backingdir.data_logs(writer_dir), default=0) + 1,
             xunlinks=[r for r in ns.xunlinks if (r.writer, r.ino) not in settled])
     finally:
