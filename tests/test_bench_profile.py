@@ -16,7 +16,7 @@ from ckptfs.bench import profile
 def test_alternating_variants_are_measured_and_verified(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "profile", "--small", "30",
+    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "profile", "--small", "200",
                            "--staging", "64M", "--variants", "request_spin=0;", "--dir",
                            str(tmp_path), "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
@@ -25,8 +25,10 @@ def test_alternating_variants_are_measured_and_verified(tmp_path):
     assert [(r["phase"], r["options"].get("request_spin")) for r in runs] == [
         ("save", "0"), ("restore", "0"), ("save", None), ("restore", None)]
     for r in runs:
-        assert r["verified"] and r["wall_s"] > 0 and r["user_s"] + r["sys_s"] > 0
+        assert r["verified"] and r["wall_s"] > 0 and r["user_s"] >= 0 and r["sys_s"] >= 0
         assert r["waits"]["requests_answered_here"] > 0
+    # /proc counts CPU in clock ticks (10 ms): one short phase may read 0, a whole run does not
+    assert sum(r["user_s"] + r["sys_s"] for r in runs) > 0
     assert runs[0]["waits"]["requests_caught_spinning"] == 0  # (--request-spin 0)
     with open("/proc/self/mountinfo") as f:
         assert str(tmp_path) not in f.read()

@@ -47,7 +47,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # ------------------------------------------------------------------------ the daemon's CPU
 def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
-    """tid -> (name, user s, system s) of every thread of `pid`, from /proc."""
+    """tid -> (name, user s, system s) of every thread of `pid`, from /proc (in clock ticks,
+    so a phase shorter than a tick of CPU reads 0)."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
