@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 import pyfuse3
@@ -28,7 +27,7 @@ from ckptfs.api import mount_at, status_socket_name
 from ckptfs.datapath import cleaner
 from ckptfs.datapath.flusher import Flusher, Journal
 from ckptfs.datapath.reader import Reader
-from ckptfs.datapath.staging import Staging, allocate_pool, round_up
+from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir
 from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
@@ -217,37 +216,12 @@ def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
             wd.close()
 
 
-class _InThread:
-    """fn(*args) in a thread of its own; result() waits for it and returns what it returned
-    (or raises what it raised)."""
-
-    def __init__(self, fn, *args) -> None:
-        self._out = self._exc = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args),
-                                        name=f"ckptfs-{fn.__name__}", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args) -> None:
-        try:
-            self._out = fn(*args)
-        except BaseException as exc:  # (handed to the caller)
-            self._exc = exc
-
-    def result(self):
-        self._thread.join()
-        if self._exc is not None:
-            raise self._exc
-        return self._out
-
-
 async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> int:
     journal = Journal()
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
-    pool = _InThread(allocate_pool, seg_bytes, staging_bytes,
-                      cfg.populate and wd is not None)  # (meanwhile: the replay)
     union = Union()
     # (layers for every writer before the own index is replayed: it may name their logs)
     view = View(ns, union, cfg.backing, cfg.writer_id if wd else None)
@@ -295,8 +269,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
              len(union.conflicts), replay_s)
 
     flusher: Flusher | None = None
+    # (the flusher faults the pool in once the mount serves: a mount is not kept waiting for
+    # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg),
-                      buffers=pool.result())
+                      populate=False)
     flusher = Flusher(wd.path if wd else "", cfg.writer_id, staging, journal, engine=cfg.engine,
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
                       log_bytes=cfg.log_bytes, next_log=next_log, index=index,

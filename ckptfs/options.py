@@ -161,8 +161,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ro", "readonly", "flag", False,
            "read-only mount of the merged tree of all writers (restore)"),
     Option("no-populate", "populate", "flag", True,
-           "do not pre-fault the staging memory at mount (nor register it with io_uring, "
-           "which would fault it in)", invert=True),
+           "do not fault the staging memory in once the mount serves (nor register it with "
+           "io_uring, which would fault it in)", invert=True),
     Option("debug", "debug", "flag", False, "debug logging (and FUSE debug)"),
     Option("log-file", "log_file", "str", "",
            "daemon log when daemonized (default: BACKING/writers/ID/daemon.log)"),

@@ -181,6 +181,46 @@ def test_memory_bound(mounts):
     m.stop()
 
 
+def test_staging_is_faulted_in_while_the_mount_serves(mounts):
+    """The mount does not wait for its staging memory: the flusher faults it in and registers
+    it with io_uring once the mount serves, and writes landing meanwhile stay exact (faulting
+    in changes no byte). With no_populate it stays unfaulted and unregistered."""
+    staging, seg = 256 * MiB, 4 * MiB
+    m = mounts.mount(staging_size="256M", segment_size="4M")
+    names = [f"early{i}" for i in range(4)]
+
+    def write(n):
+        with open(os.path.join(m.mountpoint, n), "wb") as f:
+            f.write(content(n, 6 * MiB))
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m.sync()
+    deadline = time.monotonic() + 30
+    while m.status()["staging_fixed_buffers"] < staging // seg:
+        assert time.monotonic() < deadline, m.status()
+        time.sleep(0.05)
+    assert proc_status(m.pid)["VmRSS"] >= staging
+    for n in names:
+        assert read_all(os.path.join(m.mountpoint, n)) == content(n, 6 * MiB), n
+    backing = m.backing
+    m.stop()
+    m2 = mounts.mount(backing, staging_size="256M", segment_size="4M", no_populate=True)
+    base = proc_status(m2.pid)["VmRSS"]
+    for n in names:
+        assert read_all(os.path.join(m2.mountpoint, n)) == content(n, 6 * MiB), n
+    with open(os.path.join(m2.mountpoint, "late"), "wb") as f:
+        f.write(content("late", 8 * MiB))
+    m2.sync()
+    time.sleep(0.5)
+    assert m2.status()["staging_fixed_buffers"] == 0
+    # (the read cache and the segments written take their memory; most of staging does not)
+    assert proc_status(m2.pid)["VmRSS"] < base + staging // 2
+
+
 # ---------------------------------------------------------------- log rollover
 def test_log_rollover_in_batch(mounts):
     """Small data logs (3 MiB, 1 MiB segments) so that flush batches of several segments

@@ -42,7 +42,7 @@ from ckptfs.format.records import (
     SetattrRec,
     SizeRec,
 )
-from ckptfs.io import open_engine
+from ckptfs.io import fault_in, open_engine
 
 log = logging.getLogger("ckptfs.flusher")
 
@@ -247,9 +247,11 @@ class Flusher:
         self._start_error: BaseException | None = None
         self.data_logs = data_logs
         self.stripe_bytes = stripe_bytes
-        # The staging buffers registered with the io engine (fixed buffers): that pins, so
-        # faults in, every page of them; off with --no-populate, which leaves them unfaulted
+        # The staging buffers faulted in and registered with the io engine (fixed buffers:
+        # that pins every page) by the flusher thread once it runs; off with --no-populate,
+        # which leaves them unfaulted
         self.fixed_buffers = fixed_buffers
+        self.fixed_count = 0  # (status: how many are registered, once the thread has)
         self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
 
     # ------------------------------------------------------------ trio side
@@ -356,15 +358,22 @@ class Flusher:
         return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
     # ------------------------------------------------------------ flusher thread
+    def _fix_buffers(self) -> None:
+        """Fault the staging pool in and register it with the io engine, without the GIL,
+        while the mount already serves: a segment sealed meanwhile waits for it (the first
+        writes meanwhile fault their pages in themselves). Both change no byte of a buffer."""
+        for buf in self.staging.buffers:
+            fault_in(buf)
+        try:
+            self.engine.register_buffers(self.staging.buffers)
+        except Exception as exc:  # registration is an optimisation only
+            log.info("buffer registration skipped: %s", exc)
+        self.fixed_count = getattr(self.engine, "registered", 0)
+
     def _thread_main(self) -> None:
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
             self.engine_name = self.engine.name
-            if self.fixed_buffers:
-                try:
-                    self.engine.register_buffers(self.staging.buffers)
-                except Exception as exc:  # registration is an optimisation only
-                    log.info("buffer registration skipped: %s", exc)
             self.logs = LogWriter(self.writer_dir, self.writer_id, self.engine,
                                   direct=self.direct, align=self.align,
                                   log_bytes=self.log_bytes, next_log=self.next_log,
@@ -375,6 +384,8 @@ class Flusher:
             return
         self._started.set()
         try:
+            if self.fixed_buffers:
+                self._fix_buffers()
             self._loop()
         finally:
             self.logs.close()

@@ -217,17 +217,6 @@ class ExtentMap:
         return self.stored
 
 
-def allocate_pool(segment_bytes: int, staging_bytes: int, populate: bool = True) -> list:
-    """The segment buffers of a pool of `staging_bytes` (at least two), faulted in unless
-    `populate` is off. The kernel's work (hundreds of ms for 512 MiB on a VM whose memory is
-    backed lazily) runs without the GIL: the daemon makes the pool in a thread of its own
-    while it replays the index."""
-    if segment_bytes % 4096:
-        raise ValueError("segment size must be a multiple of 4096")
-    count = max(2, staging_bytes // segment_bytes)
-    return [alloc_aligned(segment_bytes, populate=populate, huge=True) for _ in range(count)]
-
-
 class Staging:
     """The bounded pool of aligned segment buffers and the currently open segment.
 
@@ -237,11 +226,14 @@ class Staging:
     """
 
     def __init__(self, segment_bytes: int, staging_bytes: int, seal_hook: Callable[[Segment], None],
-                 populate: bool = True, buffers: list | None = None) -> None:
-        """`buffers`: the pool, if allocate_pool made it already."""
+                 populate: bool = True) -> None:
+        """A pool of `staging_bytes` (at least two segments), faulted in now unless `populate`
+        is off (the daemon's flusher faults it in after the mount is ready)."""
+        if segment_bytes % 4096:
+            raise ValueError("segment size must be a multiple of 4096")
         self.segment_bytes = segment_bytes
-        self.buffers = buffers if buffers is not None else \
-            allocate_pool(segment_bytes, staging_bytes, populate)
+        self.buffers = [alloc_aligned(segment_bytes, populate=populate, huge=True)
+                        for _ in range(max(2, staging_bytes // segment_bytes))]
         self.free: deque = deque(self.buffers)
         self.free_event = trio.Event()
         self.open: Segment | None = None

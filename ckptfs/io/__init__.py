@@ -20,6 +20,7 @@ from .buffers import (
     PAGE_SIZE,
     DirectInfo,
     alloc_aligned,
+    fault_in,
     open_file,
     probe_direct,
     probe_direct_read,
@@ -28,8 +29,8 @@ from .posix import PosixEngine
 from .uring import DISABLE_ENV, UringEngine, uring_unavailable_reason
 
 __all__ = [
-    "open_engine", "alloc_aligned", "probe_direct", "probe_direct_read", "open_file", "DirectInfo",
-    "Engine",
+    "open_engine", "alloc_aligned", "fault_in", "probe_direct", "probe_direct_read", "open_file",
+    "DirectInfo", "Engine",
     "EngineError", "PosixEngine", "UringEngine", "uring_unavailable_reason", "DISABLE_ENV",
     "PAGE_SIZE",
 ]

@@ -10,8 +10,8 @@ import os
 import tempfile
 from typing import NamedTuple
 
-__all__ = ["DirectInfo", "alloc_aligned", "probe_direct", "probe_direct_read", "open_file",
-           "PAGE_SIZE"]
+__all__ = ["DirectInfo", "alloc_aligned", "fault_in", "probe_direct", "probe_direct_read",
+           "open_file", "PAGE_SIZE"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -61,16 +61,18 @@ def alloc_aligned(nbytes: int, populate: bool = True, huge: bool = False) -> mma
             m.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass
-        if populate and not _populate_write(m):
+        if populate and not fault_in(m):
             for off in range(0, nbytes, PAGE_SIZE):
                 m[off] = 0
     return m
 
 
-def _populate_write(m: mmap.mmap) -> bool:
-    """Fault the mapping in (MADV_POPULATE_WRITE, Linux 5.14+) through libc, which runs
-    without the GIL; mmap.madvise keeps it for the whole call, so a thread faulting a staging
-    pool in stopped every other thread (the daemon faults its pool in while it replays)."""
+def fault_in(m: mmap.mmap) -> bool:
+    """Fault a writable mapping in (MADV_POPULATE_WRITE, Linux 5.14+; False where the kernel
+    has none). The contents stay as they are, so other threads may write the mapping
+    meanwhile. Through libc, which runs without the GIL: mmap.madvise keeps it for the whole
+    call, which would stop every other thread (the flusher faults the staging pool in while
+    the mount serves)."""
     c = ctypes.c_char.from_buffer(m)
     try:
         rc = _libc.madvise(ctypes.c_void_p(ctypes.addressof(c)), ctypes.c_size_t(len(m)),
