@@ -116,6 +116,10 @@ class Namespace:
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
         self.retired: set[int] = set()  # data logs a RETIRE record named
         self.last_log = 0  # the highest data log number a record named (never reused)
+        # Per data log, the highest end of any EXTENT record applied (an upper bound of where
+        # the tree's own runs end in it: replay.validate_extents walks the tree only when a
+        # log is shorter than that or missing)
+        self.extent_ends: dict[int, int] = {}
         # Changes of this writer to other writers' trees (replay.View applies them): the
         # entries it removed there (XUNLINK records) ...
         self.xunlinks: list[XUnlinkRec] = []
@@ -208,8 +212,11 @@ class Namespace:
                                             self.layer), 0)
             if foff + length > x.size:
                 x.size = foff + length if foff else length  # (the int object shared)
-            if log > self.last_log:
-                self.last_log = log
+            end = rec.loff + length
+            if end > self.extent_ends.get(log, 0):
+                self.extent_ends[log] = end
+                if log > self.last_log:
+                    self.last_log = log
         elif t is InodeRec:
             self._apply_inode(rec)
         elif t is SetattrRec:
