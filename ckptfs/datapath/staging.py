@@ -5,7 +5,7 @@ segments' memory and fills in a run's log location (plain attribute writes) befo
 the segment durable. A run's checksum is carried along on the trio thread as its pieces land
 (datapath/writes.py).
 
-- A `Segment` wraps one buffer of the fixed, pre-faulted pool while it fills and drains.
+- A `Segment` wraps one buffer of the fixed pool while it fills and drains.
 - A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
   EXTENT record in a data log). Consecutive writes that continue a file extend its run, so a
   file written front to back costs one index record per segment it touches.
