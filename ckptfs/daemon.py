@@ -284,8 +284,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
                     direct=facts["direct"],  # buffers on first use: performance-notes.md
                     interruptible=interrupts.waiting)
-    reader.note_runs(run for x in ns.inodes.values() if x.emap is not None
-                     for run in x.emap.runs())
+    replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
                                                          round_up(seg.used, facts["align"]))
     maintainer = None
@@ -354,6 +353,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             if maintainer is not None:
                 nursery.start_soon(maintainer.run)
             reader.nursery = nursery
+            nursery.start_soon(reader.note_replayed, replayed)
+            del replayed
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
             nursery.start_soon(_signals, nursery, ops.request_wait)

@@ -32,6 +32,7 @@ log = logging.getLogger("ckptfs.reader")
 CHUNK_BYTES = 4 << 20
 SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
+NOTE_SLICE = 4096  # files note_replayed notes between two looks at the requests
 GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
@@ -96,7 +97,7 @@ class Reader:
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
-        self.nursery = None  # set by the daemon: where readahead runs
+        self.nursery = None  # set by the daemon: where readahead (and note_replayed) runs
         # a wait for the disk, as a context manager yielding its CancelScope: the daemon's is
         # cancelled when the READ's caller is being killed (fuse/interrupts.py), so that the
         # READ is answered while the worker thread's disk read goes on
@@ -152,6 +153,19 @@ class Reader:
         self.spare.clear()
 
     # ------------------------------------------------------------ bookkeeping
+    async def note_replayed(self, inodes: list) -> None:
+        """note_runs of the files a mount replayed, a slice at a time while the mount already
+        serves (on the mount's path it took ~1.7 us per file: 0.17 s of a 100,000-file
+        mount). A file's extent map is read when its slice comes, so runs replaced since the
+        mount are not noted; runs placed since (they have a segment) are left out, as
+        note_runs wants, and so are those of a writer the mount dropped meanwhile; until its
+        file is noted a run is read and checked on demand, as a run flushed later is."""
+        layers = self.logs.writer_dirs
+        for i in range(0, len(inodes), NOTE_SLICE):
+            self.note_runs(r for x in inodes[i:i + NOTE_SLICE] if x.emap is not None
+                           for r in x.emap.runs() if r.seg is None and r.layer in layers)
+            await trio.lowlevel.checkpoint()
+
     def note_runs(self, runs) -> None:
         """Durable runs known to be in the logs at mount (replayed). Runs flushed later are not
         noted: they are not recycled early nor checked ahead, only read and checked on demand."""
