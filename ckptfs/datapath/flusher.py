@@ -51,6 +51,7 @@ SYNC_INTERVAL_S = 1.0  # the longest a written segment waits for its fdatasync +
 SYNC_BYTES = 1 << 30
 _COMMIT = "commit"
 _STOP = "stop"
+_REGISTER = "register"  # (the staging pool is faulted in: register it with the io engine)
 
 
 class _Swap:
@@ -247,11 +248,12 @@ class Flusher:
         self._start_error: BaseException | None = None
         self.data_logs = data_logs
         self.stripe_bytes = stripe_bytes
-        # The staging buffers faulted in and registered with the io engine (fixed buffers:
-        # that pins every page) by the flusher thread once it runs; off with --no-populate,
-        # which leaves them unfaulted
+        # The staging buffers faulted in (a thread of low priority) and registered with the
+        # io engine (fixed buffers: that pins every page) once the mount serves; off with
+        # --no-populate, which leaves them unfaulted
         self.fixed_buffers = fixed_buffers
         self.fixed_count = 0  # (status: how many are registered, once the thread has)
+        self._fault_stop = threading.Event()
         self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
 
     # ------------------------------------------------------------ trio side
@@ -358,12 +360,23 @@ class Flusher:
         return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
     # ------------------------------------------------------------ flusher thread
-    def _fix_buffers(self) -> None:
-        """Fault the staging pool in and register it with the io engine, without the GIL,
-        while the mount already serves: a segment sealed meanwhile waits for it (the first
-        writes meanwhile fault their pages in themselves). Both change no byte of a buffer."""
+    def _fault_in(self) -> None:
+        """A thread of its own at the lowest priority (nice 19: it takes a CPU that the
+        application and the daemon leave free): fault the staging pool in, a segment at a
+        time, while the mount already serves, then have the flusher thread register it with
+        its io engine (between two of its writes). Writes meanwhile go without fixed buffers
+        and fault their pages in themselves; no byte of a buffer changes (fault_in)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         for buf in self.staging.buffers:
+            if self._fault_stop.is_set():
+                return
             fault_in(buf)
+        self.q.put(_REGISTER)
+
+    def _register(self) -> None:
         try:
             self.engine.register_buffers(self.staging.buffers)
         except Exception as exc:  # registration is an optimisation only
@@ -383,11 +396,17 @@ class Flusher:
             self._started.set()
             return
         self._started.set()
+        faulting = None
+        if self.fixed_buffers:
+            faulting = threading.Thread(target=self._fault_in, name="ckptfs-fault-in",
+                                        daemon=True)
+            faulting.start()
         try:
-            if self.fixed_buffers:
-                self._fix_buffers()
             self._loop()
         finally:
+            if faulting is not None:  # (the buffers are unmapped after the unmount)
+                self._fault_stop.set()
+                faulting.join()
             self.logs.close()
             self.stats.data_syncs = self.logs.syncs
             self.engine.close()
@@ -430,6 +449,8 @@ class Flusher:
                     stopping = True
                 elif it is _COMMIT:
                     commit_now = True
+                elif it is _REGISTER:
+                    self._register()
                 elif type(it) is _Swap:
                     self._swap(it)
                 elif type(it) is Segment:
