@@ -269,7 +269,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
              len(union.conflicts), replay_s)
 
     flusher: Flusher | None = None
-    # (the flusher faults the pool in once the mount serves: a mount is not kept waiting for
+    # (the flusher has the pool faulted in once the mount serves: a mount does not wait for
     # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg),
                       populate=False)

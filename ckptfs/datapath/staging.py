@@ -228,7 +228,7 @@ class Staging:
     def __init__(self, segment_bytes: int, staging_bytes: int, seal_hook: Callable[[Segment], None],
                  populate: bool = True) -> None:
         """A pool of `staging_bytes` (at least two segments), faulted in now unless `populate`
-        is off (the daemon's flusher faults it in after the mount is ready)."""
+        is off (the daemon's flusher has it faulted in once the mount serves)."""
         if segment_bytes % 4096:
             raise ValueError("segment size must be a multiple of 4096")
         self.segment_bytes = segment_bytes

@@ -71,7 +71,7 @@ def fault_in(m: mmap.mmap) -> bool:
     """Fault a writable mapping in (MADV_POPULATE_WRITE, Linux 5.14+; False where the kernel
     has none). The contents stay as they are, so other threads may write the mapping
     meanwhile. Through libc, which runs without the GIL: mmap.madvise keeps it for the whole
-    call, which would stop every other thread (the flusher faults the staging pool in while
+    call, which would stop every other thread (the daemon faults the staging pool in while
     the mount serves)."""
     c = ctypes.c_char.from_buffer(m)
     try:
