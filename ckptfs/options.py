@@ -133,11 +133,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("request-spin", "request_spin_us", "int", 250,
            "microseconds the daemon polls for the next request before it sleeps (catches a "
            "busy writer's next request without a wake-up; 0: off)", metavar="US"),
-    Option("spin-after-wake", "spin_after_wake", "switch", False,
-           "the wait right after a request that woke the daemon polls for the next one "
-           "(--request-spin) even while missed spins back off (a file's requests come in a "
-           "burst after a pause). A prototype: more daemon CPU, not faster on a shared 2-CPU "
-           "machine (docs/performance-notes.md)"),
     Option("fast-path", "fast_path", "switch", True,
            "the daemon reads requests itself: WRITE payloads land straight in the staging "
            "segment; READ, WRITE, FLUSH, RELEASE, LOOKUP, GETATTR, OPEN and CREATE skip "

@@ -194,44 +194,6 @@ def test_spin_backs_off_after_misses_and_resets_on_a_catch():
         os.close(w)
 
 
-def test_spin_after_wake_spins_in_the_wait_after_a_wake_up_while_backing_off():
-    """--spin-after-wake: a request that came while the loop slept in epoll marks the loop
-    woken, and the next wait then spins although the back-off would skip it (a client's
-    requests come in a burst after the pause that made the spin miss); without the option
-    it is skipped."""
-    import trio
-
-    from ckptfs.fuse.loop import RequestWait
-
-    r, w = os.pipe()
-    try:
-        for on in (True, False):
-            wait = RequestWait(r, spin_s=0.002)
-            wait.spin_after_wake = on
-
-            async def take_one_late() -> bool:
-                async with trio.open_nursery() as nursery:
-                    async def write_later() -> None:
-                        await trio.sleep(0.02)
-                        os.write(w, b"x")
-                    nursery.start_soon(write_later)
-                    return await wait()  # the spin misses, the loop parks, the write wakes it
-
-            assert trio.run(take_one_late)
-            os.read(r, 1)
-            assert wait.woken and wait.slow == 1 and (wait.misses, wait.skip) == (1, 1)
-            t0 = time.perf_counter()
-            assert not wait._spin()
-            if on:  # spun the whole 2 ms although skip was 1: a second miss, a longer back-off
-                assert time.perf_counter() - t0 >= 0.002
-                assert (wait.misses, wait.skip) == (2, 3)
-            else:  # skipped at once
-                assert (wait.misses, wait.skip) == (1, 0)
-    finally:
-        os.close(r)
-        os.close(w)
-
-
 def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
     """More clients blocked in fsync at once than the loop has tasks (loop.MAX_TASKS):
     the others queue, nothing deadlocks, everything is durable and intact."""

@@ -18,7 +18,7 @@ ended (found queued, caught spinning, slept in epoll), and what one profiler saw
             the kernel's copy (readv), the daemon's work up to the reply, and the reply
 
 One profiler per run: attached, each slows the daemon. ``--variants`` alternates mount option
-sets round by round (``"spin_after_wake=true;"`` compares the option with the default), which
+sets round by round (``"request_spin=0;"`` compares that option with the default), which
 makes this the alternating comparison for a mount option too (medians at the end). Needs root
 (caches, perf); perf and py-spy must be installed for those profilers.
 """

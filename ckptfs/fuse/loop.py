@@ -93,10 +93,6 @@ class RequestWait:
         self.spun = 0
         self.misses = 0  # spins in a row that caught nothing
         self.skip = 0  # waits left that do not spin (back-off after misses)
-        # --spin-after-wake: the wait after a request that woke the loop from epoll spins even
-        # while backing off (see _spin)
-        self.spin_after_wake = False
-        self.woken = False  # the last request was taken after a park in epoll
 
     def counts(self) -> dict:
         """For the mount's status: requests found queued (including those caught spinning),
@@ -112,14 +108,10 @@ class RequestWait:
         usually comes within tens of microseconds of our reply, and catching it here saves
         the park / epoll / wake-up round (costly under virtualisation). Spins that keep
         missing (a client that computes between requests) back off: after n misses in a row
-        the next 2**n - 1 waits (at most 255) do not spin; a catch resets that.
-        With spin_after_wake the wait right after a request that woke the loop spins anyway: a
-        client that computed long enough to make the last spin miss (torch.load between two
-        files, a READ waiting for the disk) sends its next requests as a burst (LOOKUP, OPEN,
-        IOCTL, READ, RELEASE), and the back-off would put the second of them to sleep too."""
+        the next 2**n - 1 waits (at most 255) do not spin; a catch resets that."""
         if self.spin_s <= 0:
             return False
-        if self.skip and not (self.woken and self.spin_after_wake):
+        if self.skip:
             self.skip -= 1
             return False
         end = time.perf_counter() + self.spin_s
@@ -155,11 +147,9 @@ class RequestWait:
         if self._ready() or self._spin():
             self.streak += 1
             self.fast += 1
-            self.woken = False
             return True
         self.streak = 0
         self.slow += 1
-        self.woken = True
         while self.busy:
             await self.lot.park()
             if self.closed:
