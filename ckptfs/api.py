@@ -295,6 +295,23 @@ class Mount:
     def status(self) -> dict:
         return status(self.mountpoint)
 
+    def wait_settled(self, timeout: float = 60.0) -> "Mount":
+        """Wait until the mount's start-up work that goes on after "ready" is done: its
+        staging memory faulted in (a job's first checkpoint usually comes long after its
+        mount; a benchmark that saves at once would measure the fault-in with it)."""
+        if self.options.get("no_populate") or self.options.get("populate") is False:
+            return self
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st.get("readonly") or st["staging_faulted_bytes"] >= st["staging_bytes"]:
+                return self
+            if time.monotonic() > deadline:
+                raise CkptfsError(f"{self.mountpoint}: staging memory not faulted in within "
+                                  f"{timeout:.0f} s ({st['staging_faulted_bytes']} of "
+                                  f"{st['staging_bytes']} bytes)")
+            time.sleep(0.02)
+
     def stop(self) -> int:
         """Unmount; wait until the daemon drained everything. Returns its exit status (0 when
         everything was made durable); raises CkptfsError when it was not."""

@@ -199,7 +199,9 @@ def test_staging_is_faulted_in_while_the_mount_serves(mounts):
     for t in threads:
         t.join()
     m.sync()
-    deadline = time.monotonic() + 30
+    st = m.wait_settled(30).status()
+    assert st["staging_faulted_bytes"] == staging, st
+    deadline = time.monotonic() + 30  # (registered by the flusher right after)
     while m.status()["staging_fixed_buffers"] < staging // seg:
         assert time.monotonic() < deadline, m.status()
         time.sleep(0.05)
@@ -216,7 +218,8 @@ def test_staging_is_faulted_in_while_the_mount_serves(mounts):
         f.write(content("late", 8 * MiB))
     m2.sync()
     time.sleep(0.5)
-    assert m2.status()["staging_fixed_buffers"] == 0
+    st = m2.wait_settled(1).status()  # (nothing to wait for)
+    assert st["staging_fixed_buffers"] == 0 and st["staging_faulted_bytes"] == 0
     # (the read cache and the segments written take their memory; most of staging does not)
     assert proc_status(m2.pid)["VmRSS"] < base + staging // 2
 

@@ -246,6 +246,7 @@ def main(argv: list[str]) -> int:
           f"{a.arch}), {a.keep} kept, {a.interval:g} s between saves, in {work}", flush=True)
     steps: list[dict] = []
     m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER, **opts).start()
+    m.wait_settled()
     try:
         for k in range(a.steps):
             root = os.path.join(mnt, f"step_{k:05d}")

@@ -216,7 +216,7 @@ class Ckptfs(Contender):
                       timeout=run.cfg.mount_timeout, **{**run.cfg.mount_options, **extra})
         run.mounts.append(m)
         with Watchdog(m, run.cfg.mount_timeout, "mount"):
-            m.start()
+            m.start().wait_settled(run.cfg.mount_timeout)
         return m
 
     def _stop(self, run, m: api.Mount) -> float:

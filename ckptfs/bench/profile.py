@@ -399,11 +399,13 @@ def run_once(w, opts: dict, kind: str, base: str, stem: str) -> dict:
     res: dict = {"options": opts}
     try:
         with api.Mount(backing, mnt, log_file=log, **opts) as m:
+            m.wait_settled()
             drop_caches(3)
             _, res["save"] = phase(m, kind, stem + "-save",
                                    lambda: (save_per_tensor(w, mnt), api.sync(mnt)))
         drop_caches(3)
         with api.Mount(backing, mnt, log_file=log, **opts) as m:
+            m.wait_settled()
             loaded, res["restore"] = phase(m, kind, stem + "-restore",
                                            lambda: load_per_tensor(w, mnt))
         ok, why = verify(w, loaded)

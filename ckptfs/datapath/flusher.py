@@ -253,6 +253,7 @@ class Flusher:
         # --no-populate, which leaves them unfaulted
         self.fixed_buffers = fixed_buffers
         self.fixed_count = 0  # (status: how many are registered, once the thread has)
+        self.faulted_bytes = 0  # (status: of the staging pool, so far)
         self._fault_stop = threading.Event()
         self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
 
@@ -374,6 +375,7 @@ class Flusher:
             if self._fault_stop.is_set():
                 return
             fault_in(buf)
+            self.faulted_bytes += len(buf)
         self.q.put(_REGISTER)
 
     def _register(self) -> None:
