@@ -400,8 +400,7 @@ class Flusher:
         self._started.set()
         faulting = None
         if self.fixed_buffers:
-            faulting = threading.Thread(target=self._fault_in, name="ckptfs-fault-in",
-                                        daemon=True)
+            faulting = threading.Thread(target=self._fault_in, name="ckptfs-fault-in")
             faulting.start()
         try:
             self._loop()
