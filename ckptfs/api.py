@@ -299,7 +299,7 @@ class Mount:
         """Wait until the mount's start-up work that goes on after "ready" is done: its
         staging memory faulted in (a job's first checkpoint usually comes long after its
         mount; a benchmark that saves at once would measure the fault-in with it)."""
-        if self.options.get("no_populate") or self.options.get("populate") is False:
+        if self.options.get("no_populate"):
             return self
         deadline = time.monotonic() + timeout
         while True:

@@ -271,8 +271,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     flusher: Flusher | None = None
     # (the flusher has the pool faulted in once the mount serves: a mount does not wait for
     # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
-    staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg),
-                      populate=False)
+    staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg))
     flusher = Flusher(wd.path if wd else "", cfg.writer_id, staging, journal, engine=cfg.engine,
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
                       log_bytes=cfg.log_bytes, next_log=next_log, index=index,

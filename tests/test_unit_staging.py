@@ -171,8 +171,7 @@ def run_trio(main) -> None:
 
 
 def staging(n_segments: int = 2, sealed=None) -> Staging:
-    return Staging(SEG, n_segments * SEG, (sealed if sealed is not None else []).append,
-                   populate=False)
+    return Staging(SEG, n_segments * SEG, (sealed if sealed is not None else []).append)
 
 
 def test_append_packs_files_back_to_back_and_seals_full_segments():
@@ -264,7 +263,7 @@ def test_tails_and_landed_read_in_place():
 def test_segment_size_must_be_aligned():
     async def main():
         with pytest.raises(ValueError):
-            Staging(SEG + 1, 4 * SEG, lambda seg: None, populate=False)
+            Staging(SEG + 1, 4 * SEG, lambda seg: None)
 
     run_trio(main)
 

@@ -225,14 +225,14 @@ class Staging:
     called with each segment that fills up or is sealed explicitly.
     """
 
-    def __init__(self, segment_bytes: int, staging_bytes: int, seal_hook: Callable[[Segment], None],
-                 populate: bool = True) -> None:
-        """A pool of `staging_bytes` (at least two segments), faulted in now unless `populate`
-        is off (the daemon's flusher has it faulted in once the mount serves)."""
+    def __init__(self, segment_bytes: int, staging_bytes: int,
+                 seal_hook: Callable[[Segment], None]) -> None:
+        """A pool of `staging_bytes` (at least two segments), mapped, not faulted in: the
+        daemon's flusher has that done once the mount serves (Flusher._fault_in)."""
         if segment_bytes % 4096:
             raise ValueError("segment size must be a multiple of 4096")
         self.segment_bytes = segment_bytes
-        self.buffers = [alloc_aligned(segment_bytes, populate=populate, huge=True)
+        self.buffers = [alloc_aligned(segment_bytes, populate=False, huge=True)
                         for _ in range(max(2, staging_bytes // segment_bytes))]
         self.free: deque = deque(self.buffers)
         self.free_event = trio.Event()
