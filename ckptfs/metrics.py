@@ -157,7 +157,8 @@ METRICS = {
     "read_wait_seconds": ("read_wait_seconds_total", "counter",
                           "Time READ requests waited for the disk"),
     "requests_found_queued": ("requests_found_queued_total", "counter",
-                              "Requests already queued when the request loop asked"),
+                              "Requests taken without a sleep: queued when the request "
+                              "loop asked, or caught by its spin"),
     "requests_waited_for": ("requests_waited_for_total", "counter",
                             "Requests the request loop slept in epoll for"),
     "requests_caught_spinning": ("requests_caught_spinning_total", "counter",
@@ -200,6 +201,10 @@ METRICS = {
                           "About the size of a fresh index of the tree (estimate, or the "
                           "last index snapshot's size)"),
     "index_snapshots": ("index_snapshots_total", "counter", "Index snapshots put in place"),
+    "index_snapshot_seconds": ("index_snapshot_seconds", "gauge",
+                               "Time the last index snapshot took to write"),
+    "index_snapshot_peak_rss_bytes": ("index_snapshot_peak_rss_bytes", "gauge",
+                                      "Peak memory of the last index snapshot's process"),
     "refresh_s": ("refresh_interval_seconds", "gauge",
                   "How often other writers' indexes are looked at (--refresh)"),
     "refresh_polls": ("refresh_polls_total", "counter",

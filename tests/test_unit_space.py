@@ -4,6 +4,7 @@ version-2 index header it needs, and an IndexWriter putting a fresh index in pla
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -154,10 +155,11 @@ def _tree(ns: Namespace) -> dict:
     return out
 
 
-def test_a_snapshot_replays_to_the_same_tree(tmp_path):
+def _history(tmp_path) -> tuple[str, bytes]:
+    """A writer directory whose index has a history: hard links, a truncate into a run,
+    an unlink, a rename, a retired log. Returns (the index's path, the data log's payload)."""
     from crc32c import crc32c
 
-    from ckptfs.datapath import mover
     from ckptfs.format import backingdir
     from ckptfs.format.records import LinkRec, RenameRec, SetattrRec
 
@@ -189,6 +191,15 @@ def test_a_snapshot_replays_to_the_same_tree(tmp_path):
         blob += b"".join(records.encode(r) for r in g) + records.encode(CommitRec(i + 1, 100 + i))
     index = str(wdir / "index.log")
     write_fresh(index, blob)
+    return index, payload
+
+
+def test_a_snapshot_replays_to_the_same_tree(tmp_path):
+    from crc32c import crc32c
+
+    from ckptfs.datapath import mover
+
+    index, payload = _history(tmp_path)
     want = Namespace(uid=5, gid=6, now_ns=7)
     replay(want, index)
     fresh, size, version = mover.build_snapshot(index, os.path.getsize(index), "w", 5, 6, 7)
@@ -203,6 +214,52 @@ def test_a_snapshot_replays_to_the_same_tree(tmp_path):
     assert ext[(4, 0)].length == 4 * KiB and ext[(4, 0)].crc == crc32c(payload[16 * KiB:20 * KiB])
     assert ext[(3, 0)].crc == crc32c(payload[:16 * KiB])
     assert scan.group_times[-1] == 102  # the index still ends at its last commit's time
+
+
+def test_the_snapshot_process_writes_what_build_snapshot_writes(tmp_path):
+    """The daemon's snapshot process (python -m ckptfs.datapath.mover, cleaner.py) gives
+    the same fresh index as build_snapshot in this process, and reports a damaged index as
+    the OSError build_snapshot raises."""
+    import subprocess
+
+    from ckptfs.datapath import mover
+
+    index, _ = _history(tmp_path)
+    upto = os.path.getsize(index)
+    fresh, size, version = mover.build_snapshot(index, upto, "w", 5, 6, 7)
+    with open(fresh, "rb") as f:
+        want = f.read()
+    os.unlink(fresh)
+    cmd, env = mover.snapshot_command()
+
+    def run(args: bytes) -> tuple[str, int, int, int]:
+        p = subprocess.run(cmd, input=args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           env=env, cwd="/", timeout=60)
+        return mover.snapshot_result(p.stdout, p.returncode)
+    got = run(mover.snapshot_args(index, upto, "w", 5, 6, 7, frozenset(), os.getpid()))
+    assert got[:3] == (fresh, size, version) and got[3] > 0
+    with open(fresh, "rb") as f:
+        assert f.read() == want
+    with pytest.raises(OSError) as e:  # (more committed bytes than the index has)
+        run(mover.snapshot_args(index, upto + 1, "w", 5, 6, 7, frozenset(), os.getpid()))
+    assert e.value.errno == errno.EIO and "committed" in str(e.value)
+    # a process that is not the daemon's child ends at once, writing nothing
+    with pytest.raises(OSError, match="ended with 1"):
+        run(mover.snapshot_args(index, upto, "w", 5, 6, 7, frozenset(), 1))
+
+
+def test_snapshot_results_are_read_strictly():
+    from ckptfs.datapath import mover
+
+    with pytest.raises(OSError) as e:
+        mover.snapshot_result(b'{"errno": 28, "error": "no space"}\n', 0)
+    assert e.value.errno == 28
+    with pytest.raises(OSError, match="ended with -9: no output"):
+        mover.snapshot_result(b"", -9)
+    with pytest.raises(OSError, match="Traceback"):
+        mover.snapshot_result(b"Traceback (most recent call last)\n", 1)
+    assert mover.snapshot_result(b'{"fresh": "f", "size": 1, "version": 2, "peak_rss": 3}',
+                                 0) == ("f", 1, 2, 3)
 
 
 def test_dead_ranges_are_the_gaps_between_live_ones_in_whole_blocks():

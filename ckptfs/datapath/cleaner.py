@@ -11,11 +11,12 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
      descriptor until done). At mount this finishes the logs a crash left dead or half retired.
   2. the index snapshot, once writers have been idle for --clean-idle seconds (at once for a
      tree whose fresh index is under SNAPSHOT_ANYTIME_BYTES) and the index is
-     --index-snapshot-ratio times the size a fresh index of the tree would have: a worker
-     thread replays the index's committed bytes into a tree of its own and writes that tree's
-     records (mover.py) into a fresh index beside it; the flusher puts it in place between two
-     commits (format/index.py: the groups committed meanwhile are copied after it). Writers
-     never wait for it; commits wait for the copy and rename (milliseconds).
+     --index-snapshot-ratio times the size a fresh index of the tree would have: a process
+     of its own (mover.snapshot_main) replays the index's committed bytes into a second tree
+     and writes that tree's records into a fresh index beside it; the flusher puts it in
+     place between two commits (format/index.py: the groups committed meanwhile are copied
+     after it). Writers never wait for it; commits wait for the copy and rename
+     (milliseconds).
   3. punching, once writers have been idle for --clean-idle seconds: in logs with a segment's
      worth of dead bytes (the one being appended to too, below its last durable segment), the
      dead ranges of at least PUNCH_MIN_BYTES that no reader is using are given back to the
@@ -47,6 +48,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -183,7 +186,8 @@ class Maintainer:
         self.clean_below = 0.5
         self.fresh_bytes: int | None = None  # a fresh index's size: estimated, or the last
         self.snapshots = 0
-        self.snapshot_seconds = 0.0  # the last one's, in the worker thread
+        self.snapshot_seconds = 0.0  # the last one's
+        self.snapshot_peak_rss = 0  # the last one's process: its peak resident memory
         self.checksum_block = CHECKSUM_BLOCK_BYTES
         self.logs_cleaned = 0
         self.bytes_moved = 0
@@ -421,9 +425,9 @@ class Maintainer:
         self.doing = "writing an index snapshot"
         t0 = time.perf_counter()
         try:
-            fresh, size, version = await trio.to_thread.run_sync(
-                mover.build_snapshot, idx.path, upto, self.writer_id, os.getuid(),
-                os.getgid(), root.atime_ns, drop)
+            fresh, size, version = await self._snapshot_process(mover.snapshot_args(
+                idx.path, upto, self.writer_id, os.getuid(), os.getgid(), root.atime_ns, drop,
+                os.getpid()))
         finally:
             self.doing = "idle"
         self.snapshot_seconds = time.perf_counter() - t0
@@ -449,6 +453,39 @@ class Maintainer:
         self.fresh_bytes = size
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
                  before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
+
+    async def _snapshot_process(self, args: bytes) -> tuple[str, int, int]:
+        """mover.build_snapshot in a process of its own (mover.py says why), started from
+        this thread: the process dies with the thread that started it (PR_SET_PDEATHSIG),
+        and the trio thread lives as long as the daemon (a worker thread may end first).
+        Waited for in a worker thread; cancelled, the process is killed."""
+        cmd, env = mover.snapshot_command()
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, close_fds=True)
+        pidfd = os.pidfd_open(proc.pid)
+
+        def wait() -> tuple[bytes, int]:
+            try:
+                proc.stdin.write(args)
+                proc.stdin.close()
+            except BrokenPipeError:  # (it ended before it read them: its output says why)
+                pass
+            out = proc.stdout.read()
+            proc.stdout.close()
+            proc.wait()
+            return out, proc.returncode
+        try:
+            out, rc = await trio.to_thread.run_sync(wait, abandon_on_cancel=True)
+        finally:
+            if proc.returncode is None:  # (cancelled: the waiting thread reaps it; a pidfd
+                # names this process even once it is reaped, never one with its number since)
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.close(pidfd)
+        fresh, size, version, self.snapshot_peak_rss = mover.snapshot_result(out, rc)
+        return fresh, size, version
 
     # ------------------------------------------------------------ punching
     async def punch(self) -> None:
@@ -712,6 +749,8 @@ class Maintainer:
             "index_size_bytes": self.flusher.index.size if self.flusher.index else 0,
             "index_fresh_bytes": self.fresh_bytes or 0,
             "index_snapshots": self.snapshots,
+            "index_snapshot_seconds": round(self.snapshot_seconds, 3),
+            "index_snapshot_peak_rss_bytes": self.snapshot_peak_rss,
             "logs_cleaned": self.logs_cleaned,
             "bytes_moved": self.bytes_moved,
             "clean_seconds": round(self.clean_seconds, 3),

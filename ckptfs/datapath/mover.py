@@ -20,13 +20,17 @@ checked and cut into extents for copying (`chunks`: the cleaner puts them into s
 
 Replaying those groups gives the same tree (names, inode numbers unless renumbered, sizes,
 data, attributes, directory times, commit times). Worker threads may run all of it: it
-touches only the namespace it is given.
+touches only the namespace it is given. A mount's index snapshot runs it in a process of its
+own (`python -m ckptfs.datapath.mover`: snapshot_main; the section below says why).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
+import sys
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -225,6 +229,95 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     return fresh, size, version
 
 
+# ---------------------------------------------------------------- the snapshot's process
+# An index snapshot replays the index into a second tree: in a process of its own the daemon
+# neither holds that tree (a large one's memory would stay with the daemon after it is freed:
+# the allocator keeps its arenas) nor shares its GIL with it (the request thread would wait
+# for the replay's Python). The daemon's maintainer starts it (cleaner.py) and waits.
+SNAPSHOT_NICE = 10  # (a snapshot yields the CPU to the application and the daemon)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def snapshot_command() -> tuple[list[str], dict]:
+    """The command line and environment of a snapshot's process: this interpreter, this
+    package (the daemon may have changed its directory, the package may not be installed)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", "ckptfs.datapath.mover"], env
+
+
+def snapshot_args(index_path: str, upto: int, writer_id: str, uid: int, gid: int,
+                  root_time_ns: int, settled: frozenset, parent: int) -> bytes:
+    """build_snapshot's arguments as the process reads them from its standard input."""
+    return json.dumps({"index": index_path, "upto": upto, "writer": writer_id, "uid": uid,
+                       "gid": gid, "root_time_ns": root_time_ns, "settled": sorted(settled),
+                       "parent": parent}).encode()
+
+
+def snapshot_result(out: bytes, returncode: int) -> tuple[str, int, int, int]:
+    """(fresh path, size, version, the process's peak memory) from what the process wrote, or
+    the OSError it reported (EIO where it ended without an answer: killed, or a fault; its
+    last line says why)."""
+    lines = out.decode(errors="replace").strip().splitlines()
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        res = None
+    if not isinstance(res, dict) or ("fresh" not in res and "errno" not in res):
+        why = lines[-1] if lines else "no output"
+        raise OSError(errno.EIO, f"index snapshot process ended with {returncode}: {why}")
+    if "errno" in res:
+        raise OSError(res["errno"], res["error"])
+    return res["fresh"], res["size"], res["version"], res.get("peak_rss", 0)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the daemon ends (kill -9 too: PR_SET_PDEATHSIG), so that no snapshot of a
+    mount that is gone writes a fresh index while the writer's next mount runs."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # (it ended before the prctl)
+        os._exit(1)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM; getrusage would count the daemon's, whose
+    memory the process shared until its exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def snapshot_main() -> int:
+    """`python -m ckptfs.datapath.mover`: one build_snapshot (arguments: snapshot_args on
+    standard input), its result as a JSON line on standard output (snapshot_result)."""
+    args = json.loads(sys.stdin.buffer.read())
+    _die_with_parent(args["parent"])
+    try:
+        os.nice(SNAPSHOT_NICE)
+    except OSError:
+        pass
+    try:
+        fresh, size, version = build_snapshot(
+            args["index"], args["upto"], args["writer"], args["uid"], args["gid"],
+            args["root_time_ns"], frozenset((w, i) for w, i in args["settled"]))
+    except OSError as exc:
+        res = {"errno": exc.errno or errno.EIO, "error": str(exc)}
+    else:
+        res = {"fresh": fresh, "size": size, "version": version}
+    res["peak_rss"] = _peak_rss()
+    sys.stdout.write(json.dumps(res) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
 # ---------------------------------------------------------------- copying extents
 def live_pieces(x: Inode) -> list[tuple[Inode, int, int, Run, int]]:
     """The pieces (file, start, length, run, offset in the run) of file `x`, in file order."""
@@ -293,3 +386,7 @@ class SegmentPacker:
     def close(self) -> None:
         self.view.release()
         self.buf.close()
+
+
+if __name__ == "__main__":
+    sys.exit(snapshot_main())
