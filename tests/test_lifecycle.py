@@ -185,7 +185,7 @@ def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
     backing = mounts.backing()
     build(backing, 40_000, 1000, 4096, 100)
     opts = dict(OPTS, writer_id=WRITER, clean_idle=0.2, index_snapshot_ratio=1.1)
-    m = mounts.mount(backing, **opts)
+    m = mounts.mount(backing, **opts).wait_settled()  # (its staging memory resident)
 
     def rss() -> int:
         with open(f"/proc/{m.pid}/status") as f:
@@ -202,15 +202,18 @@ def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
         dirs = sorted(os.listdir(m.mountpoint))
         for d in dirs[:12]:  # the index grows by the removals, the live tree shrinks
             shutil.rmtree(os.path.join(m.mountpoint, d))
-        st = wait_for(lambda: (s := m.status())["index_snapshots"] >= 1 and s,
+        # (snapshots may come between the removals too: the index ends near a fresh one)
+        st = wait_for(lambda: (s := m.status())["index_snapshots"] >= 1
+                      and s["maintenance"] == "idle"
+                      and s["index_size_bytes"] <= 1.1 * s["index_fresh_bytes"] and s,
                       "an index snapshot", timeout=60)
-        wait_for(lambda: m.status()["maintenance"] == "idle", "the maintainer")
     finally:
         done.set()
         sampler.join()
-    assert peak[0] - base < 20 << 20, (base, peak[0])
+    print(f"\ndaemon RSS {base >> 20} MiB, at most {peak[0] >> 20} MiB during the removals and "
+          f"the snapshot; the snapshot's process {st['index_snapshot_peak_rss_bytes'] >> 20} MiB")
+    assert peak[0] - base < 32 << 20, (base, peak[0])  # (in the daemon: +64 MiB)
     assert st["index_snapshot_peak_rss_bytes"] > 30 << 20, st
-    assert st["index_size_bytes"] < 1.1 * st["index_fresh_bytes"] + (64 << 10), st
     keep = dirs[12]
     names = sorted(os.listdir(os.path.join(m.mountpoint, keep)))
     m.stop()
