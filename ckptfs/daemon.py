@@ -351,6 +351,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                 nursery.start_soon(maintainer.run)
             reader.nursery = nursery
             nursery.start_soon(reader.note_replayed, replayed)
+            if flusher.fixed_buffers:
+                nursery.start_soon(flusher.fault_in_when_due, lambda: ops.read_requests)
             del replayed
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)

@@ -181,6 +181,32 @@ def test_memory_bound(mounts):
     m.stop()
 
 
+def test_a_mount_that_reads_faults_its_staging_in_only_once_quiet(mounts):
+    """A job that resumes reads its checkpoint right after the mount: the staging memory is
+    left unfaulted while READs come (flusher.fault_in_when_due), and faulted in once the
+    mount has been quiet for a while."""
+    m = mounts.mount(staging_size="256M", segment_size="4M")
+    path = os.path.join(m.mountpoint, "ckpt")
+    with open(path, "wb") as f:
+        f.write(content("ckpt", 8 * MiB))
+    backing = m.backing
+    m.stop()
+    m = mounts.mount(backing, staging_size="256M", segment_size="4M")
+    path = os.path.join(m.mountpoint, "ckpt")
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:  # (READs all the time: each pass drops the cached pages)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 8 * MiB, 0) == content("ckpt", 8 * MiB)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    st = m.status()
+    assert st["staging_faulted_bytes"] == 0 and st["staging_fixed_buffers"] == 0, st
+    st = m.wait_settled(30).status()
+    assert st["staging_faulted_bytes"] == 256 * MiB, st
+
+
 def test_staging_is_faulted_in_while_the_mount_serves(mounts):
     """The mount does not wait for its staging memory: the flusher faults it in and registers
     it with io_uring once the mount serves, and writes landing meanwhile stay exact (faulting

@@ -210,13 +210,17 @@ class Ckptfs(Contender):
 
     restore_options: dict = {}  # extra mount options of the restore mount
 
-    def _mount(self, run, **extra) -> api.Mount:
+    def _mount(self, run, settle: bool = True, **extra) -> api.Mount:
+        """A mount for the save (`settle`: once its staging memory is faulted in, as a job's
+        mount is long before its first save) or for a restore (at once, as a job resumes)."""
         os.makedirs(run.mountpoint, exist_ok=True)
         m = api.Mount(run.backing, run.mountpoint, log_file=run.log_file,
                       timeout=run.cfg.mount_timeout, **{**run.cfg.mount_options, **extra})
         run.mounts.append(m)
         with Watchdog(m, run.cfg.mount_timeout, "mount"):
-            m.start().wait_settled(run.cfg.mount_timeout)
+            m.start()
+            if settle:
+                m.wait_settled(run.cfg.mount_timeout)
         return m
 
     def _stop(self, run, m: api.Mount) -> float:
@@ -255,7 +259,7 @@ class Ckptfs(Contender):
 
     def setup_restore(self, run) -> None:
         t0 = time.perf_counter()
-        run.mount = self._mount(run, **self.restore_options)
+        run.mount = self._mount(run, settle=False, **self.restore_options)
         run.extra["remount_s"] = time.perf_counter() - t0
 
     def _restore(self, run) -> dict:

@@ -404,8 +404,7 @@ def run_once(w, opts: dict, kind: str, base: str, stem: str) -> dict:
             _, res["save"] = phase(m, kind, stem + "-save",
                                    lambda: (save_per_tensor(w, mnt), api.sync(mnt)))
         drop_caches(3)
-        with api.Mount(backing, mnt, log_file=log, **opts) as m:
-            m.wait_settled()
+        with api.Mount(backing, mnt, log_file=log, **opts) as m:  # (a restore right away)
             loaded, res["restore"] = phase(m, kind, stem + "-restore",
                                            lambda: load_per_tensor(w, mnt))
         ok, why = verify(w, loaded)
