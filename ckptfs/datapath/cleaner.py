@@ -462,7 +462,12 @@ class Maintainer:
         cmd, env = mover.snapshot_command()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, close_fds=True)
-        pidfd = os.pidfd_open(proc.pid)
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError:  # (out of descriptors, say: no snapshot this time)
+            proc.kill()
+            proc.communicate()
+            raise
 
         def wait() -> tuple[bytes, int]:
             try:

@@ -368,10 +368,10 @@ class Flusher:
         """Trio task: let the fault-in thread start at the mount's first write, or once the
         mount has served no READ (`reads()`: the READs served so far) for FAULT_IN_QUIET_S.
         Not at once: a job that resumes reads its checkpoint right after the mount, and on a
-        VM that hands freed memory back to its host (free page reporting) a restore beside a
-        freshly faulted pool took 2.7-2.9 s against 1.7 s beside an unfaulted one (1 GB,
-        performance-notes.md); a job that trains before its first save leaves the mount quiet
-        long enough."""
+        VM that hands freed memory back to its host (free page reporting) a 1 GB restore
+        beside a freshly faulted pool took 1.90 s against 1.28 s beside an unfaulted one
+        (performance-notes.md); a job that trains before its first save leaves the mount
+        quiet long enough."""
         last, quiet_since = reads(), trio.current_time()
         while not self._fault_go.is_set():
             await trio.sleep(FAULT_IN_POLL_S)
@@ -385,7 +385,7 @@ class Flusher:
     def _fault_in(self) -> None:
         """A thread of its own at the lowest priority (nice 19: it takes a CPU that the
         application and the daemon leave free): fault the staging pool in, a segment at a
-        time, while the mount already serves, then have the flusher thread register it with
+        time, once fault_in_when_due says so (the mount serves meanwhile), then have the flusher thread register it with
         its io engine (between two of its writes). Writes meanwhile go without fixed buffers
         and fault their pages in themselves; no byte of a buffer changes (fault_in)."""
         self._fault_go.wait()
