@@ -385,9 +385,10 @@ class Flusher:
     def _fault_in(self) -> None:
         """A thread of its own at the lowest priority (nice 19: it takes a CPU that the
         application and the daemon leave free): fault the staging pool in, a segment at a
-        time, once fault_in_when_due says so (the mount serves meanwhile), then have the flusher thread register it with
-        its io engine (between two of its writes). Writes meanwhile go without fixed buffers
-        and fault their pages in themselves; no byte of a buffer changes (fault_in)."""
+        time, once fault_in_when_due says so (the mount serves meanwhile), then have the
+        flusher thread register it with its io engine (between two of its writes). Writes
+        meanwhile go without fixed buffers and fault their pages in themselves; no byte of a
+        buffer changes (fault_in)."""
         self._fault_go.wait()
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
