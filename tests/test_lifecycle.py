@@ -11,7 +11,7 @@ import shutil
 import time
 
 import pytest
-from helpers_reliability import KiB, cli, content, read_all, write_file
+from helpers_reliability import KiB, cli, content, proc_status, read_all, write_file
 from test_crash import read_journal_with_deletes
 
 from ckptfs.format import backingdir, records
@@ -188,8 +188,7 @@ def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
     m = mounts.mount(backing, **opts).wait_settled()  # (its staging memory resident)
 
     def rss() -> int:
-        with open(f"/proc/{m.pid}/status") as f:
-            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("VmRSS:"))
+        return proc_status(m.pid)["VmRSS"]
     base, peak, done = rss(), [0], threading.Event()
 
     def sample() -> None:
