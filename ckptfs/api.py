@@ -26,11 +26,11 @@ import time
 from typing import NamedTuple
 
 from ckptfs.options import command_line
+from ckptfs.system import libc
 
 XATTR_STATUS = "user.ckptfs.status"
 XATTR_SYNC = "user.ckptfs.sync"
 
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class CkptfsError(RuntimeError):
@@ -42,7 +42,7 @@ def syncfs(path: str) -> None:
     open in the writeback cache) to the daemon."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        if _libc.syncfs(fd) != 0:
+        if libc.syncfs(fd) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
     finally:

@@ -36,7 +36,7 @@ from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.ops import CkptOperations, Settings, idle_sealer
-from ckptfs import metrics
+from ckptfs import metrics, system
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
@@ -302,7 +302,14 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             "io_mode": "direct" if facts["direct"] else "buffered",
             "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
             "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),
-            "replay_seconds": round(replay_s, 3), "conflicts": len(union.conflicts)}
+            "replay_seconds": round(replay_s, 3), "conflicts": len(union.conflicts),
+            "guest_halt_poll_ns": system.guest_halt_poll_ns()}
+    if info["guest_halt_poll_ns"] == 0:
+        # Every FUSE request is a round trip in which the application's CPU idles; on such a
+        # guest each wake-up goes through the hypervisor (docs/tuning.md, "On a VM").
+        log.info("this VM's idle CPUs halt without polling (cpuidle haltpoll, "
+                 "guest_halt_poll_ns 0): each FUSE round trip pays a wake-up through the "
+                 "hypervisor; docs/tuning.md says what polling is worth here")
     refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,

@@ -111,6 +111,9 @@ METRICS = {
     "uptime_s": ("uptime_seconds", "gauge", "Seconds since the daemon started"),
     "queue_depth": ("queue_depth", "gauge", "Writes in flight at most (--queue-depth)"),
     "segment_bytes": ("segment_size_bytes", "gauge", "Size of a staging segment"),
+    "guest_halt_poll_ns": ("guest_halt_poll_seconds", "gauge",
+                           "How long an idle vCPU of this KVM guest polls before it halts "
+                           "(cpuidle haltpoll; absent elsewhere)", 1e-9),
     "writers": ("writers", "gauge", "Writers whose trees the mount shows"),
     "replay_warnings": ("replay_warnings", "gauge", "Problems replay reported at mount time"),
     "replay_seconds": ("replay_seconds", "gauge",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ckptfs import api
+from ckptfs import api, system
 
 CKPTFS = [sys.executable, "-m", "ckptfs"]
 
@@ -60,6 +60,8 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     assert st["bytes_durable"] >= len(data)
     assert st["bytes_written"] >= len(data)
     assert st["errors"] == 0
+    # this machine's idle-CPU polling, as the daemon read it (None off a KVM haltpoll guest)
+    assert st["guest_halt_poll_ns"] == system.guest_halt_poll_ns()
     text = run("status", mnt).stdout
     assert "bytes_durable" in text and "engine" in text
     # status comes from the daemon's socket (not through the mount), the same figures as the

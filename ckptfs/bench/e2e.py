@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import json
 import os
 import platform
@@ -39,8 +38,8 @@ import traceback
 from ckptfs import api, bench
 from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
+from ckptfs.system import libc, status_bytes
 
-_libc = ctypes.CDLL(None)
 
 DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "dcp", "dcp_ckptfs",
                       "torchsnapshot", "datastates", "tmpfs", "raw", "fio")
@@ -59,20 +58,12 @@ def drop_caches() -> bool:
     return bench.drop_caches(3)
 
 
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def reset_peak_rss() -> int:
     """Reset VmHWM to the current RSS (Linux >= 4.0); returns the current RSS. Free heap
     memory is first given back (malloc_trim), so memory a contender reuses from an earlier
     one's freed buffers still counts as its own."""
     try:
-        _libc.malloc_trim(0)
+        libc.malloc_trim(0)
     except AttributeError:
         pass
     try:
@@ -80,11 +71,11 @@ def reset_peak_rss() -> int:
             f.write("5")
     except OSError:
         pass
-    return _proc_status("VmRSS")
+    return status_bytes("VmRSS") or 0
 
 
 def peak_rss() -> int:
-    return _proc_status("VmHWM")
+    return status_bytes("VmHWM") or 0
 
 
 def fs_type(path: str) -> tuple[str, str]:

@@ -26,6 +26,7 @@ import time
 import warnings
 
 from ckptfs import api
+from ckptfs.system import cpu_seconds, status_bytes
 
 MiB = 1 << 20
 
@@ -33,28 +34,11 @@ MiB = 1 << 20
 # ------------------------------------------------------------------------ shared helpers
 def daemon_hwm_bytes(pid: int) -> int | None:
     """Peak RSS (VmHWM) of a process, from /proc."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def daemon_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) a process has used so far, from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return status_bytes("VmHWM", pid)
 
 
 def _cpu_delta(pid: int, before: float | None) -> float | None:
-    after = daemon_cpu_s(pid)
+    after = cpu_seconds(pid)
     return None if before is None or after is None else after - before
 
 
@@ -237,7 +221,7 @@ class Ckptfs(Contender):
         save_per_tensor(run.w, run.mountpoint)
 
     def save(self, run) -> None:
-        cpu0 = daemon_cpu_s(run.mount.pid)
+        cpu0 = cpu_seconds(run.mount.pid)
         with Watchdog(run.mount, run.cfg.step_timeout, "save + sync"):
             self._save(run)
             run.mark_blocked()
@@ -266,7 +250,7 @@ class Ckptfs(Contender):
         return load_per_tensor(run.w, run.mountpoint)
 
     def restore(self, run) -> dict:
-        cpu0 = daemon_cpu_s(run.mount.pid)
+        cpu0 = cpu_seconds(run.mount.pid)
         with Watchdog(run.mount, run.cfg.step_timeout, "restore"):
             out = self._restore(run)
         run.extra["daemon_restore_cpu_s"] = _cpu_delta(run.mount.pid, cpu0)

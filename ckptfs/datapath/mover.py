@@ -54,6 +54,7 @@ from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.format.logs import RunReader
 from ckptfs.io import alloc_aligned
 from ckptfs.replay import apply_group, bulk_load, validate_extents
+from ckptfs.system import libc, status_bytes
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
 # large a fresh index of a tree would be, without writing it.
@@ -274,25 +275,10 @@ def snapshot_result(out: bytes, returncode: int) -> tuple[str, int, int, int]:
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the daemon ends (kill -9 too: PR_SET_PDEATHSIG), so that no snapshot of a
     mount that is gone writes a fresh index while the writer's next mount runs."""
-    import ctypes
-
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:  # (it ended before the prctl)
         os._exit(1)
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory (VmHWM; getrusage would count the daemon's, whose
-    memory the process shared until its exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def snapshot_main() -> int:
@@ -312,7 +298,9 @@ def snapshot_main() -> int:
         res = {"errno": exc.errno or errno.EIO, "error": str(exc)}
     else:
         res = {"fresh": fresh, "size": size, "version": version}
-    res["peak_rss"] = _peak_rss()
+    # (VmHWM: getrusage would count the daemon's, whose memory this process shared until its
+    # exec)
+    res["peak_rss"] = status_bytes("VmHWM") or 0
     sys.stdout.write(json.dumps(res) + "\n")
     sys.stdout.flush()
     return 0

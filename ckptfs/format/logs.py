@@ -15,6 +15,7 @@ from crc32c import crc32c
 from ckptfs.format import records
 from ckptfs.format.backingdir import data_log_name
 from ckptfs.io import alloc_aligned
+from ckptfs.system import libc
 
 log = logging.getLogger("ckptfs.logs")
 
@@ -167,15 +168,14 @@ PREALLOC_BYTES = 256 << 20  # a data log is allocated this far ahead of its writ
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def fallocate(fd: int, offset: int, length: int, mode: int = 0) -> None:
     """fallocate(2) itself: glibc's posix_fallocate emulates a refused fallocate with a write
     per 4 KiB block (65,536 writes for 256 MiB on a FUSE or NFS store); this one fails with
     EOPNOTSUPP instead, and the writer then does without preallocation."""
-    if _libc.fallocate(fd, mode, offset, length) != 0:
+    if libc.fallocate(fd, mode, offset, length) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
 

@@ -10,6 +10,8 @@ import os
 import tempfile
 from typing import NamedTuple
 
+from ckptfs.system import libc
+
 __all__ = ["DirectInfo", "alloc_aligned", "fault_in", "probe_direct", "probe_direct_read",
            "open_file", "PAGE_SIZE"]
 
@@ -28,16 +30,6 @@ _AT_FDCWD = -100
 _MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 
-def _load_libc() -> ctypes.CDLL:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:  # (not glibc: ask; ctypes.util runs the linker's tools, so only then)
-        from ctypes.util import find_library
-
-        return ctypes.CDLL(find_library("c"), use_errno=True)
-
-
-_libc = _load_libc()
 
 
 def alloc_aligned(nbytes: int, populate: bool = True, huge: bool = False) -> mmap.mmap:
@@ -75,7 +67,7 @@ def fault_in(m: mmap.mmap) -> bool:
     the mount serves)."""
     c = ctypes.c_char.from_buffer(m)
     try:
-        rc = _libc.madvise(ctypes.c_void_p(ctypes.addressof(c)), ctypes.c_size_t(len(m)),
+        rc = libc.madvise(ctypes.c_void_p(ctypes.addressof(c)), ctypes.c_size_t(len(m)),
                            MADV_POPULATE_WRITE)
     finally:
         del c  # (the mapping stays closable)
@@ -112,7 +104,7 @@ class DirectInfo(NamedTuple):
 
 def _fs_type(path: str) -> int | None:
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if _libc.statfs(os.fsencode(path), buf) != 0:
+    if libc.statfs(os.fsencode(path), buf) != 0:
         return None
     return ctypes.c_long.from_buffer(buf, 0).value & 0xFFFFFFFF
 
@@ -122,7 +114,7 @@ def statx_dioalign(fd: int) -> tuple[int, int] | None:
 
     (0, 0) means the file system says "no O_DIRECT for this file".
     """
-    statx = getattr(_libc, "statx", None)
+    statx = getattr(libc, "statx", None)
     if statx is None:
         return None
     buf = ctypes.create_string_buffer(_STATX_SIZE)

@@ -1,0 +1,69 @@
+"""What ckptfs asks of Linux beyond the os module: one handle on the C library (fallocate,
+syncfs, madvise, statfs, statx, prctl, malloc_trim); a process's memory and CPU time from
+/proc (the snapshot process and the benchmarks report them); the host's steal time; the
+idle-CPU polling of a KVM guest (the daemon's status). Standard library only: the offline
+tools, the daemon and the benchmarks all import it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+
+def _load_libc() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # (not glibc: ask; ctypes.util runs the linker's tools, so only then)
+        from ctypes.util import find_library
+
+        return ctypes.CDLL(find_library("c"), use_errno=True)
+
+
+libc = _load_libc()
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM, ...) in bytes; None when the process
+    is gone or the kernel does not have the field."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_seconds(pid: int | str = "self") -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far; None when it is
+    gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor ran something else while this machine's CPUs wanted to run
+    (/proc/stat `steal`, summed over the CPUs; 0 on bare metal)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
+def guest_halt_poll_ns(sys_root: str = "/sys") -> int | None:
+    """How long an idle vCPU of this KVM guest polls for work before it halts (the cpuidle
+    haltpoll driver's guest_halt_poll_ns: 0 means it halts at once, and waking it is then a
+    round through the hypervisor); None where that driver is not in use (bare metal, other
+    hypervisors)."""
+    try:
+        with open(f"{sys_root}/devices/system/cpu/cpuidle/current_driver") as f:
+            if f.read().strip() != "haltpoll":
+                return None
+        with open(f"{sys_root}/module/haltpoll/parameters/guest_halt_poll_ns") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
