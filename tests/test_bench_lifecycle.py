@@ -31,17 +31,37 @@ def test_a_few_small_steps(tmp_path):
     assert [s["step"] for s in res["steps"]] == [0, 1, 2, 3] and res["tensors"] == 40
     for s in res["steps"]:
         assert s["durable_s"] > 0 and s["disk_bytes"] > 0 and s["index_bytes"] > 16
+        assert 0 < s["written_s"] <= s["durable_s"] and s["flush_s"] >= 0
+        assert s["app_cpu_s"] >= 0 and s["daemon_cpu_s"] >= 0 and s["steal_s"] >= 0
         assert s["live_bytes"] > 0 and s["rss_bytes"] > 0
     assert res["steps"][-1]["live_bytes"] <= 2 * res["checkpoint_bytes"] + (1 << 20)
     for series in (res, res["fresh"]):  # (the times themselves belong to the benchmark)
         assert series["remount_s"] > 0 and series["replay_s"] >= 0
         assert len(series["remounts_s"]) == 1
     assert res["fresh"]["index_bytes"] > 16
+    # the disk probe: at step 0 (every 5th step by default), O_DIRECT on this disk
+    assert res["steps"][0]["disk_probe_s"] > 0 and res["disk_probe_direct"] is True
+    assert [s["disk_probe_s"] for s in res["steps"][1:]] == [None, None, None]
+    assert res["steps"][-1]["flush_s"] > 0  # each step's checkpoint went through the flusher
     assert {v["target"] for v in res["targets"]} == {"remount"}  # (no step 10 in 4 steps)
     assert "targets held" in proc.stdout
     assert not list(work.iterdir()), "the work directory stays only with --keep-dir"
     with open("/proc/self/mountinfo") as f:
         assert str(work) not in f.read()
+
+
+def test_the_drift_windows(tmp_path):
+    steps = [{"step": k, "durable_s": 1.0 if k <= 30 else 1.2, "written_s": 0.5,
+              "flush_s": 0.4 if k <= 30 else 0.6, "disk_probe_s": (0.3 if k <= 30 else 0.45)
+              if k % 5 == 0 else None} for k in range(60)]
+    d = lifecycle.drift(steps)
+    assert d["durable_s"] == {"early": 1.0, "last": 1.2, "n": [21, 20]}
+    assert d["flush_s"]["last"] == 0.6 and d["written_s"]["last"] == 0.5
+    assert d["disk_probe_s"] == {"early": 0.3, "last": 0.45, "n": [5, 4]}
+    assert "1.50" in lifecycle.format_drift(d)  # the probe's ratio
+    # the probe writes whole 8 MiB requests and leaves nothing behind
+    t, direct = lifecycle.disk_probe(str(tmp_path / "p"), 3 << 20)
+    assert t > 0 and isinstance(direct, bool) and not list(tmp_path.iterdir())
 
 
 def test_the_targets_arithmetic():

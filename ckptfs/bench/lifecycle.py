@@ -8,6 +8,14 @@ one is saved), then "trains" for `--interval` seconds (nothing is written: the m
 as between a real job's checkpoints). At the end of each step it records:
 
   durable_s     from the first torch.save to the end of the sync
+  written_s     of it, until the last torch.save returned (the rest: the sync)
+  flush_s       the flusher's time inside its write batches during the step (status)
+  app_cpu_s, daemon_cpu_s, steal_s   during the save until durable: this process's CPU, the
+                daemon's, and the time the hypervisor gave this machine's CPUs to others
+                (/proc/stat steal): a slower save with the same CPU and more steal is the host's
+  disk_probe_s  every --probe-every steps, in the pause after the save: the disk's own
+                O_DIRECT write + fdatasync of the checkpoint's bytes into a file next to
+                the backing directory (the reference the save-time drift is read against)
   disk_bytes    the backing directory's allocated blocks (du: st_blocks, not sizes)
   live_bytes    the bytes the live tree's extents point at in the data logs (daemon status)
   index_bytes   the size of the writer's index
@@ -40,9 +48,11 @@ from ckptfs import api
 from ckptfs.bench import models
 from ckptfs.format import backingdir
 from ckptfs.options import BY_NAME, parse_size
+from ckptfs.system import cpu_seconds, status_bytes, steal_seconds
 
 WRITER = "lifecycle"
 FROM_STEP = 10  # the targets hold from this step on (the first ones fill the logs)
+PROBE_BLOCK = 8 << 20  # the disk probe's requests (as fio's reference write: 8 MiB)
 
 
 def du(path: str) -> int:
@@ -58,11 +68,64 @@ def du(path: str) -> int:
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return status_bytes("VmRSS", pid) or 0
+
+
+def disk_probe(path: str, nbytes: int) -> tuple[float, bool]:
+    """(seconds to write `nbytes` at `path` in 8 MiB requests and fdatasync them, whether
+    O_DIRECT was used); the file is removed. O_DIRECT where the file system takes it, so that
+    the figure is the disk's and not the page cache's."""
+    import mmap
+
+    buf = mmap.mmap(-1, PROBE_BLOCK)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(4096) * (PROBE_BLOCK // 4096))
+    direct = True
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        direct = False
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        left = -(-nbytes // PROBE_BLOCK) * PROBE_BLOCK  # whole requests (O_DIRECT)
+        while left > 0:
+            left -= os.write(fd, buf)
+        os.fdatasync(fd)
+        return time.perf_counter() - t0, direct
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
+
+
+def drift(steps: list[dict]) -> dict:
+    """What the save-time target's two windows (steps FROM_STEP..3 x FROM_STEP, the last
+    20) were made of: medians of the save's parts and of the disk probes in each window."""
+    out = {}
+    for key in ("durable_s", "written_s", "flush_s", "disk_probe_s", "app_cpu_s",
+                "daemon_cpu_s", "steal_s"):
+        early = [s[key] for s in steps if FROM_STEP <= s["step"] <= 3 * FROM_STEP
+                 and s.get(key) is not None]
+        last = [s[key] for s in steps[-20:] if s["step"] >= FROM_STEP
+                and s.get(key) is not None]
+        if early and last:
+            out[key] = {"early": statistics.median(early), "last": statistics.median(last),
+                        "n": [len(early), len(last)]}
+    return out
+
+
+def format_drift(d: dict) -> str:
+    names = {"durable_s": "save until durable", "written_s": "of it until the last torch.save "
+             "returned", "flush_s": "the flusher inside its write batches",
+             "disk_probe_s": "the disk's own write of the same bytes (probe)",
+             "app_cpu_s": "the saving process's CPU in the save", "daemon_cpu_s":
+             "the daemon's CPU in the save", "steal_s": "CPU time the host took (steal)"}
+    lines = [f"{'medians, steps %d-%d against the last 20' % (FROM_STEP, 3 * FROM_STEP):<56}"
+             f"{'early':>9} {'last':>9} {'ratio':>7}"]
+    for key, v in d.items():
+        lines.append(f"{names[key]:<56}{v['early']:>8.3f}s {v['last']:>8.3f}s "
+                     f"{v['last'] / v['early'] if v['early'] else 0:>7.2f}")
+    return "\n".join(lines)
 
 
 def save(state: dict, root: str) -> None:
@@ -163,7 +226,16 @@ def plot(path: str, res: dict) -> None:
     x = [s["step"] for s in steps]
     mb = 1e6
     fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    ax[0].plot(x, [s["durable_s"] for s in steps], ".-", ms=3, color="#d62728")
+    ax[0].plot(x, [s["durable_s"] for s in steps], ".-", ms=3, color="#d62728",
+               label="save until durable")
+    if steps and "app_cpu_s" in steps[0]:
+        ax[0].plot(x, [s["app_cpu_s"] for s in steps], lw=0.7, color="#1f77b4",
+                   label="the saving process's own CPU in it")
+    probes = [(s["step"], s["disk_probe_s"]) for s in steps if s.get("disk_probe_s")]
+    if probes:
+        ax[0].plot(*zip(*probes), "o", ms=3, color="#7f7f7f",
+                   label="the disk's own write of the same bytes")
+    ax[0].legend(fontsize=8)
     ax[0].set_ylabel("save until durable (s)")
     ax[0].set_ylim(bottom=0)
     ax[1].plot(x, [s["disk_bytes"] / mb for s in steps], label="backing directory (du)")
@@ -206,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of 'training' (nothing written) after each save")
     ap.add_argument("--remounts", type=int, default=15,
                     help="timed remounts of each backing directory, alternating (median)")
+    ap.add_argument("--probe-every", type=int, default=5, metavar="N",
+                    help="time the disk's own write of the checkpoint's bytes every N steps, "
+                    "in the pause after the save (0: never)")
     ap.add_argument("--dir", default="/var/tmp", help="where the backing directories go "
                     "(a disk, not tmpfs)")
     ap.add_argument("-o", "--option", action="append", default=[], metavar="NAME=VALUE",
@@ -247,23 +322,37 @@ def main(argv: list[str]) -> int:
     steps: list[dict] = []
     m = api.Mount(backing, mnt, log_file=log_file, writer_id=WRITER, **opts).start()
     m.wait_settled()
+    flushed = m.status()["flush_seconds"]
+    probe_direct = None
     try:
         for k in range(a.steps):
             root = os.path.join(mnt, f"step_{k:05d}")
+            cpu0, dcpu0, steal0 = cpu_seconds(), cpu_seconds(m.pid), steal_seconds()
             t0 = time.perf_counter()
             save(state, root)
+            written = time.perf_counter() - t0
             m.sync()
             durable = time.perf_counter() - t0
+            cpu1, dcpu1, steal1 = cpu_seconds(), cpu_seconds(m.pid), steal_seconds()
             for old in sorted(os.listdir(mnt))[:-a.keep]:  # (Trainer: after the save)
                 shutil.rmtree(os.path.join(mnt, old))
-            time.sleep(a.interval)
+            pause = time.perf_counter()
+            probe = None
+            if a.probe_every and k % a.probe_every == 0:
+                probe, probe_direct = disk_probe(os.path.join(work, "probe"), payload)
+            time.sleep(max(0.0, a.interval - (time.perf_counter() - pause)))
             st = m.status()
-            s = {"step": k, "durable_s": durable, "disk_bytes": du(backing),
+            s = {"step": k, "durable_s": durable, "written_s": written,
+                 "flush_s": st["flush_seconds"] - flushed, "disk_probe_s": probe,
+                 "app_cpu_s": cpu1 - cpu0, "steal_s": steal1 - steal0,
+                 "daemon_cpu_s": None if dcpu0 is None or dcpu1 is None else dcpu1 - dcpu0,
+                 "disk_bytes": du(backing),
                  "live_bytes": st["live_bytes"], "index_bytes": os.path.getsize(index),
                  "rss_bytes": rss(m.pid), "file_bytes": st["file_bytes"]}
             for key in ("data_logs", "logs_retired", "bytes_punched", "bytes_moved",
                         "index_snapshots", "dead_bytes", "bytes_reclaimed"):
                 s[key] = st.get(key, 0)
+            flushed = st["flush_seconds"]
             steps.append(s)
             print(f"step {k:4d}: durable {durable:6.2f} s  du {s['disk_bytes'] / 1e6:8.1f} MB  "
                   f"live {s['live_bytes'] / 1e6:7.1f} MB  index {s['index_bytes'] / 1e3:7.1f} kB"
@@ -303,11 +392,16 @@ def main(argv: list[str]) -> int:
     }
     result["targets"] = judge(steps, fresh_index, result["remount_s"],
                               result["fresh"]["remount_s"], log_bytes)
+    result["drift"] = drift(steps)
+    if a.probe_every:
+        result["disk_probe_direct"] = probe_direct  # (None: no step probed)
     print(f"unmount {unmount_s:.2f} s; remount {result['remount_s']:.3f} s, replay "
           f"{result['replay_s']:.3f} s of it (fresh copy {result['fresh']['remount_s']:.3f} s, "
           f"{result['fresh']['replay_s']:.3f} s); index {result['final_index_bytes']} bytes "
           f"(fresh {fresh_index})")
     print(format_verdicts(result["targets"]))
+    if result["drift"]:
+        print(format_drift(result["drift"]))
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
