@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from ckptfs import system
 from ckptfs.bench import lifecycle
 
 pytest.importorskip("torch")
@@ -29,6 +30,7 @@ def test_a_few_small_steps(tmp_path):
     res = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [s["step"] for s in res["steps"]] == [0, 1, 2, 3] and res["tensors"] == 40
+    assert res["guest_halt_poll_ns"] == system.guest_halt_poll_ns()
     for s in res["steps"]:
         assert s["durable_s"] > 0 and s["disk_bytes"] > 0 and s["index_bytes"] > 16
         assert 0 < s["written_s"] <= s["durable_s"] and s["flush_s"] >= 0

@@ -38,7 +38,7 @@ import traceback
 from ckptfs import api, bench
 from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
-from ckptfs.system import libc, status_bytes
+from ckptfs.system import guest_halt_poll_ns, libc, status_bytes
 
 
 DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "dcp", "dcp_ckptfs",
@@ -107,7 +107,9 @@ def machine_facts(path: str) -> dict:
     fstype, dev = fs_type(path)
     facts = {"nproc": os.cpu_count(), "mem_total_gib": round(mem / (1 << 30), 1),
              "kernel": platform.release(), "python": platform.python_version(),
-             "dir": path, "fs": fstype, "device": dev}
+             "dir": path, "fs": fstype, "device": dev,
+             # an idle vCPU's polling before it halts: it moves small-file figures 2x here
+             "guest_halt_poll_ns": guest_halt_poll_ns()}
     try:
         import torch
 
@@ -490,6 +492,10 @@ def main(argv: list[str]) -> int:
     print(f"e2e: {len(w.names)} tensors, {w.payload_bytes / 1e9:.3f} GB payload; contenders: "
           f"{', '.join(keys)}; {a.rounds} round(s){' after a warm-up' if warmup else ''}; "
           f"dir {a.dir} ({fstype} on {dev})", flush=True)
+    if guest_halt_poll_ns() == 0:
+        print("e2e: this VM's idle CPUs halt without polling (guest_halt_poll_ns 0): each FUSE "
+              "round trip pays a wake-up through the hypervisor (docs/tuning.md, On a VM)",
+              flush=True)
 
     _preimport(keys)
     base = tempfile.mkdtemp(prefix="ckptfs-e2e-", dir=a.dir)

@@ -48,7 +48,7 @@ from ckptfs import api
 from ckptfs.bench import models
 from ckptfs.format import backingdir
 from ckptfs.options import BY_NAME, parse_size
-from ckptfs.system import cpu_seconds, status_bytes, steal_seconds
+from ckptfs.system import cpu_seconds, guest_halt_poll_ns, status_bytes, steal_seconds
 
 WRITER = "lifecycle"
 FROM_STEP = 10  # the targets hold from this step on (the first ones fill the logs)
@@ -378,6 +378,7 @@ def main(argv: list[str]) -> int:
     fresh_index = os.path.getsize(os.path.join(fresh_backing, backingdir.WRITERS_DIR, WRITER,
                                                backingdir.INDEX_NAME))
     result = {
+        "guest_halt_poll_ns": guest_halt_poll_ns(),  # (docs/tuning.md, On a VM)
         "steps": steps, "checkpoint_bytes": payload, "tensors": len(specs), "arch": a.arch,
         "keep": a.keep, "interval_s": a.interval, "mount_options": opts, "log_bytes": log_bytes,
         "unmount_s": unmount_s,
