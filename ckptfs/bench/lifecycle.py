@@ -47,6 +47,7 @@ import time
 from ckptfs import api
 from ckptfs.bench import models
 from ckptfs.format import backingdir
+from ckptfs.io import alloc_aligned
 from ckptfs.options import BY_NAME, parse_size
 from ckptfs.system import cpu_seconds, guest_halt_poll_ns, status_bytes, steal_seconds
 
@@ -75,9 +76,7 @@ def disk_probe(path: str, nbytes: int) -> tuple[float, bool]:
     """(seconds to write `nbytes` at `path` in 8 MiB requests and fdatasync them, whether
     O_DIRECT was used); the file is removed. O_DIRECT where the file system takes it, so that
     the figure is the disk's and not the page cache's."""
-    import mmap
-
-    buf = mmap.mmap(-1, PROBE_BLOCK)  # page-aligned, as O_DIRECT needs
+    buf = alloc_aligned(PROBE_BLOCK)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(4096) * (PROBE_BLOCK // 4096))
     direct = True
     try:
@@ -98,16 +97,22 @@ def disk_probe(path: str, nbytes: int) -> tuple[float, bool]:
         buf.close()
 
 
+def windows(steps: list[dict], key: str) -> tuple[list, list]:
+    """The values of `key` in the save-time target's two windows: steps FROM_STEP to
+    3 x FROM_STEP, and the last 20 steps (from FROM_STEP on); steps without it left out."""
+    early = [s[key] for s in steps if FROM_STEP <= s["step"] <= 3 * FROM_STEP
+             and s.get(key) is not None]
+    last = [s[key] for s in steps[-20:] if s["step"] >= FROM_STEP and s.get(key) is not None]
+    return early, last
+
+
 def drift(steps: list[dict]) -> dict:
-    """What the save-time target's two windows (steps FROM_STEP..3 x FROM_STEP, the last
-    20) were made of: medians of the save's parts and of the disk probes in each window."""
+    """What the save-time target's two windows were made of: medians of the save's parts and
+    of the disk probes in each window."""
     out = {}
     for key in ("durable_s", "written_s", "flush_s", "disk_probe_s", "app_cpu_s",
                 "daemon_cpu_s", "steal_s"):
-        early = [s[key] for s in steps if FROM_STEP <= s["step"] <= 3 * FROM_STEP
-                 and s.get(key) is not None]
-        last = [s[key] for s in steps[-20:] if s["step"] >= FROM_STEP
-                and s.get(key) is not None]
+        early, last = windows(steps, key)
         if early and last:
             out[key] = {"early": statistics.median(early), "last": statistics.median(last),
                         "n": [len(early), len(last)]}
@@ -185,8 +190,7 @@ def judge(steps: list[dict], fresh_index: int, remount_s: float, fresh_remount_s
                     f"(steps {FROM_STEP}+; largest at step {worst['step']})",
                     "value": worst["index_bytes"], "limit": 2 * fresh_index,
                     "held": worst["index_bytes"] <= 2 * fresh_index})
-    early = [s["durable_s"] for s in steps if FROM_STEP <= s["step"] <= 3 * FROM_STEP]
-    last = [s["durable_s"] for s in steps[-20:] if s["step"] >= FROM_STEP]
+    early, last = windows(steps, "durable_s")
     if early and last:
         a, b = statistics.median(early), statistics.median(last)
         out.append({"target": "save", "what": f"median save of the last {len(last)} steps "

@@ -32,11 +32,6 @@ MiB = 1 << 20
 
 
 # ------------------------------------------------------------------------ shared helpers
-def daemon_hwm_bytes(pid: int) -> int | None:
-    """Peak RSS (VmHWM) of a process, from /proc."""
-    return status_bytes("VmHWM", pid)
-
-
 def _cpu_delta(pid: int, before: float | None) -> float | None:
     after = cpu_seconds(pid)
     return None if before is None or after is None else after - before
@@ -233,7 +228,7 @@ class Ckptfs(Contender):
         m = run.mount
         st = m.status()
         run.status = st
-        run.extra["daemon_peak_rss_bytes"] = daemon_hwm_bytes(m.pid)
+        run.extra["daemon_peak_rss_bytes"] = status_bytes("VmHWM", m.pid)
         for k in ("segments_flushed", "data_syncs", "index_commits", "fsyncs", "flush_gbps",
                   "bytes_durable", "log_bytes_written", "engine", "errors", "last_error"):
             if k in st:
@@ -254,7 +249,7 @@ class Ckptfs(Contender):
         with Watchdog(run.mount, run.cfg.step_timeout, "restore"):
             out = self._restore(run)
         run.extra["daemon_restore_cpu_s"] = _cpu_delta(run.mount.pid, cpu0)
-        run.extra["daemon_restore_peak_rss_bytes"] = daemon_hwm_bytes(run.mount.pid)
+        run.extra["daemon_restore_peak_rss_bytes"] = status_bytes("VmHWM", run.mount.pid)
         try:
             st = run.mount.status()
             run.extra["restore_read_disk_bytes"] = st.get("read_disk_bytes")
