@@ -346,6 +346,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s, interrupts)) \
             if cfg.fast_path else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
+        if ops.request_wait is not None:
+            ops.request_wait.idle_work = staging.checksums
         if isinstance(ops.request_wait, FastPath):  # (libfuse's descriptor is its socket now)
             # (its own descriptor: an invalidation still waiting in the kernel at unmount is
             # abandoned, and must not write to a number reused since)

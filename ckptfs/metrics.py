@@ -166,6 +166,11 @@ METRICS = {
                             "Requests the request loop slept in epoll for"),
     "requests_caught_spinning": ("requests_caught_spinning_total", "counter",
                                  "Requests that came while the loop polled (--request-spin)"),
+    "requests_caught_summing": ("requests_caught_summing_total", "counter",
+                                "Requests that came while the loop summed owed checksums"),
+    "checksum_bytes_summed_idle": ("checksum_idle_bytes_total", "counter",
+                                   "Bytes whose CRC32C the request loop took while no request "
+                                   "waited"),
     "writes_in_place": ("writes_in_place_total", "counter",
                         "WRITE requests read straight into staging segments"),
     "bytes_in_place": ("in_place_bytes_total", "counter",

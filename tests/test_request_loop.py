@@ -1,7 +1,8 @@
 """The daemon's own wait for the next FUSE request (ckptfs/loop.py), on real mounts: it
 serves every request (counts add up), takes queued requests without parking, catches a busy
-client's next request by spinning (--request-spin), ends the loop on SIGTERM (idle and under
-load) and on unmount, and pyfuse3's own wait still works when asked for.
+client's next request by spinning (--request-spin), sums the checksums writes leave owing
+while no request waits, ends the loop on SIGTERM (idle and under load) and on unmount, and
+pyfuse3's own wait still works when asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 import time
 
 import pytest
-from helpers_reliability import check_files
+from helpers_reliability import check_files, cli, content, read_all, write_file
 
 from ckptfs import api
 
@@ -40,6 +41,28 @@ def test_every_request_goes_through_the_wait(mounts):
     assert waited > 0
     # each request is taken after exactly one wait: at least the WRITEs and READs counted here
     assert waited + queued >= st["write_requests"] + st["read_requests"] >= 400
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_checksums_are_summed_while_the_loop_waits(mounts, fast_path):
+    """Writes leave their runs' CRC32C owing; the loop sums them once no request waits (here
+    the writer pauses after each file), and every checksum in the index is right: `ckptfs
+    verify` checks them all, and a remount reads every file back through them."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, fast_path=fast_path)
+    sizes = {f"f{i}": (3 << 20) + 4321 * i for i in range(4)}
+    for name, size in sizes.items():
+        write_file(os.path.join(m.mountpoint, name), content(name, size), chunk=1 << 20)
+        time.sleep(0.05)
+    st = m.status()
+    total = sum(sizes.values())
+    assert 0 < st["checksum_bytes_summed_idle"] <= total
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, fast_path=fast_path)
+    for name, size in sizes.items():
+        assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
 
 
 def test_spinning_catches_a_busy_clients_requests(mounts):

@@ -1,6 +1,7 @@
 """Staging without a mount: the extent map (newest wins, punch, truncate, find, stored bytes),
-the segment pool (appends across segments, sealing, backpressure, in-place landing) and the
-journal's committable prefix (never past an extent whose segment is not durable)."""
+the segment pool (appends across segments, sealing, backpressure, in-place landing), the
+checksums writes leave owing (summed later, bounded, settled before a buffer is reused) and
+the journal's committable prefix (never past an extent whose segment is not durable)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import random
 import pytest
 import trio
 import trio.testing
+from crc32c import crc32c
 
 from ckptfs.datapath.flusher import ExtentEntry, Journal, fold_setattrs
-from ckptfs.datapath.staging import ExtentMap, Run, Segment, Staging, round_up
+from ckptfs.datapath import writes
+from ckptfs.datapath.staging import Checksums, ExtentMap, Run, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, SetattrRec, SizeRec, UnlinkRec
-from ckptfs.namespace import Namespace
+from ckptfs.namespace import Inode, Namespace
 
 pytestmark = pytest.mark.timeout(30)  # a pool that never seals spins without yielding
 
@@ -255,6 +258,105 @@ def test_tails_and_landed_read_in_place():
         assert len(t1) == SEG - 5 and len(t2) == SEG
         st.landed(SEG - 5, lambda *a: None)  # fills it: sealed, the next buffer is first
         assert [s.number for s in sealed] == [1] and st.open is None
+        st.close()
+
+    run_trio(main)
+
+
+# ---------------------------------------------------------------- owed checksums
+def _file(ino: int = 5) -> Inode:
+    x = Inode(ino, 0o100644, 0, 0)
+    x.nlink = 1
+    return x
+
+
+def _write(st: Staging, journal: Journal, x: Inode, off: int, data: bytes, block: int):
+    """A write through the real recorder, as the handlers and the fast path make it."""
+    return st.append(data, writes.piece_recorder(journal, st.checksums, x, off, block))
+
+
+def _runs_are_summed(x: Inode, payload: bytes) -> None:
+    for p in x.emap.pieces:
+        run = p.run
+        assert run.summed == run.length
+        assert run.crc == crc32c(payload[p.start - p.roff:p.start - p.roff + run.length])
+
+
+def test_writes_owe_their_checksums_until_summed_in_slices():
+    async def main():
+        st = staging(4)
+        journal = Journal()
+        x = _file()
+        payload = random.Random(3).randbytes(SEG + 5000)
+        at = 0
+        for n in (100, 3000, 20_000, SEG + 5000 - 23_100):  # runs grow, then a segment ends
+            await _write(st, journal, x, at, payload[at:at + n], 1 << 20)
+            at += n
+        ck = st.checksums
+        assert ck.owed == len(payload) and [r.summed for r in ck.runs] == [0, 0]
+        while ck.owed:  # the request loop's idle slices, oldest run first
+            ck.pay_idle()
+        assert ck.paid_idle == len(payload) and not ck.runs
+        _runs_are_summed(x, payload)
+        st.close()
+
+    run_trio(main)
+
+
+def test_checksum_blocks_and_partial_payments_give_each_runs_own_crc():
+    async def main():
+        st = staging(4)
+        journal = Journal()
+        x = _file()
+        payload = random.Random(4).randbytes(40_000)
+        for at in range(0, len(payload), 7000):  # 7 kB writes, 16 kB checksum blocks
+            await _write(st, journal, x, at, payload[at:at + 7000], 16 << 10)
+            st.checksums.pay(3333)  # sums a part, then more lands on the same run
+        st.checksums.settle()
+        assert [p.run.length for p in x.emap.pieces] == [16 << 10, 16 << 10, 40_000 - (32 << 10)]
+        _runs_are_summed(x, payload)
+        st.close()
+
+    run_trio(main)
+
+
+def test_owed_bytes_are_bounded():
+    async def main():
+        st = staging(4)
+        st.checksums = Checksums(cap=10_000)
+        journal = Journal()
+        x = _file()
+        payload = random.Random(5).randbytes(50_000)
+        for at in range(0, len(payload), 4000):
+            await _write(st, journal, x, at, payload[at:at + 4000], 1 << 20)
+            assert st.checksums.owed <= 10_000
+        assert st.checksums.owed == 10_000  # the oldest were summed on the writes' path
+        st.checksums.settle()
+        _runs_are_summed(x, payload)
+        st.close()
+
+    run_trio(main)
+
+
+def test_a_segment_is_summed_before_its_buffer_goes_back_to_the_pool():
+    async def main():
+        sealed = []
+        st = staging(3, sealed)
+        journal = Journal()
+        a, b = _file(5), _file(6)
+        pa = random.Random(6).randbytes(SEG)  # fills segment 1
+        pb = random.Random(7).randbytes(1000)  # segment 2, still open
+        await _write(st, journal, a, 0, pa, 1 << 20)
+        await _write(st, journal, b, 0, pb, 1 << 20)
+        assert st.checksums.owed == SEG + 1000 and sealed[0].number == 1
+        st.release(sealed[0])  # (the flusher wrote it)
+        assert st.checksums.owed == 1000  # segment 1's runs summed, segment 2's still owed
+        _runs_are_summed(a, pa)
+        assert b.emap.pieces[0].run.summed == 0
+        # more lands, across segments; every run ends up with the CRC32C of its own bytes
+        await _write(st, journal, b, 1000, bytes(2 * SEG - 1000), 1 << 20)
+        st.checksums.settle()
+        _runs_are_summed(b, pb + bytes(2 * SEG - 1000))
         st.close()
 
     run_trio(main)

@@ -7,7 +7,8 @@ Two halves with one contract between them:
   prefix whose extents are all durable can be committed, so the index never points at data that
   is not on disk and replay always sees operations in their real order.
 - `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
-  runs' CRC32C were taken as the bytes landed: datapath/writes.py), writes each segment whole
+  runs' CRC32C are taken on the trio thread before a segment's buffer goes back to the pool:
+  staging.Checksums), writes each segment whole
   (tail padded to the alignment) at the next aligned offset of the current data log
   (format/logs.LogWriter),
   fdatasyncs, reports the segments durable to the trio thread, then appends the committable
@@ -535,7 +536,7 @@ class Flusher:
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
             if seg.log == NO_LOG:  # first attempt; a retry keeps its place
-                if nbytes > seg.used:  # (the runs' CRC32C were taken as their bytes landed)
+                if nbytes > seg.used:  # (padding: no run's checksum covers it)
                     seg.view[seg.used:nbytes] = bytes(nbytes - seg.used)
                 self._place(seg, nbytes)
         extra: list[int] = []  # fds opened by name here: synced and closed below

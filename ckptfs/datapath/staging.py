@@ -2,8 +2,8 @@
 
 Everything here is owned by the trio thread, except that the flusher thread reads sealed
 segments' memory and fills in a run's log location (plain attribute writes) before it reports
-the segment durable. A run's checksum is carried along on the trio thread as its pieces land
-(datapath/writes.py).
+the segment durable. A run's checksum is taken on the trio thread after its pieces land, while
+the request loop waits for a request (`Checksums`; datapath/writes.py records what is owed).
 
 - A `Segment` wraps one buffer of the fixed pool while it fills and drains.
 - A `Run` is a contiguous stretch of one file's bytes inside one segment (or, after replay, one
@@ -21,6 +21,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 import trio
+from crc32c import crc32c
 
 from ckptfs.io import alloc_aligned
 
@@ -56,10 +57,13 @@ class Segment:
 
 class Run:
     """File bytes stored contiguously: in a staging segment at `soff`, and (once durable) in
-    data log `log` at `loff`. `crc` is the CRC32C of all `length` bytes (kept up to date as the
-    run grows: datapath/writes.py; from the index after replay)."""
+    data log `log` at `loff`. `crc` is the CRC32C of the run's first `summed` bytes: all
+    `length` of them for a run from the index, and for a run that is filling once the
+    staging's `Checksums` have caught up with it (before its segment goes back to the pool,
+    so before any index record of it is written)."""
 
-    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead")
+    __slots__ = ("seg", "soff", "length", "log", "loff", "crc", "verified", "layer", "dead",
+                 "summed")
 
     def __init__(self, seg: Segment | None, soff: int, length: int, log: int = NO_LOG,
                  loff: int = NO_LOG, crc: int = 0, verified: bool = False,
@@ -73,6 +77,7 @@ class Run:
         self.verified = verified
         self.layer = layer  # which writer's data logs hold it (0: this mount's own)
         self.dead = 0  # bytes no extent map points at any more (cleaner.LogSpace)
+        self.summed = length  # the bytes `crc` covers (Checksums)
 
     def memory(self) -> memoryview | None:
         """The run's bytes while they are still in staging memory, else None."""
@@ -217,6 +222,74 @@ class ExtentMap:
         return self.stored
 
 
+# Checksums owed at most this many bytes; beyond it the oldest are summed at once, on the
+# write's own path. It bounds the work left for a commit or a buffer's return to the pool,
+# and how long the request loop sums without looking at other trio tasks.
+CHECKSUMS_OWED_BYTES = 32 << 20
+CHECKSUM_SLICE_BYTES = 64 << 10  # summed between two looks for the next request (~5 us)
+
+
+class Checksums:
+    """The CRC32C of the bytes that landed in staging, taken while the request loop has
+    nothing else to do.
+
+    A 1 MiB WRITE's payload is cold in the CPU cache once the kernel copied it into the
+    segment: its CRC32C costs ~85 us, a quarter of the request, and the writer waits for the
+    reply all that time (a 2.1 GB torch.save is ~7% faster with no checksum at all,
+    docs/performance-notes.md). So a write only records what it owes (`owe`), and the
+    request loop sums owed bytes in slices whenever no request is waiting (fuse/loop.py):
+    between a reply and the writer's next request, and while torch.save serialises its next
+    tensor. What is owed is bounded (CHECKSUMS_OWED_BYTES: past it, the oldest bytes are
+    summed at once) and is settled before it is needed: before a segment's buffer goes back
+    to the pool (`settle(seg)`: a segment is released before its runs' extent records can
+    be committed) and before a run's checksum is copied into a record (`settle()`).
+
+    Runs owe in landing order, and a run only grows while its segment is open, so the queue
+    is ordered by segment too. Trio thread only.
+    """
+
+    def __init__(self, cap: int = CHECKSUMS_OWED_BYTES) -> None:
+        self.cap = cap
+        self.runs: deque[Run] = deque()  # the runs with summed < length, oldest first
+        self.owed = 0
+        self.paid_idle = 0  # bytes summed while the request loop had nothing else to do
+
+    def owe(self, run: Run, n: int) -> None:
+        """`run` grew by `n` bytes (already added to run.length) that are not summed yet."""
+        if run.summed + n == run.length:  # (it owed nothing before)
+            self.runs.append(run)
+        self.owed += n
+        if self.owed > self.cap:
+            self.pay(self.owed - self.cap)
+
+    def pay(self, budget: int) -> None:
+        """Sum up to `budget` owed bytes, oldest first."""
+        runs = self.runs
+        while budget > 0 and runs:
+            run = runs[0]
+            k = min(run.length - run.summed, budget)
+            at = run.soff + run.summed
+            run.crc = crc32c(run.seg.view[at:at + k], run.crc, 0)
+            run.summed += k
+            self.owed -= k
+            budget -= k
+            if run.summed == run.length:
+                runs.popleft()
+
+    def pay_idle(self) -> None:
+        """One slice, for the request loop's idle moments."""
+        before = self.owed
+        self.pay(CHECKSUM_SLICE_BYTES)
+        self.paid_idle += before - self.owed
+
+    def settle(self, seg: Segment | None = None) -> None:
+        """Everything owed (or, given `seg`, everything owed up to and including its runs)
+        is summed."""
+        runs = self.runs
+        while runs and (seg is None or runs[0].seg.number <= seg.number):
+            self.pay(runs[0].length - runs[0].summed)
+
+
 class Staging:
     """The bounded pool of aligned segment buffers and the currently open segment.
 
@@ -242,6 +315,7 @@ class Staging:
         self.last_write = trio.current_time()  # built inside the trio run (daemon._serve)
         self.waiting_writers = 0
         self.error: OSError | None = None  # set while the flusher cannot make progress
+        self.checksums = Checksums()
 
     @property
     def capacity_bytes(self) -> int:
@@ -274,7 +348,9 @@ class Staging:
         return self.open
 
     def release(self, seg: Segment) -> None:
-        """The flusher is done with `seg`: its buffer goes back to the pool."""
+        """The flusher is done with `seg`: its buffer goes back to the pool (its runs'
+        checksums are taken first)."""
+        self.checksums.settle(seg)
         buf = seg.buf
         seg.buf = None
         seg.view.release()

@@ -771,7 +771,8 @@ class CkptOperations(pyfuse3.Operations):
 
     def piece_recorder(self, x: Inode, off: int):
         """on_piece for Staging, for a write of file x at offset `off` (datapath/writes.py)."""
-        return writes.piece_recorder(self.journal, x, off, self.settings.checksum_block)
+        return writes.piece_recorder(self.journal, self.staging.checksums, x, off,
+                                     self.settings.checksum_block)
 
     def wrote(self, h: _Handle, x: Inode, end: int, n: int) -> None:
         if end > x.size:
