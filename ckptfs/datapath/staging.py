@@ -241,8 +241,9 @@ class Checksums:
     between a reply and the writer's next request, and while torch.save serialises its next
     tensor. What is owed is bounded (CHECKSUMS_OWED_BYTES: past it, the oldest bytes are
     summed at once) and is settled before it is needed: before a segment's buffer goes back
-    to the pool (`settle(seg)`: a segment is released before its runs' extent records can
-    be committed) and before a run's checksum is copied into a record (`settle()`).
+    to the pool (`settle(seg)`, from `Staging.release`). That also comes before any index
+    record carries the checksum: the journal commits a run's extent only once its segment
+    is durable, and a durable segment has been released.
 
     Runs owe in landing order, and a run only grows while its segment is open, so the queue
     is ordered by segment too. Trio thread only.
