@@ -312,7 +312,7 @@ def test_checksum_blocks_and_partial_payments_give_each_runs_own_crc():
         for at in range(0, len(payload), 7000):  # 7 kB writes, 16 kB checksum blocks
             await _write(st, journal, x, at, payload[at:at + 7000], 16 << 10)
             st.checksums.pay(3333)  # sums a part, then more lands on the same run
-        st.checksums.settle()
+        st.checksums.pay(st.checksums.owed)
         assert [p.run.length for p in x.emap.pieces] == [16 << 10, 16 << 10, 40_000 - (32 << 10)]
         _runs_are_summed(x, payload)
         st.close()
@@ -331,7 +331,7 @@ def test_owed_bytes_are_bounded():
             await _write(st, journal, x, at, payload[at:at + 4000], 1 << 20)
             assert st.checksums.owed <= 10_000
         assert st.checksums.owed == 10_000  # the oldest were summed on the writes' path
-        st.checksums.settle()
+        st.checksums.pay(st.checksums.owed)
         _runs_are_summed(x, payload)
         st.close()
 
@@ -355,7 +355,7 @@ def test_a_segment_is_summed_before_its_buffer_goes_back_to_the_pool():
         assert b.emap.pieces[0].run.summed == 0
         # more lands, across segments; every run ends up with the CRC32C of its own bytes
         await _write(st, journal, b, 1000, bytes(2 * SEG - 1000), 1 << 20)
-        st.checksums.settle()
+        st.checksums.pay(st.checksums.owed)
         _runs_are_summed(b, pb + bytes(2 * SEG - 1000))
         st.close()
 

@@ -283,11 +283,10 @@ class Checksums:
         self.pay(CHECKSUM_SLICE_BYTES)
         self.paid_idle += before - self.owed
 
-    def settle(self, seg: Segment | None = None) -> None:
-        """Everything owed (or, given `seg`, everything owed up to and including its runs)
-        is summed."""
+    def settle(self, seg: Segment) -> None:
+        """Everything owed up to and including `seg`'s runs is summed."""
         runs = self.runs
-        while runs and (seg is None or runs[0].seg.number <= seg.number):
+        while runs and runs[0].seg.number <= seg.number:
             self.pay(runs[0].length - runs[0].summed)
 
 
