@@ -30,7 +30,7 @@ from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir
-from ckptfs.format.index import FRESH_SUFFIX, IndexWriter
+from ckptfs.format.index import IndexWriter, discard_fresh
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
@@ -236,10 +236,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         union.warnings += validate_extents(ns, wd.path)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
         index = IndexWriter(index_path, valid)
-        try:  # a fresh index a crash left unfinished (format/index.py)
-            os.unlink(index_path + FRESH_SUFFIX)
-        except FileNotFoundError:
-            pass
+        discard_fresh(index_path)  # (a crash left it unfinished: format/index.py)
         # (never a number used before: the index names logs whose files are gone)
         next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = wd.path

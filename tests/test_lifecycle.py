@@ -224,6 +224,63 @@ def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
     m.stop()
 
 
+def test_an_unmount_during_an_index_snapshot_leaves_no_fresh_index(mounts):
+    """Unmounted while the snapshot's process has its fresh index half written (the process
+    held there by SIGSTOP): the daemon kills the process, waits for it to end and removes the
+    fresh index; the index in place replays to the same tree."""
+    import signal
+    import threading
+
+    from ckptfs.bench.mount import WRITER, build
+
+    backing = mounts.backing()
+    build(backing, 40_000, 1000, 4096, 100)
+    opts = dict(OPTS, writer_id=WRITER, clean_idle=0.2, index_snapshot_ratio=1.1)
+    m = mounts.mount(backing, **opts)
+    fresh = os.path.join(backing, "writers", WRITER, backingdir.INDEX_NAME) + ".fresh"
+    dirs = sorted(os.listdir(m.mountpoint))
+    held: list[int] = []
+    stop = threading.Event()
+
+    def catch() -> None:  # the snapshot's process, stopped while its fresh index exists
+        while not stop.is_set():
+            if os.path.exists(fresh):
+                for pid in snapshot_processes():
+                    os.kill(pid, signal.SIGSTOP)
+                    held.append(pid)
+                if held and os.path.exists(fresh):
+                    return
+                for pid in held:  # (put in place before the stop: the next one)
+                    os.kill(pid, signal.SIGCONT)
+                held.clear()
+            time.sleep(0.0005)
+    catcher = threading.Thread(target=catch)
+    catcher.start()
+    removed = 0
+    try:
+        for d in dirs[:30]:  # each removal grows the index, and starts snapshots
+            shutil.rmtree(os.path.join(m.mountpoint, d))
+            removed += 1
+            if not catcher.is_alive():
+                break
+        catcher.join(timeout=30)
+    finally:
+        stop.set()
+        catcher.join()
+    assert held, "no snapshot was caught writing its fresh index"
+    keep = dirs[removed]
+    names = sorted(os.listdir(os.path.join(m.mountpoint, keep)))
+    m.stop()
+    assert not os.path.exists(fresh)
+    assert not set(held) & set(snapshot_processes()), held
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = mounts.mount(backing, **opts)
+    assert sorted(os.listdir(m.mountpoint)) == dirs[removed:]
+    assert sorted(os.listdir(os.path.join(m.mountpoint, keep))) == names
+    m.stop()
+
+
 def test_a_small_tree_gets_its_index_snapshot_without_idle_writers(mounts):
     """A job that saves so often that its writers are never idle for --clean-idle still gets
     index snapshots while its tree is small (they take milliseconds), the first one too."""

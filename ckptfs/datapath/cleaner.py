@@ -69,6 +69,7 @@ from ckptfs.datapath.staging import (
     round_up,
 )
 from ckptfs.format import backingdir, records
+from ckptfs.format.index import discard_fresh
 from ckptfs.format.logs import RunReader, punch_hole
 from ckptfs.format.records import RetireRec
 from ckptfs.namespace import ROOT_INO, Inode
@@ -88,6 +89,7 @@ SNAPSHOT_ANYTIME_BYTES = 1 << 20
 # More than a fresh index holds per inode (an INODE record with its name and an EXTENT): before
 # the first estimate, what says a tree is that small
 FRESH_BYTES_PER_INODE = 160
+KILL_WAIT_S = 5.0  # how long a cancelled snapshot's process is given to end after SIGKILL
 PUNCH_MIN_BYTES = 64 << 10  # a smaller dead range is left (the cleaner may move its neighbours)
 
 
@@ -428,6 +430,10 @@ class Maintainer:
             fresh, size, version = await self._snapshot_process(mover.snapshot_args(
                 idx.path, upto, self.writer_id, os.getuid(), os.getgid(), root.atime_ns, drop,
                 os.getpid()))
+        except BaseException:  # (failed, or cancelled at unmount: no stray fresh index left;
+            # the process is gone by now)
+            discard_fresh(idx.path)
+            raise
         finally:
             self.doing = "idle"
         self.snapshot_seconds = time.perf_counter() - t0
@@ -488,6 +494,10 @@ class Maintainer:
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+                # Gone before the caller removes what it wrote (the pidfd turns readable
+                # when the process has ended): else its fresh index could come after.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + KILL_WAIT_S):
+                    await trio.lowlevel.wait_readable(pidfd)
             os.close(pidfd)
         fresh, size, version, self.snapshot_peak_rss = mover.snapshot_result(out, rc)
         return fresh, size, version

@@ -26,6 +26,15 @@ from ckptfs.format.backingdir import open_index
 FRESH_SUFFIX = ".fresh"
 
 
+def discard_fresh(index_path: str) -> None:
+    """Remove the fresh index beside `index_path`, if there is one: what a crash, or a
+    snapshot that did not end in its swap, left."""
+    try:
+        os.unlink(index_path + FRESH_SUFFIX)
+    except FileNotFoundError:
+        pass
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
