@@ -15,7 +15,7 @@ import time
 from ckptfs import options
 from ckptfs.options import parse_size
 
-BENCHES = ("engine", "micro", "e2e", "scaling", "lifecycle", "mount", "profile")
+BENCHES = ("engine", "micro", "e2e", "scaling", "lifecycle", "mount", "profile", "transport")
 
 EPILOG = """examples:
   ckptfs mount /lustre/proj/run42 /ckpt       mount (daemonizes once the mount is live)
