@@ -1,6 +1,6 @@
 /* `ckptfs bench transport`'s two programs (bench/transport.py builds and runs them).
  *
- * serve MNT dev|uring SPIN_US THREADS PIN
+ * serve MNT dev|uring SPIN_US THREADS PIN [HANDOFF]
  *     A FUSE file system that keeps nothing: every LOOKUP misses, CREATE makes a new inode,
  *     WRITE accepts its bytes and drops them. What a request costs here is the transport:
  *     the kernel's side, the wake-ups, the copies; nothing of a daemon's own work. Mounted
@@ -10,7 +10,11 @@
  *     with entries for every CPU's queue, or (THREADS = 1) one thread and ring per queue,
  *     each thread on its queue's CPU when PIN = 1. The kernel puts a request on the queue
  *     of the CPU its caller runs on, so a pinned queue thread serves it on that CPU.
- *     Prints "ready" once the INIT reply is sent; on exit the requests served each way.
+ *     With HANDOFF = 1 the queue threads hand LOOKUP and CREATE (a daemon's
+ *     namespace requests) to one other thread, which polls for them for SPIN_US before it
+ *     sleeps, and wait for its answer: what a per-CPU loop in C pays to keep the namespace
+ *     on one thread. Prints "ready" once the INIT reply is sent; on exit the requests served
+ *     each way.
  *
  * client DIR N SIZE M
  *     N files created, written once (SIZE bytes) and closed, then M writes of 1 MiB into one
@@ -77,6 +81,7 @@ struct ring_cmd { uint64_t flags, commit_id; uint16_t qid; uint8_t padding[6]; }
 static int fuse_fd;
 static uint64_t next_ino = 2;  /* (one thread at a time creates: the caller waits) */
 static double spin_s;
+static double ring_spin_s;  /* (the namespace thread's when requests are handed off) */
 static volatile long served_dev, served_ring;
 
 static double now(void) {
@@ -185,6 +190,46 @@ static void *serve_dev(void *spin) {
     return NULL;
 }
 
+/* ------------------------------------------------------------------ handoff */
+struct handoff { const struct in_header *h; const void *op; char *out; int reply_fd; };
+static int handoff_fds[2] = { -1, -1 };
+
+static void *namespace_thread(void *arg) {
+    (void)arg;
+    struct pollfd p = { handoff_fds[0], POLLIN, 0 };
+    for (;;) {
+        if (spin_s > 0) {
+            double end = now() + spin_s;
+            while (poll(&p, 1, 0) == 0 && now() < end) {}
+        }
+        struct handoff m;
+        if (read(handoff_fds[0], &m, sizeof m) != sizeof m)
+            continue;
+        int r = handle(m.h, m.op, m.out);
+        if (write(m.reply_fd, &r, sizeof r) < 0) {}
+    }
+    return NULL;
+}
+
+/* handle(), on the namespace thread for LOOKUP and CREATE when requests are handed off */
+static int handle_here_or_there(const struct in_header *h, const void *op, char *out,
+                                int reply[2]) {
+    if (handoff_fds[1] < 0 || (h->opcode != LOOKUP && h->opcode != CREATE))
+        return handle(h, op, out);
+    struct handoff m = { h, op, out, reply[1] };
+    int r;
+    if (write(handoff_fds[1], &m, sizeof m) != sizeof m)
+        return -EIO;
+    /* (polled: this thread's CPU is the caller's, which waits anyway; a sleep here would
+     * halt it and make the answer pay a wake-up) */
+    struct pollfd p = { reply[0], POLLIN, 0 };
+    double end = now() + 0.001;
+    while (poll(&p, 1, 0) == 0 && now() < end) {}
+    if (read(reply[0], &r, sizeof r) != sizeof r)
+        return -EIO;
+    return r;
+}
+
 /* ------------------------------------------------------------------ io_uring */
 struct entry { struct ring_header *hdr; char *payload; struct iovec iov[2]; int qid; };
 
@@ -226,10 +271,15 @@ static void serve_ring(int first, int count) {
     }
     io_uring_submit(&ring);
     char out[4096];
+    int reply[2];
+    if (pipe(reply)) {
+        perror("pipe");
+        exit(1);
+    }
     for (;;) {
         struct io_uring_cqe *cqe = NULL;
-        if (spin_s > 0) {
-            double end = now() + spin_s;
+        if (ring_spin_s > 0) {
+            double end = now() + ring_spin_s;
             while (io_uring_peek_cqe(&ring, &cqe) != 0 && now() < end)
                 io_uring_get_events(&ring);
         }
@@ -252,7 +302,7 @@ static void serve_ring(int first, int count) {
         __sync_fetch_and_add(&served_ring, 1);
         uint64_t unique = h->unique;
         int destroy = h->opcode == DESTROY;
-        int r = handle(h, e->hdr->op_in, out);
+        int r = handle_here_or_there(h, e->hdr->op_in, out, reply);
         if (r > 0)
             memcpy(e->payload, out, r);  /* reply bodies go in the payload buffer */
         struct out_header *oh = (void *)e->hdr->in_out;
@@ -344,6 +394,16 @@ static int serve(int argc, char **argv) {
     pthread_t t;
     pthread_create(&t, NULL, serve_dev, NULL);
     int ncpu = (int)sysconf(_SC_NPROCESSORS_CONF);
+    ring_spin_s = spin_s;
+    if (argc > 7 && atoi(argv[7])) {
+        ring_spin_s = 0;
+        if (pipe(handoff_fds)) {
+            perror("pipe");
+            return 1;
+        }
+        pthread_t ns;
+        pthread_create(&ns, NULL, namespace_thread, NULL);
+    }
     if (!threads) {
         serve_ring(0, ncpu);
         return 0;

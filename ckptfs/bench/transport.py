@@ -15,6 +15,9 @@ so the times are the kernel's FUSE path, the copies and the wake-ups:
   uring            FUSE over io_uring (Linux 6.14+), one thread serving every CPU's queue
   uring-percpu     FUSE over io_uring, one thread per CPU's queue on that CPU: the kernel
                    queues a request on its caller's CPU, so it is served there
+  uring-percpu-handoff   the same, LOOKUP and CREATE handed to one other thread (polling
+                   250 us before it sleeps), as a daemon that keeps its namespace on one
+                   thread would
 
 Variants alternate round by round (the order reversed every other round) after a warm-up
 round; medians are reported. Needs root (mount(2), CPU affinity), gcc, liburing-dev, two CPUs.
@@ -43,15 +46,17 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport.c")
 ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
 HALT_POLL = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
 ALL = None  # (every CPU)
-# name: (mode, spin us, server CPUs, client CPUs, a thread per queue, queue threads pinned)
+# name: (mode, spin us, server CPUs, client CPUs, a thread per queue, queue threads pinned,
+# namespace requests handed to one thread)
 VARIANTS = {
-    "dev-cross": ("dev", 0, {1}, {0}, 0, 0),
-    "dev-spin-cross": ("dev", 250, {1}, {0}, 0, 0),
-    "dev": ("dev", 0, ALL, ALL, 0, 0),
-    "dev-spin": ("dev", 250, ALL, ALL, 0, 0),
-    "dev-same": ("dev", 0, {0}, {0}, 0, 0),
-    "uring": ("uring", 0, ALL, ALL, 0, 0),
-    "uring-percpu": ("uring", 0, ALL, ALL, 1, 1),
+    "dev-cross": ("dev", 0, {1}, {0}, 0, 0, 0),
+    "dev-spin-cross": ("dev", 250, {1}, {0}, 0, 0, 0),
+    "dev": ("dev", 0, ALL, ALL, 0, 0, 0),
+    "dev-spin": ("dev", 250, ALL, ALL, 0, 0, 0),
+    "dev-same": ("dev", 0, {0}, {0}, 0, 0, 0),
+    "uring": ("uring", 0, ALL, ALL, 0, 0, 0),
+    "uring-percpu": ("uring", 0, ALL, ALL, 1, 1, 0),
+    "uring-percpu-handoff": ("uring", 250, ALL, ALL, 1, 1, 1),
 }
 READY_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 300.0
@@ -89,12 +94,13 @@ def _unmount(mnt: str) -> None:
 def run_one(exe: str, name: str, files: int, size: int, writes: int) -> dict:
     """One run of variant `name`: a fresh mount, the client, the unmount. Returns the
     microseconds per file and per 1 MiB write and what the server served where."""
-    mode, spin, server_cpus, client_cpus, threads, pin = VARIANTS[name]
+    mode, spin, server_cpus, client_cpus, threads, pin, handoff = VARIANTS[name]
     mnt = tempfile.mkdtemp(prefix="ckptfs-transport-")
 
     def on(cpus):
         return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    server = subprocess.Popen([exe, "serve", mnt, mode, str(spin), str(threads), str(pin)],
+    server = subprocess.Popen([exe, "serve", mnt, mode, str(spin), str(threads), str(pin),
+                               str(handoff)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               preexec_fn=on(server_cpus))
     try:
