@@ -39,9 +39,10 @@ def servers() -> list[int]:
 def test_the_transports_are_timed_and_nothing_is_left(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mount(2) needs root")
-    variants = ["dev-cross", "dev-same"]
+    variants = ["dev-same"] + (["dev-cross"] if (os.cpu_count() or 1) > 1 else [])
     uring_was = transport._read(transport.ENABLE_URING)
-    if uring_was is not None:  # (a kernel with FUSE over io_uring)
+    if uring_was is not None and os.access(transport.ENABLE_URING, os.W_OK):
+        # (a kernel with FUSE over io_uring, and a /sys that lets the run turn it on)
         variants.append("uring-percpu")
     out = tmp_path / "t.json"
     proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "transport", "--files",
@@ -58,7 +59,7 @@ def test_the_transports_are_timed_and_nothing_is_left(tmp_path):
         # 300 files of six requests each, and the writes: all on the ring's queues (the
         # requests before the queues were ready come on /dev/fuse)
         assert res["uring-percpu"]["on_io_uring"] >= 300 * 4, res
-    assert "| dev-cross |" in proc.stdout
+    assert "| dev-same |" in proc.stdout
     assert not mounted()
     assert not servers()
     assert transport._read(transport.ENABLE_URING) == uring_was
