@@ -18,8 +18,11 @@
  *
  * client DIR N SIZE M
  *     N files created, written once (SIZE bytes) and closed, then M writes of 1 MiB into one
- *     file (opened with direct I/O by the server, so each is one WRITE request). Prints the
- *     microseconds per file and per 1 MiB write.
+ *     file (opened with direct I/O by the server, so each is one WRITE request); then N files
+ *     of SIZE bytes opened, read and closed, and M reads of 1 MiB from one file (the server
+ *     has every name "r<size>_<anything>": a file of that size, read with direct I/O, its
+ *     bytes whatever the reply buffer holds). Prints the microseconds per file written, per
+ *     1 MiB written, per file read and per 1 MiB read.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -39,7 +42,7 @@
 #include <unistd.h>
 
 /* linux/fuse.h (protocol 7.45); Debian's headers predate the io_uring part */
-enum { LOOKUP = 1, FORGET = 2, GETATTR = 3, OPEN = 14, WRITE = 16, STATFS = 17, RELEASE = 18,
+enum { LOOKUP = 1, FORGET = 2, GETATTR = 3, OPEN = 14, READ = 15, WRITE = 16, STATFS = 17, RELEASE = 18,
        FLUSH = 25, INIT = 26, OPENDIR = 27, RELEASEDIR = 29, CREATE = 35, INTERRUPT = 36,
        DESTROY = 38, IOCTL = 39, BATCH_FORGET = 42 };
 #define BIG_WRITES (1u << 5)
@@ -64,6 +67,8 @@ struct open_out { uint64_t fh; uint32_t open_flags; int32_t backing_id; };
 struct write_in { uint64_t fh, offset; uint32_t size, write_flags; uint64_t lock_owner;
                   uint32_t flags, padding; };
 struct write_out { uint32_t size, padding; };
+struct read_in { uint64_t fh, offset; uint32_t size, read_flags; uint64_t lock_owner;
+                 uint32_t flags, padding; };
 struct init_in { uint32_t major, minor, max_readahead, flags, flags2; };
 struct init_out { uint32_t major, minor, max_readahead, flags;
                   uint16_t max_background, congestion_threshold;
@@ -99,20 +104,42 @@ static void finish(int sig) {
     _exit(0);
 }
 
+/* A file's size is in its inode number: the bits above SIZE_SHIFT (0 for created files). */
+#define SIZE_SHIFT 24
+
 static void fill_attr(struct attr *a, uint64_t ino) {
     memset(a, 0, sizeof *a);
     a->ino = ino;
+    a->size = ino >> SIZE_SHIFT;
     a->nlink = 1;
     a->blksize = 4096;
     a->mode = ino == 1 ? (S_IFDIR | 0755) : (S_IFREG | 0644);
 }
 
-/* The reply body of request h (its per-op struct `op`) into out: its length, a negative
- * errno, or NO_REPLY. */
-static int handle(const struct in_header *h, const void *op, char *out) {
+/* The bytes a READ answers with (they are not copied: the reply buffer's, whatever it holds). */
+static int read_length(const struct in_header *h, const void *op) {
+    const struct read_in *r = op;
+    uint64_t size = h->nodeid >> SIZE_SHIFT;
+    return r->offset >= size ? 0 : (int)(size - r->offset < r->size ? size - r->offset : r->size);
+}
+
+/* The reply body of request h (its per-op struct `op`, then `name`: what follows it) into
+ * out: its length, a negative errno, or NO_REPLY. */
+static int handle(const struct in_header *h, const void *op, const char *name, char *out) {
     switch (h->opcode) {
-    case LOOKUP:
-        return -ENOENT;
+    case LOOKUP: {
+        if (name[0] != 'r')
+            return -ENOENT;
+        struct entry_out *e = (void *)out;
+        memset(e, 0, sizeof *e);
+        uint64_t size = strtoull(name + 1, NULL, 10);
+        e->nodeid = size << SIZE_SHIFT | (__sync_fetch_and_add(&next_ino, 1) &
+                                          ((1u << SIZE_SHIFT) - 1));
+        e->entry_valid = 1;
+        e->attr_valid = 300;
+        fill_attr(&e->attr, e->nodeid);
+        return sizeof *e;
+    }
     case GETATTR: {
         struct attr_out *o = (void *)out;
         memset(o, 0, sizeof *o);
@@ -136,6 +163,7 @@ static int handle(const struct in_header *h, const void *op, char *out) {
     case OPEN: case OPENDIR: {
         struct open_out *o = (void *)out;
         memset(o, 0, sizeof *o);
+        o->open_flags = h->opcode == OPEN ? FOPEN_DIRECT_IO : 0;
         return sizeof *o;
     }
     case WRITE: {
@@ -159,6 +187,15 @@ static int handle(const struct in_header *h, const void *op, char *out) {
 }
 
 /* ------------------------------------------------------------------ /dev/fuse */
+/* Where a request's name (or payload) starts after its per-op struct, on /dev/fuse. */
+static size_t op_size(uint32_t opcode) {
+    switch (opcode) {
+    case CREATE: return 16;  /* fuse_create_in */
+    case WRITE: return sizeof(struct write_in);
+    default: return 0;  /* (LOOKUP: the name right after the header) */
+    }
+}
+
 static void *serve_dev(void *spin) {
     char *buf = aligned_alloc(4096, BUF_BYTES), out[4096];
     struct pollfd p = { fuse_fd, POLLIN, 0 };
@@ -174,12 +211,22 @@ static void *serve_dev(void *spin) {
             finish(0);  /* ENODEV: unmounted */
         }
         const struct in_header *h = (void *)buf;
+        const char *op = buf + sizeof *h;
         __sync_fetch_and_add(&served_dev, 1);
-        int r = handle(h, buf + sizeof *h, out + sizeof(struct out_header));
-        if (r == NO_REPLY)
-            continue;
         struct out_header *oh = (void *)out;
         oh->unique = h->unique;
+        if (h->opcode == READ) {  /* the reply's bytes: the receive buffer's */
+            int k = read_length(h, op);
+            struct iovec iov[2] = { { out, sizeof *oh }, { buf, k } };
+            oh->error = 0;
+            oh->len = sizeof *oh + k;
+            if (writev(fuse_fd, iov, 2) < 0 && errno != ENOENT)
+                finish(0);
+            continue;
+        }
+        int r = handle(h, op, op + op_size(h->opcode), out + sizeof(struct out_header));
+        if (r == NO_REPLY)
+            continue;
         oh->error = r < 0 ? r : 0;
         oh->len = sizeof *oh + (r > 0 ? r : 0);
         if (write(fuse_fd, out, oh->len) < 0 && errno != ENOENT)
@@ -191,7 +238,8 @@ static void *serve_dev(void *spin) {
 }
 
 /* ------------------------------------------------------------------ handoff */
-struct handoff { const struct in_header *h; const void *op; char *out; int reply_fd; };
+struct handoff { const struct in_header *h; const void *op; const char *name; char *out;
+                 int reply_fd; };
 static int handoff_fds[2] = { -1, -1 };
 
 static void *namespace_thread(void *arg) {
@@ -205,18 +253,18 @@ static void *namespace_thread(void *arg) {
         struct handoff m;
         if (read(handoff_fds[0], &m, sizeof m) != sizeof m)
             continue;
-        int r = handle(m.h, m.op, m.out);
+        int r = handle(m.h, m.op, m.name, m.out);
         if (write(m.reply_fd, &r, sizeof r) < 0) {}
     }
     return NULL;
 }
 
 /* handle(), on the namespace thread for LOOKUP and CREATE when requests are handed off */
-static int handle_here_or_there(const struct in_header *h, const void *op, char *out,
-                                int reply[2]) {
+static int handle_here_or_there(const struct in_header *h, const void *op, const char *name,
+                                char *out, int reply[2]) {
     if (handoff_fds[1] < 0 || (h->opcode != LOOKUP && h->opcode != CREATE))
-        return handle(h, op, out);
-    struct handoff m = { h, op, out, reply[1] };
+        return handle(h, op, name, out);
+    struct handoff m = { h, op, name, out, reply[1] };
     int r;
     if (write(handoff_fds[1], &m, sizeof m) != sizeof m)
         return -EIO;
@@ -302,9 +350,14 @@ static void serve_ring(int first, int count) {
         __sync_fetch_and_add(&served_ring, 1);
         uint64_t unique = h->unique;
         int destroy = h->opcode == DESTROY;
-        int r = handle_here_or_there(h, e->hdr->op_in, out, reply);
-        if (r > 0)
-            memcpy(e->payload, out, r);  /* reply bodies go in the payload buffer */
+        int r;
+        if (h->opcode == READ) {
+            r = read_length(h, e->hdr->op_in);  /* (the payload buffer's bytes) */
+        } else {
+            r = handle_here_or_there(h, e->hdr->op_in, e->payload, out, reply);
+            if (r > 0)
+                memcpy(e->payload, out, r);  /* reply bodies go in the payload buffer */
+        }
         struct out_header *oh = (void *)e->hdr->in_out;
         oh->unique = unique;
         oh->error = r < 0 ? r : 0;
@@ -447,7 +500,26 @@ static int client(int argc, char **argv) {
         }
     close(fd);
     double t2 = now();
-    printf("%.2f %.2f\n", n ? (t1 - t0) / n * 1e6 : 0.0, m ? (t2 - t1) / m * 1e6 : 0.0);
+    for (int i = 0; i < n; i++) {
+        snprintf(path, sizeof path, "%s/r%d_%d", dir, size, i);
+        fd = open(path, O_RDONLY);
+        if (fd < 0 || read(fd, buf, MAX_WRITE) != size || close(fd)) {
+            perror(path);
+            return 1;
+        }
+    }
+    double t3 = now();
+    snprintf(path, sizeof path, "%s/r%ld_big", dir, (long)m * MAX_WRITE);
+    fd = open(path, O_RDONLY);
+    for (int i = 0; i < m; i++)
+        if (fd < 0 || read(fd, buf, MAX_WRITE) != MAX_WRITE) {
+            perror(path);
+            return 1;
+        }
+    close(fd);
+    double t4 = now();
+    printf("%.2f %.2f %.2f %.2f\n", n ? (t1 - t0) / n * 1e6 : 0.0, m ? (t2 - t1) / m * 1e6 : 0.0,
+           n ? (t3 - t2) / n * 1e6 : 0.0, m ? (t4 - t3) / m * 1e6 : 0.0);
     return 0;
 }
 

@@ -3,9 +3,11 @@ request is served (docs/benchmarks.md, "What the FUSE transport costs").
 
 A file system that keeps nothing (transport.c, built here with gcc against the system
 liburing) is mounted and served in several ways; a client program creates, writes once and
-closes ``--files`` small files (six requests each, four of them waited for), then makes
-``--writes`` writes of 1 MiB (one WRITE request each). Neither side does any work of its own,
-so the times are the kernel's FUSE path, the copies and the wake-ups:
+closes ``--files`` small files (six requests each, four of them waited for), makes
+``--writes`` writes of 1 MiB (one WRITE request each), then opens, reads and closes as many
+small files (LOOKUP, OPEN, READ, RELEASE) and reads 1 MiB as many times (one READ each, direct
+I/O). Neither side does any work of its own, so the times are the kernel's FUSE path, the
+copies and the wake-ups:
 
   dev-cross        /dev/fuse read/write; the server on CPU 1, the client on CPU 0
   dev-spin-cross   the same, the server polling 250 us before each blocking read (ckptfs's
@@ -115,7 +117,7 @@ def run_one(exe: str, name: str, files: int, size: int, writes: int) -> dict:
                              preexec_fn=on(client_cpus))
         if res.returncode != 0:
             raise RuntimeError(f"{name}: the client failed: {res.stderr.strip()}")
-        per_file, per_write = map(float, res.stdout.split())
+        per_file, per_write, per_file_read, per_read = map(float, res.stdout.split())
     finally:
         _unmount(mnt)
         try:
@@ -129,8 +131,9 @@ def run_one(exe: str, name: str, files: int, size: int, writes: int) -> dict:
         os.rmdir(mnt)
     m = re.match(r"served (\d+) on /dev/fuse, (\d+) on io_uring", served)
     on_ring = int(m.group(2)) if m else -1
-    return {"us_per_file": per_file, "us_per_mib_write": per_write, "on_io_uring": on_ring,
-            "served": served}
+    return {"us_per_file": per_file, "us_per_mib_write": per_write,
+            "us_per_file_read": per_file_read, "us_per_mib_read": per_read,
+            "on_io_uring": on_ring, "served": served}
 
 
 def machine() -> dict:
@@ -188,9 +191,9 @@ def main(argv: list[str]) -> int:
                 if r:  # (round 0 warms up)
                     results[v].append(out)
                 print(f"round {r}{' (warm-up)' if not r else ''} {v}: "
-                      f"{out['us_per_file']:.1f} us per file, "
-                      f"{out['us_per_mib_write']:.1f} us per 1 MiB write ({out['served']})",
-                      flush=True)
+                      f"{out['us_per_file']:.1f} / {out['us_per_mib_write']:.1f} us per file / "
+                      f"1 MiB written, {out['us_per_file_read']:.1f} / "
+                      f"{out['us_per_mib_read']:.1f} read ({out['served']})", flush=True)
     except RuntimeError as exc:
         print(f"ckptfs bench transport: {exc}", file=sys.stderr)
         return 1
@@ -201,16 +204,17 @@ def main(argv: list[str]) -> int:
     facts = machine()
     print(f"\nkernel {facts['kernel']}, {facts['cpus']} CPUs, guest halt polling "
           f"{facts['guest_halt_poll_ns']} ns; {a.files} files of {a.size} B and {a.writes} "
-          f"writes of 1 MiB per run, medians of {a.rounds} rounds\n")
-    print("| variant | us per small file | us per 1 MiB write | requests on io_uring |")
-    print("|---|---:|---:|---:|")
+          f"writes of 1 MiB per run, then as many reads, medians of {a.rounds} rounds\n")
+    print("| variant | us per small file written | per 1 MiB written | per small file read "
+          "| per 1 MiB read | requests on io_uring |")
+    print("|---|---:|---:|---:|---:|---:|")
     summary = {}
+    keys = ("us_per_file", "us_per_mib_write", "us_per_file_read", "us_per_mib_read")
     for v, runs in results.items():
-        f = statistics.median(x["us_per_file"] for x in runs)
-        w = statistics.median(x["us_per_mib_write"] for x in runs)
-        ring = min(x["on_io_uring"] for x in runs)
-        summary[v] = {"us_per_file": f, "us_per_mib_write": w, "on_io_uring": ring}
-        print(f"| {v} | {f:.1f} | {w:.1f} | {ring} |")
+        summary[v] = {k: statistics.median(x[k] for x in runs) for k in keys}
+        summary[v]["on_io_uring"] = min(x["on_io_uring"] for x in runs)
+        print(f"| {v} | " + " | ".join(f"{summary[v][k]:.1f}" for k in keys)
+              + f" | {summary[v]['on_io_uring']} |")
     if a.json:
         with open(a.json, "w") as fp:
             json.dump({"machine": facts, "files": a.files, "size": a.size, "writes": a.writes,
