@@ -284,7 +284,16 @@ struct entry { struct ring_header *hdr; char *payload; struct iovec iov[2]; int 
 static void queue_cmd(struct io_uring *ring, struct entry *e, int idx, uint32_t cmd,
                       uint64_t commit_id) {
     struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-    memset(sqe, 0, 128);  /* (SQE128: the command area is the second half) */
+    if (!sqe) {  /* (full: what is queued goes first) */
+        io_uring_submit(ring);
+        sqe = io_uring_get_sqe(ring);
+    }
+    if (!sqe) {
+        fprintf(stderr, "io_uring: no free submission entry\n");
+        exit(1);
+    }
+    /* SQE128: the entry is two struct io_uring_sqe, the command area the second half */
+    memset(sqe, 0, 2 * sizeof *sqe);
     sqe->opcode = IORING_OP_URING_CMD;
     sqe->fd = fuse_fd;
     sqe->cmd_op = cmd;
