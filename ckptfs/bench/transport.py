@@ -5,8 +5,8 @@ A file system that keeps nothing (transport.c, built here with gcc against the s
 liburing) is mounted and served in several ways; a client program creates, writes once and
 closes ``--files`` small files (six requests each, four of them waited for), makes
 ``--writes`` writes of 1 MiB (one WRITE request each), then opens, reads and closes as many
-small files (LOOKUP, OPEN, READ, RELEASE) and reads 1 MiB as many times (one READ each, direct
-I/O). Neither side does any work of its own, so the times are the kernel's FUSE path, the
+small files (LOOKUP, OPEN, READ, FLUSH, RELEASE) and reads 1 MiB as many times (one READ
+each, direct I/O). Neither side does any work of its own, so the times are the kernel's FUSE path, the
 copies and the wake-ups:
 
   dev-cross        /dev/fuse read/write; the server on CPU 1, the client on CPU 0
