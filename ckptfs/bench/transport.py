@@ -6,8 +6,8 @@ liburing) is mounted and served in several ways; a client program creates, write
 closes ``--files`` small files (six requests each, four of them waited for), makes
 ``--writes`` writes of 1 MiB (one WRITE request each), then opens, reads and closes as many
 small files (LOOKUP, OPEN, READ, FLUSH, RELEASE) and reads 1 MiB as many times (one READ
-each, direct I/O). Neither side does any work of its own, so the times are the kernel's FUSE path, the
-copies and the wake-ups:
+each, direct I/O). Neither side does any work of its own, so the times are the kernel's FUSE
+path, the copies and the wake-ups:
 
   dev-cross        /dev/fuse read/write; the server on CPU 1, the client on CPU 0
   dev-spin-cross   the same, the server polling 250 us before each blocking read (ckptfs's
