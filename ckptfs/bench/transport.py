@@ -162,8 +162,11 @@ def main(argv: list[str]) -> int:
     if os.geteuid() != 0:
         print("ckptfs bench transport: needs root (mount(2))", file=sys.stderr)
         return 2
-    if (os.cpu_count() or 1) < 2:
-        names = [v for v in names if "cross" not in v]
+    allowed = os.sched_getaffinity(0)
+    pinned = [v for v in names if not all(c is ALL or c <= allowed for c in VARIANTS[v][2:4])]
+    if pinned:  # (one CPU, or a cpuset without CPUs 0 and 1)
+        print(f"CPUs {sorted(allowed)} only: {', '.join(pinned)} skipped")
+        names = [v for v in names if v not in pinned]
     uring_was = _read(ENABLE_URING)
     if any(VARIANTS[v][0] == "uring" for v in names):
         if uring_was is None:
