@@ -335,7 +335,8 @@ static void serve_ring(int first, int count) {
     }
     for (;;) {
         struct io_uring_cqe *cqe = NULL;
-        if (ring_spin_s > 0) {
+        if (ring_spin_s > 0) {  /* (the last commit goes first; else submit_and_wait takes it) */
+            io_uring_submit(&ring);
             double end = now() + ring_spin_s;
             while (io_uring_peek_cqe(&ring, &cqe) != 0 && now() < end)
                 io_uring_get_events(&ring);
@@ -373,9 +374,10 @@ static void serve_ring(int first, int count) {
         oh->len = sizeof *oh + (r > 0 ? r : 0);
         e->hdr->ent.payload_sz = r > 0 ? r : 0;
         queue_cmd(&ring, e, idx, URING_COMMIT_AND_FETCH, e->hdr->ent.commit_id);
-        io_uring_submit(&ring);
-        if (destroy)
+        if (destroy) {
+            io_uring_submit(&ring);
             finish(0);
+        }
     }
 }
 

@@ -44,9 +44,10 @@ import sys
 import tempfile
 import time
 
+from ckptfs.system import guest_halt_poll_ns
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport.c")
 ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
-HALT_POLL = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
 ALL = None  # (every CPU)
 # name: (mode, spin us, server CPUs, client CPUs, a thread per queue, queue threads pinned,
 # namespace requests handed to one thread)
@@ -109,8 +110,9 @@ def run_one(exe: str, name: str, files: int, size: int, writes: int) -> dict:
         ready, _, _ = select.select([server.stdout], [], [], READY_TIMEOUT_S)
         line = server.stdout.readline() if ready else b""
         if line.strip() != b"ready":
+            server.kill()  # (its error output ends with it, so reading it cannot hang)
             raise RuntimeError(f"{name}: the server did not start: "
-                               + server.stderr.read1(4096).decode(errors="replace").strip())
+                               + server.stderr.read().decode(errors="replace").strip())
         time.sleep(0.2)  # (io_uring: the queues' entries registered)
         res = subprocess.run([exe, "client", mnt, str(files), str(size), str(writes)],
                              capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
@@ -138,7 +140,7 @@ def run_one(exe: str, name: str, files: int, size: int, writes: int) -> dict:
 
 def machine() -> dict:
     return {"kernel": platform.release(), "cpus": os.cpu_count(),
-            "guest_halt_poll_ns": _read(HALT_POLL), "enable_uring": _read(ENABLE_URING)}
+            "guest_halt_poll_ns": guest_halt_poll_ns(), "enable_uring": _read(ENABLE_URING)}
 
 
 def main(argv: list[str]) -> int:
@@ -205,9 +207,11 @@ def main(argv: list[str]) -> int:
             _write(ENABLE_URING, "N")
         shutil.rmtree(tmp, ignore_errors=True)
     facts = machine()
-    print(f"\nkernel {facts['kernel']}, {facts['cpus']} CPUs, guest halt polling "
-          f"{facts['guest_halt_poll_ns']} ns; {a.files} files of {a.size} B and {a.writes} "
-          f"writes of 1 MiB per run, then as many reads, medians of {a.rounds} rounds\n")
+    poll = facts["guest_halt_poll_ns"]
+    poll = "n/a (not a haltpoll guest)" if poll is None else f"{poll} ns"
+    print(f"\nkernel {facts['kernel']}, {facts['cpus']} CPUs, guest halt polling {poll}; "
+          f"{a.files} files of {a.size} B and {a.writes} writes of 1 MiB per run, then as many "
+          f"reads, medians of {a.rounds} rounds\n")
     print("| variant | us per small file written | per 1 MiB written | per small file read "
           "| per 1 MiB read | requests on io_uring |")
     print("|---|---:|---:|---:|---:|---:|")
