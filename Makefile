@@ -23,7 +23,7 @@ deps:
 	fi
 
 # The virtual environment; torch is pinned so that this machine takes its CPU build.
-$(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py
+$(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py ckptfs/fuse/ring.c
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0

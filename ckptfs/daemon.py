@@ -75,6 +75,8 @@ def _check_config(self) -> None:
         raise ValueError("--refresh must be between 0 and 30 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
+    if self.fuse_uring and not self.fast_path:
+        raise ValueError("--fuse-uring needs the fast path (drop --no-fast-path)")
     if not 1 <= self.data_logs <= 256:
         raise ValueError("--data-logs must be between 1 and 256")
     if not 0 <= self.clean_below <= 1:
@@ -340,7 +342,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (loop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s, interrupts)) \
+        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s, interrupts,
+                                                     cfg.fuse_uring)) \
             if cfg.fast_path else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
         if ops.request_wait is not None:

@@ -137,6 +137,10 @@ OPTIONS: tuple[Option, ...] = (
            "the daemon reads requests itself: WRITE payloads land straight in the staging "
            "segment; READ, WRITE, FLUSH, RELEASE, LOOKUP, GETATTR, OPEN and CREATE skip "
            "pyfuse3 (off: pyfuse3 serves every request)"),
+    Option("fuse-uring", "fuse_uring", "switch", False,
+           "requests on FUSE's per-CPU io_uring queues, each served from its caller's CPU "
+           "(fewer wake-ups between CPUs; Linux 6.14+ with /sys/module/fuse/parameters/"
+           "enable_uring = Y, else /dev/fuse with a warning; needs the fast path)"),
     Option("writeback-cache", "writeback_cache", "switch", False,
            "kernel writeback cache: merges small writes into 1 MiB requests (for workloads "
            "of small writes); turns --direct-writes off"),

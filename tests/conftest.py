@@ -1,14 +1,52 @@
 """Shared fixtures. Mount work always has a timeout (pytest-timeout, see pyproject) and every
-mount is unmounted in teardown, `fusermount3 -uz` and SIGKILL by PID as the last resort."""
+mount is unmounted in teardown, `fusermount3 -uz` and SIGKILL by PID as the last resort.
+
+CKPTFS_TEST_FUSE_URING=1 runs every mount made here with --fuse-uring (FUSE over io_uring:
+fuse/ring.py), the kernel's switch turned on for the session and put back after (root; the
+tests are skipped where this kernel has no such switch)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
 import pytest
 
 from ckptfs import api
+from ckptfs.fuse import ring
+
+FUSE_URING = os.environ.get("CKPTFS_TEST_FUSE_URING") == "1"
+
+
+@contextlib.contextmanager
+def uring_switch(value: str = "Y"):
+    """The kernel's FUSE over io_uring switch set to `value` for the block, then put back.
+    Skips the test where the kernel has none or it cannot be written."""
+    try:
+        with open(ring.ENABLE_URING) as f:
+            was = f.read().strip()
+    except OSError:
+        pytest.skip("this kernel has no FUSE over io_uring")
+    try:
+        with open(ring.ENABLE_URING, "w") as f:
+            f.write(value)
+    except OSError as exc:
+        pytest.skip(f"cannot set {ring.ENABLE_URING}: {exc}")
+    try:
+        yield
+    finally:
+        with open(ring.ENABLE_URING, "w") as f:
+            f.write(was)
+
+
+@pytest.fixture(scope="session", autouse=FUSE_URING)
+def fuse_uring_session():
+    if not FUSE_URING:
+        yield
+        return
+    with uring_switch("Y"):
+        yield
 
 
 class Mounts:
@@ -33,6 +71,8 @@ class Mounts:
         options.setdefault("staging_size", "64M")
         options.setdefault("segment_size", "4M")
         options.setdefault("read_cache", "64M")
+        if FUSE_URING and options.get("fast_path", True):
+            options.setdefault("fuse_uring", True)
         # (the staging memory is faulted in and registered with io_uring as in a user's
         # mount: the fixed-buffer writes are the ones tested; a few tests pass no_populate)
         log_file = os.path.join(self.tmp, f"daemon{self.n}.log")

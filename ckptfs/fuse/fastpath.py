@@ -45,12 +45,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 import struct
 
 import pyfuse3
 import trio
 
+from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
 from ckptfs.fuse.ops import ATTR_TIMEOUT_S, SETID_BITS
@@ -92,6 +94,8 @@ WRITE_OUT = struct.Struct("<IiQII")  # out header + size pad
 INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
 INIT_OUT = struct.Struct("<IIIIHHI")  # major minor max_readahead flags max_bg congestion max_write
 INIT_OUT_FLAGS2 = 32  # offset of flags2 in fuse_init_out (64 bytes since 7.23)
+INIT_OUT_MAX_PAGES = struct.Struct("<H")  # fuse_init_out.max_pages, at offset 28 (7.28+)
+FUSE_MAX_PAGES = 1 << 22
 OPEN_IN = struct.Struct("<II")  # flags open_flags
 CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags
 # fuse_attr: ino size blocks atime mtime ctime (s) atime mtime ctime (ns) mode nlink uid gid
@@ -148,7 +152,7 @@ class FastPath(RequestWait):
     returns True (pyfuse3 then reads it)."""
 
     def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float,
-                 interrupts: Interrupts) -> None:
+                 interrupts: Interrupts, uring: bool = False) -> None:
         super().__init__(fuse_fd, spin_s)
         self.lib_fd = lib_fd  # libfuse's descriptor number (now our socket's other end)
         self.sock = sock
@@ -173,9 +177,22 @@ class FastPath(RequestWait):
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
+        # FUSE over io_uring (fuse/ring.py): wanted, then running once INIT is answered
+        self.uring_wanted = uring
+        self.uring_offered = False
+        self.ring: fring.Ring | None = None
+        self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
+        self.ring_turn = 0
+        self.transport = "/dev/fuse"
+        if uring:
+            # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
+            self.epoll = select.epoll()
+            self.epoll.register(fuse_fd, select.EPOLLIN)
+            self.wait_fd = self.epoll.fileno()
 
     @classmethod
-    def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts) -> "FastPath":
+    def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts,
+               uring: bool = False) -> "FastPath":
         """Move libfuse's descriptor `lib_fd` onto a socket and keep /dev/fuse for us."""
         fuse_fd = os.dup(lib_fd)  # the session's /dev/fuse, under a new number
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -188,7 +205,7 @@ class FastPath(RequestWait):
         os.dup2(theirs.fileno(), lib_fd, inheritable=False)
         theirs.close()
         os.set_blocking(fuse_fd, False)
-        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts)
+        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts, uring)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""
@@ -197,6 +214,9 @@ class FastPath(RequestWait):
         self.detached = True
         self.closed = True
         self.interrupts.stop()  # (the fd goes)
+        self.stop_ring()
+        if self.uring_wanted:
+            self.epoll.close()
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
         os.close(self.fd)
@@ -207,15 +227,27 @@ class FastPath(RequestWait):
         c.update(writes_in_place=self.writes_in_place, bytes_in_place=self.bytes_in_place,
                  bytes_copied_in=self.bytes_copied, reads_direct=self.reads_direct,
                  requests_forwarded=self.forwarded, requests_answered_here=self.answered,
-                 requests_interrupted=self.interrupts.count)
+                 requests_interrupted=self.interrupts.count, transport=self.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
+        if self.ring is not None:
+            c.update(self.ring.counts())
         return c
 
     def close(self) -> None:
         super().close()
         self.interrupts.stop()
         # pyfuse3.terminate() wakes waiters on libfuse's descriptor, not on ours
-        trio.lowlevel.notify_closing(self.fd)
+        trio.lowlevel.notify_closing(self.wait_fd)
+
+    def probe(self, timeout: int) -> bool:
+        ring = self.ring
+        if ring is not None and ring.pending():
+            return True
+        return bool(self.poller.poll(timeout))
+
+    def park(self, sleeping: bool) -> bool:
+        ring = self.ring
+        return ring.sleep(sleeping) if ring is not None else False
 
     async def __call__(self) -> bool:
         task = trio.lowlevel.current_task()
@@ -234,6 +266,14 @@ class FastPath(RequestWait):
     # ------------------------------------------------------------ requests
     async def serve_one(self) -> bool:
         """Read one request and serve it; True if it was handed to libfuse instead."""
+        ring = self.ring
+        if ring is not None and ring.pending():
+            # (/dev/fuse is looked at every few ring requests: INTERRUPTs come there)
+            self.ring_turn += 1
+            if self.ring_turn & 7 or not self.poller.poll(0):
+                i = ring.take()
+                if i >= 0:
+                    return await self.serve_ring(i)
         head = self.head
         if self.overflow is None:
             self.overflow = bytearray(self.request_max)
@@ -283,7 +323,54 @@ class FastPath(RequestWait):
                                     self.body(n, bufs))
                 return False
             self.answered -= 1
-        self.forward(n, bufs, opcode, unique, pid)
+        self.forward(self.pieces(n, bufs), opcode, unique, pid)
+        return True
+
+    async def serve_ring(self, i: int) -> bool:
+        """Serve the request in ring entry i (fuse/ring.py) as serve_one serves one read from
+        /dev/fuse; True if it was handed to libfuse."""
+        ring = self.ring
+        h, psz = ring.request(i)
+        length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
+        self.ring_uniques[unique] = i
+        pay = ring.views[i]
+        # the op's fixed part (in the header buffer); the rest is in the payload buffer
+        opsize = length - IN_HEADER.size - psz
+        if not 0 <= opsize <= fring.OP_IN_SIZE:
+            log.error("ring request %d: %d bytes, %d of payload", opcode, length, psz)
+            self.reply_error(unique, errno.EIO)
+            return False
+        op = fring.OP_IN
+        if not extlen:
+            self.answered += 1
+            if opcode == FUSE_WRITE:
+                fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(h, op)
+                if size != psz:
+                    self.reply_error(unique, errno.EIO)
+                    return False
+                await self.write_landed(unique, fh, off, size, write_flags, pid, None, None,
+                                        pay)
+                return False
+            if opcode == FUSE_READ:
+                await self.read(unique, pid, h, op)
+                return False
+            if opcode == FUSE_FLUSH:
+                await self.simple(unique, self.ops.flush, FH_IN.unpack_from(h, op)[0])
+                return False
+            if opcode == FUSE_RELEASE:
+                await self.simple(unique, self.ops.release, FH_IN.unpack_from(h, op)[0])
+                return False
+            if opcode == FUSE_IOCTL:
+                self.reply_error(unique, errno.ENOTTY)  # (as serve_one says)
+                return False
+            if opcode in self.entry_ops:
+                await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
+                                    bytes(h[op:op + opsize]) + bytes(pay[:psz]))
+                return False
+            self.answered -= 1
+        head = bytearray(h[:IN_HEADER.size])
+        struct.pack_into("<I", head, 0, IN_HEADER.size + opsize + psz)
+        self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
@@ -291,6 +378,12 @@ class FastPath(RequestWait):
         if n != HEAD + size:
             self.reply_error(unique, errno.EIO)
             return
+        await self.write_landed(unique, fh, off, size, write_flags, pid, t1, t2, None)
+
+    async def write_landed(self, unique: int, fh: int, off: int, size: int, write_flags: int,
+                           pid: int, t1, t2, payload) -> None:
+        """A WRITE whose payload landed in t1 and t2 (the staging's tails) as far as they
+        reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer."""
         ops, staging = self.ops, self.staging
         try:
             h, x = ops.write_target(fh)
@@ -306,10 +399,13 @@ class FastPath(RequestWait):
                 k += k2
             self.bytes_in_place += k
             if size > k:  # the rest went to the overflow buffer: copy it into staging
-                # append() may wait for free buffers: the buffer stays with this request
-                # (other tasks read the next requests into a new one)
-                rest = memoryview(self.overflow)[:size - k]
-                self.overflow = None
+                if payload is not None:
+                    rest = payload[k:size]
+                else:
+                    # append() may wait for free buffers: the buffer stays with this request
+                    # (other tasks read the next requests into a new one)
+                    rest = memoryview(self.overflow)[:size - k]
+                    self.overflow = None
                 done = [k]  # bytes of this write recorded so far
 
                 def counted(seg, dpos, soff, m):
@@ -351,8 +447,8 @@ class FastPath(RequestWait):
         self.writes_in_place += 1
         self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
 
-    async def read(self, unique: int, pid: int = 0) -> None:
-        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+    async def read(self, unique: int, pid: int = 0, head=None, at: int = IN_HEADER.size) -> None:
+        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head if head is None else head, at)
         token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
         try:
             # guarded: only FUSEError escapes
@@ -419,8 +515,9 @@ class FastPath(RequestWait):
             return bytes(self.head[IN_HEADER.size:n])
         return b"".join(self.pieces(n, bufs))[IN_HEADER.size:]
 
-    async def simple(self, unique: int, handler) -> None:
-        fh, = FH_IN.unpack_from(self.head, IN_HEADER.size)
+    async def simple(self, unique: int, handler, fh: int | None = None) -> None:
+        if fh is None:
+            fh, = FH_IN.unpack_from(self.head, IN_HEADER.size)
         try:
             await handler(fh)
         except pyfuse3.FUSEError as exc:
@@ -432,7 +529,18 @@ class FastPath(RequestWait):
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
 
     def send(self, header: bytes, *data) -> bool:
-        """Write a reply; False if the kernel refused it (the request is still waiting)."""
+        """Write a reply; False if the kernel refused it (the request is still waiting). The
+        reply to a request that came on the ring goes into its entry."""
+        if self.ring_uniques:
+            i = self.ring_uniques.pop(OUT_HEADER.unpack_from(header)[2], None)
+            if i is not None:
+                if self.ring.answer(i, header, data):
+                    return True
+                log.error("a reply of %d bytes does not fit the ring entry",
+                          len(header) + sum(map(len, data)))
+                self.ring.answer(i, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO,
+                                                    OUT_HEADER.unpack_from(header)[2]), ())
+                return True
         try:
             if not data:
                 os.write(self.fd, header)
@@ -444,6 +552,34 @@ class FastPath(RequestWait):
                 log.error("replying on /dev/fuse: %s", exc)
                 return False
         return True
+
+    # ------------------------------------------------------------ FUSE over io_uring
+    def start_ring(self) -> None:
+        """Register the per-CPU queues (right after the INIT reply went to the kernel)."""
+        payload, self.uring_offered = self.uring_offered, False
+        try:
+            ring = fring.Ring(self.fd, payload, self.spin_s)
+        except OSError as exc:
+            # (the kernel then keeps every request on /dev/fuse: its queues never got ready)
+            log.warning("--fuse-uring: requests stay on /dev/fuse: %s", exc.strerror)
+            return
+        self.epoll.register(ring.wake_fd, select.EPOLLIN)
+        self.ring = ring
+        self.transport = "io_uring"
+        ring.sleep(self.busy)  # (a task may already sleep in the slow path)
+        log.info("FUSE over io_uring: %d queues of %d entries (%d KiB each), %d of them "
+                 "served from their own CPU", ring.nqueues, ring.depth, payload >> 10,
+                 ring.counts()["ring_queues_pinned"])
+
+    def stop_ring(self) -> None:
+        ring, self.ring = self.ring, None
+        if ring is None:
+            return
+        self.ring_uniques.clear()
+        try:
+            ring.stop()
+        except OSError as exc:
+            log.error("FUSE over io_uring: %s", exc.strerror)
 
     # ------------------------------------------------------------ libfuse's side
     @staticmethod
@@ -458,16 +594,16 @@ class FastPath(RequestWait):
                 break
         return parts
 
-    def forward(self, n: int, bufs: list, opcode: int, unique: int, pid: int) -> None:
-        """Hand the request just read (n bytes across `bufs`) to libfuse."""
+    def forward(self, parts: list, opcode: int, unique: int, pid: int) -> None:
+        """Hand the request just read (its bytes: `parts`) to libfuse."""
         if opcode == FUSE_INIT:
             self.init_unique = unique
-            if n >= IN_HEADER.size + INIT_IN.size:
+            if sum(map(len, parts)) >= IN_HEADER.size + INIT_IN.size:
                 _, _, _, flags, flags2 = INIT_IN.unpack_from(self.head, IN_HEADER.size)
                 self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
-        self.sock.sendmsg(self.pieces(n, bufs))
+        self.sock.sendmsg(parts)
         if opcode in INTERRUPTIBLE_FORWARDED:
             self.interrupts.forwarded(unique, pid)
 
@@ -490,6 +626,10 @@ class FastPath(RequestWait):
                 if unique == self.init_unique:
                     self.init_unique = -1
                     self.negotiated(msg, err)
+                    self.send(msg)
+                    if self.uring_offered:  # (the queues register once INIT is answered)
+                        self.start_ring()
+                    continue
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
                     continue
             self.send(msg)
@@ -502,18 +642,36 @@ class FastPath(RequestWait):
         if major != 7 or minor < 12:
             log.info("FUSE protocol %d.%d: every request goes through pyfuse3", major, minor)
             return
-        if (self.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP
-                and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4):
-            # libfuse 3.14 does not know this flag; the READs of a mapping come here anyway.
-            # With it, MAP_SHARED mmap of a --direct-reads file works (through the page
-            # cache) instead of failing with ENODEV, so direct reads can be the default.
+        # Flags libfuse 3.14 does not know, set in its reply:
+        # - FUSE_DIRECT_IO_ALLOW_MMAP: the READs of a mapping come here anyway. With it,
+        #   MAP_SHARED mmap of a --direct-reads file works (through the page cache) instead of
+        #   failing with ENODEV, so direct reads can be the default.
+        # - FUSE_OVER_IO_URING (--fuse-uring): requests on per-CPU rings (fuse/ring.py).
+        more = self.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP
+        if self.uring_wanted:
+            reason = fring.enabled()
+            if reason is None and not self.kernel_flags & fring.FUSE_OVER_IO_URING:
+                reason = "the kernel did not offer it"
+            if reason is None:
+                more |= fring.FUSE_OVER_IO_URING
+            else:
+                log.warning("--fuse-uring: requests stay on /dev/fuse: %s", reason)
+        if more and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4:
             at = OUT_HEADER.size + INIT_OUT_FLAGS2
             flags2 = struct.unpack_from("<I", msg, at)[0] if flags & FUSE_INIT_EXT else 0
-            struct.pack_into("<I", msg, OUT_HEADER.size + 12, flags | FUSE_INIT_EXT)
-            struct.pack_into("<I", msg, at, flags2 | FUSE_DIRECT_IO_ALLOW_MMAP >> 32)
-            self.ops.initialised(shared_mmap_direct=True)
-            log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
-                     "on" if self.ops.negotiated.direct_reads else "off")
+            flags |= FUSE_INIT_EXT
+            struct.pack_into("<I", msg, OUT_HEADER.size + 12, flags)
+            struct.pack_into("<I", msg, at, flags2 | more >> 32)
+            if more & FUSE_DIRECT_IO_ALLOW_MMAP:
+                self.ops.initialised(shared_mmap_direct=True)
+                log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
+                         "on" if self.ops.negotiated.direct_reads else "off")
+            if more & fring.FUSE_OVER_IO_URING:
+                pages = (INIT_OUT_MAX_PAGES.unpack_from(msg, OUT_HEADER.size + 28)[0]
+                         if flags & FUSE_MAX_PAGES else 32)
+                # (the kernel's least: max_write, max_pages pages, FUSE_MIN_READ_BUFFER)
+                payload = max(8192, max_write, pages * 4096)
+                self.uring_offered = (payload + 4095) & ~4095
         self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
         if len(self.overflow or b"") < self.request_max:
             self.overflow = bytearray(self.request_max)

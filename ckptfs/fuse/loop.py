@@ -88,6 +88,7 @@ def fuse_fds() -> set[int]:
 class RequestWait:
     def __init__(self, fd: int, spin_s: float = 0.0) -> None:
         self.fd = fd
+        self.wait_fd = fd  # what the slow path sleeps on (readable: a request may wait)
         self.spin_s = spin_s
         # Work for the moments no request waits: the staging's owed checksums
         # (datapath/staging.Checksums), set by the daemon once the wait is installed.
@@ -115,8 +116,17 @@ class RequestWait:
                     requests_caught_summing=self.caught_summing,
                     checksum_bytes_summed_idle=work.paid_idle if work is not None else 0)
 
+    def probe(self, timeout: int) -> bool:
+        """Whether a request waits (`timeout`: poll's, always 0 here)."""
+        return bool(self.poller.poll(timeout))
+
+    def park(self, sleeping: bool) -> bool:
+        """Called before the loop sleeps on `wait_fd` (True) and after (False); True: a
+        request came meanwhile (do not sleep). /dev/fuse alone needs nothing here."""
+        return False
+
     def _ready(self) -> bool:
-        return bool(self.poller.poll(0))
+        return self.probe(0)
 
     def _idle(self) -> bool:
         """Sum owed checksums slice by slice (a few microseconds each) until none are owed
@@ -125,7 +135,7 @@ class RequestWait:
         work = self.idle_work
         if work is None or not work.owed:
             return False
-        poll = self.poller.poll
+        poll = self.probe
         while work.owed:
             work.pay_idle()
             if poll(0):
@@ -145,7 +155,7 @@ class RequestWait:
             self.skip -= 1
             return False
         end = time.perf_counter() + self.spin_s
-        poll = self.poller.poll
+        poll = self.probe
         while time.perf_counter() < end:
             if poll(0):
                 self.spun += 1
@@ -187,7 +197,11 @@ class RequestWait:
         self.busy = True
         try:
             while True:
-                await trio.lowlevel.wait_readable(self.fd)
+                if not self.park(True):
+                    try:
+                        await trio.lowlevel.wait_readable(self.wait_fd)
+                    finally:
+                        self.park(False)
                 if self.closed:
                     return False
                 if self._ready():

@@ -55,6 +55,21 @@ int ck_ring_unregister_buffers(struct ck_ring *r);
 unsigned int ck_ring_sq_space(struct ck_ring *r);
 int ck_have_uring(void);
 const char *ck_build_info(void);
+
+/* FUSE over io_uring's queue threads (fuse/ring.c, fuse/ring.py) */
+struct ck_fring;
+struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
+                                int wake_fd, double spin_s, int *err);
+int ck_fring_take(struct ck_fring *f, int *ids, int max);
+int ck_fring_pending(struct ck_fring *f);
+int ck_fring_sleep(struct ck_fring *f, int sleeping);
+void ck_fring_answer(struct ck_fring *f, int id);
+void *ck_fring_header(struct ck_fring *f, int id);
+void *ck_fring_payload(struct ck_fring *f, int id);
+int ck_fring_error(struct ck_fring *f);
+long ck_fring_served(struct ck_fring *f, int qid);
+int ck_fring_pinned(struct ck_fring *f, int qid);
+int ck_fring_stop(struct ck_fring *f);
 """
 
 SOURCE = r"""
@@ -283,6 +298,20 @@ int ck_ring_register_buffers(struct ck_ring *r, void **a, size_t *l, unsigned in
 { (void)r; (void)a; (void)l; (void)n; return -ENOSYS; }
 int ck_ring_unregister_buffers(struct ck_ring *r) { (void)r; return -ENOSYS; }
 unsigned int ck_ring_sq_space(struct ck_ring *r) { (void)r; return 0; }
+
+struct ck_fring { int unused; };
+struct ck_fring *ck_fring_start(int fd, int nq, int d, uint32_t p, int w, double s, int *err)
+{ (void)fd; (void)nq; (void)d; (void)p; (void)w; (void)s; *err = ENOSYS; return NULL; }
+int ck_fring_take(struct ck_fring *f, int *i, int m) { (void)f; (void)i; (void)m; return 0; }
+int ck_fring_pending(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
+void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
+void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
+void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
+int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
+long ck_fring_served(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
+int ck_fring_pinned(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
+int ck_fring_stop(struct ck_fring *f) { (void)f; return 0; }
 """
 
 _PROBE = r"""
@@ -334,6 +363,12 @@ def _c_string(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# FUSE over io_uring's queue threads: C of their own file, in this module because it is the
+# one that links liburing.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fuse",
+                       "ring.c")) as _f:
+    RING_SOURCE = _f.read()
+
 _cflags, _libs, _version = _pkg_config()
 _stub_reason = _probe_liburing(_cflags, _libs)
 
@@ -342,10 +377,10 @@ ffibuilder.cdef(CDEF)
 if _stub_reason is None:
     ffibuilder.set_source(
         "ckptfs.io._uring_cffi",
-        SOURCE,
-        define_macros=[("CK_URING_VERSION", _c_string(_version))],
+        SOURCE + RING_SOURCE,
+        define_macros=[("CK_URING_VERSION", _c_string(_version)), ("_GNU_SOURCE", None)],
         extra_compile_args=["-O2"] + _cflags,
-        extra_link_args=_libs,
+        extra_link_args=_libs + ["-pthread"],
     )
 else:
     ffibuilder.set_source(

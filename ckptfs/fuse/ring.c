@@ -1,0 +1,484 @@
+/* FUSE over io_uring: the queue threads of the daemon's request transport (fuse/ring.py).
+ *
+ * Compiled into ckptfs.io._uring_cffi (io/_uring_build.py): the one C module that links
+ * liburing. With FUSE_OVER_IO_URING negotiated in INIT, the kernel keeps one request queue
+ * per CPU and puts a request on the queue of the CPU its caller runs on. Here one thread per
+ * queue, pinned to that CPU, holds the queue's ring entries (REGISTER, then
+ * COMMIT_AND_FETCH: the answer of one request and the wait for the next in one command).
+ * These threads decide nothing: each request that arrives is handed to the Python side (a
+ * FIFO it polls while requests flow, with an eventfd to wake it when it sleeps), which serves
+ * it with the same handlers as a request read from /dev/fuse and writes the answer into the
+ * entry's buffers; the queue thread commits it.
+ *
+ * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
+ * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
+ * from a daemon on the other CPU has to wake it through the hypervisor. Here the answer is
+ * committed from the caller's own CPU, by a thread that polls for it while the caller waits
+ * (so that CPU never halts), and the caller's wake-up is local.
+ *
+ * Bounds: a queue thread polls only while one of its requests is with the Python side and
+ * only for `spin_s` (then it sleeps until the Python side wakes it); requests the caller does
+ * not wait for (RELEASE, page-cache writeback) are not polled for; the poll yields the CPU
+ * (sched_yield) so that a caller or the Python side that wants this CPU gets it. Memory:
+ * `depth` entries per queue, each a 4 KiB header and a payload buffer of `payload` bytes.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  /* CPU_SET, pthread_setaffinity_np, pthread_timedjoin_np */
+#endif
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+#include <liburing.h>
+
+/* linux/fuse.h (7.42+); Debian's headers predate it */
+#define FR_REGISTER 1
+#define FR_COMMIT_AND_FETCH 2
+#define FR_OP_RELEASE 18
+#define FR_OP_WRITE 16
+#define FR_OP_RELEASEDIR 29
+#define FR_WRITE_CACHE 1u
+
+struct fr_in_header { uint32_t len, opcode; uint64_t unique, nodeid; uint32_t uid, gid, pid;
+                      uint16_t total_extlen, padding; };
+struct fr_ent_in_out { uint64_t flags, commit_id; uint32_t payload_sz, padding;
+                       uint64_t reserved; };
+struct fr_header { char in_out[128]; char op_in[128]; struct fr_ent_in_out ent; };
+struct fr_cmd { uint64_t flags, commit_id; uint16_t qid; uint8_t padding[6]; };
+
+enum { AT_KERNEL = 0, AT_PYTHON = 1, ANSWERED = 2 };
+#define WAKE_TAG UINT64_MAX
+
+struct fr_queue;
+
+struct fr_slot {
+    struct fr_header *hdr;
+    char *payload;
+    struct iovec iov[2];
+    struct fr_queue *q;
+    _Atomic int state;
+    int waited;  /* its caller waits for the answer */
+};
+
+struct fr_queue {
+    struct ck_fring *f;
+    int qid;
+    pthread_t thread;
+    int started, pinned;
+    struct io_uring ring;
+    int ring_ok;
+    int efd;  /* the Python side wakes a sleeping queue thread here */
+    uint64_t efd_buf;
+    _Atomic int sleeping;
+    _Atomic int answered;  /* answers not committed yet */
+    int with_python, waited_with_python;
+    int first_slot;
+    _Atomic long served;
+};
+
+struct ck_fring {
+    int fuse_fd, nqueues, depth;
+    uint32_t payload;
+    double spin_s;
+    struct fr_slot *slots;
+    struct fr_queue *queues;
+    /* the FIFO of slots handed to the Python side */
+    pthread_mutex_t lock;
+    int *fifo;
+    unsigned head, tail;  /* (under lock) */
+    _Atomic int pending;
+    int wake_fd;  /* the Python side's eventfd */
+    _Atomic int py_sleeping;
+    _Atomic int stop;
+    _Atomic int error;  /* the first error a queue thread stopped on (errno) */
+    _Atomic int registered;  /* queues whose entries are registered */
+    _Atomic int failed;      /* queues that could not register */
+};
+
+static double fr_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static struct io_uring_sqe *fr_sqe(struct io_uring *ring)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+    if (!sqe) {  /* (full: what is queued goes first) */
+        io_uring_submit(ring);
+        sqe = io_uring_get_sqe(ring);
+    }
+    return sqe;
+}
+
+static int fr_queue_cmd(struct fr_queue *q, int idx, uint32_t cmd, uint64_t commit_id)
+{
+    struct fr_slot *s = &q->f->slots[idx];
+    struct io_uring_sqe *sqe = fr_sqe(&q->ring);
+    if (!sqe)
+        return -EBUSY;
+    /* SQE128: the entry is two struct io_uring_sqe, the command area the second half */
+    memset(sqe, 0, 2 * sizeof *sqe);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = q->f->fuse_fd;
+    sqe->cmd_op = cmd;
+    sqe->addr = (uint64_t)(uintptr_t)s->iov;
+    sqe->len = 2;
+    sqe->user_data = (uint64_t)idx;
+    struct fr_cmd *c = (void *)sqe->cmd;
+    c->qid = (uint16_t)q->qid;
+    c->commit_id = commit_id;
+    return 0;
+}
+
+static int fr_arm_wake(struct fr_queue *q)
+{
+    struct io_uring_sqe *sqe = fr_sqe(&q->ring);
+    if (!sqe)
+        return -EBUSY;
+    io_uring_prep_read(sqe, q->efd, &q->efd_buf, sizeof q->efd_buf, 0);
+    sqe->user_data = WAKE_TAG;
+    return 0;
+}
+
+static void fr_hand_over(struct ck_fring *f, int idx)
+{
+    pthread_mutex_lock(&f->lock);
+    f->fifo[f->tail++ % (unsigned)(f->nqueues * f->depth)] = idx;
+    pthread_mutex_unlock(&f->lock);
+    atomic_fetch_add(&f->pending, 1);
+    if (atomic_exchange(&f->py_sleeping, 0)) {
+        uint64_t one = 1;
+        if (write(f->wake_fd, &one, sizeof one) < 0) {}
+    }
+}
+
+/* Commit the answers the Python side left; returns how many. */
+static int fr_commit_answers(struct fr_queue *q)
+{
+    struct ck_fring *f = q->f;
+    if (!atomic_load(&q->answered))
+        return 0;
+    int n = 0;
+    for (int i = q->first_slot; i < q->first_slot + f->depth; i++) {
+        struct fr_slot *s = &f->slots[i];
+        if (atomic_load_explicit(&s->state, memory_order_acquire) != ANSWERED)
+            continue;
+        atomic_fetch_sub(&q->answered, 1);
+        q->with_python--;
+        if (s->waited)
+            q->waited_with_python--;
+        atomic_store(&s->state, AT_KERNEL);
+        if (fr_queue_cmd(q, i, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) == 0)
+            n++;
+    }
+    return n;
+}
+
+/* Requests the kernel delivered: to the Python side. Returns how many CQEs were seen, or
+ * -errno when the connection is gone. */
+static int fr_reap(struct fr_queue *q)
+{
+    struct ck_fring *f = q->f;
+    struct io_uring_cqe *cqe;
+    int n = 0;
+    while (io_uring_peek_cqe(&q->ring, &cqe) == 0) {
+        uint64_t tag = cqe->user_data;
+        int res = cqe->res;
+        io_uring_cqe_seen(&q->ring, cqe);
+        n++;
+        if (tag == WAKE_TAG) {
+            if (fr_arm_wake(q) < 0)
+                return -EBUSY;
+            continue;
+        }
+        if (res < 0)
+            return res;
+        struct fr_slot *s = &f->slots[tag];
+        const struct fr_in_header *h = (const void *)s->hdr->in_out;
+        const uint32_t *write_flags = (const void *)(s->hdr->op_in + 20);
+        s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
+                      || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
+        q->with_python++;
+        if (s->waited)
+            q->waited_with_python++;
+        atomic_fetch_add(&q->served, 1);
+        atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
+        fr_hand_over(f, (int)tag);
+    }
+    return n;
+}
+
+static void *fr_serve(void *arg)
+{
+    struct fr_queue *q = arg;
+    struct ck_fring *f = q->f;
+    int err = 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(q->qid, &set);
+    /* (a CPU this process may not use: served from wherever the scheduler runs the thread) */
+    q->pinned = pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+    for (int i = q->first_slot; i < q->first_slot + f->depth && !err; i++)
+        err = fr_queue_cmd(q, i, FR_REGISTER, 0);
+    if (!err)
+        err = fr_arm_wake(q);
+    if (!err) {
+        int k = io_uring_submit(&q->ring);
+        err = k < 0 ? k : 0;
+    }
+    if (!err) {
+        /* A registration the kernel refuses fails at once; one it takes stays pending. */
+        struct __kernel_timespec ts = { 0, 20 * 1000 * 1000 };
+        struct io_uring_cqe *cqe;
+        if (io_uring_wait_cqe_timeout(&q->ring, &cqe, &ts) == 0 && cqe->user_data != WAKE_TAG
+                && cqe->res < 0)
+            err = cqe->res;
+    }
+    if (err) {
+        int zero = 0;
+        atomic_compare_exchange_strong(&f->error, &zero, -err);
+        atomic_fetch_add(&f->failed, 1);
+        return NULL;
+    }
+    atomic_fetch_add(&f->registered, 1);
+    while (!atomic_load(&f->stop)) {
+        int work = fr_commit_answers(q);
+        int r = fr_reap(q);
+        if (r < 0) {
+            if (r != -ENOTCONN && r != -ECANCELED && r != -ENODEV) {
+                int zero = 0;
+                atomic_compare_exchange_strong(&f->error, &zero, -r);
+            }
+            break;
+        }
+        if (work || r)
+            continue;
+        if (q->waited_with_python > 0 && f->spin_s > 0) {
+            /* A caller on this CPU waits for the Python side's answer: poll for it, so that
+             * this CPU does not halt and the answer does not pay a wake-up. */
+            io_uring_submit(&q->ring);
+            double end = fr_now() + f->spin_s;
+            struct io_uring_cqe *cqe;
+            int found = 0;
+            while (!atomic_load(&f->stop) && fr_now() < end) {
+                if (atomic_load(&q->answered) || io_uring_peek_cqe(&q->ring, &cqe) == 0) {
+                    found = 1;
+                    break;
+                }
+                sched_yield();
+            }
+            if (found)
+                continue;
+        }
+        atomic_store(&q->sleeping, 1);
+        if (atomic_load(&q->answered) || atomic_load(&f->stop)) {
+            atomic_store(&q->sleeping, 0);
+            continue;
+        }
+        int k = io_uring_submit_and_wait(&q->ring, 1);
+        atomic_store(&q->sleeping, 0);
+        if (k < 0 && k != -EINTR && k != -EAGAIN && k != -EBUSY) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&f->error, &zero, -k);
+            break;
+        }
+    }
+    return NULL;
+}
+
+static void fr_wake(struct fr_queue *q)
+{
+    uint64_t one = 1;
+    if (write(q->efd, &one, sizeof one) < 0) {}
+}
+
+void ck_fring_free(struct ck_fring *f);
+
+/* Start nqueues queue threads with depth entries each; the Python side's eventfd is wake_fd.
+ * Waits until every queue has registered its entries (or one failed: NULL, *err set). */
+struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
+                                int wake_fd, double spin_s, int *err)
+{
+    struct ck_fring *f = calloc(1, sizeof *f);
+    *err = ENOMEM;
+    if (!f)
+        return NULL;
+    f->fuse_fd = fuse_fd;
+    f->nqueues = nqueues;
+    f->depth = depth;
+    f->payload = payload;
+    f->wake_fd = wake_fd;
+    f->spin_s = spin_s;
+    pthread_mutex_init(&f->lock, NULL);
+    int n = nqueues * depth;
+    f->slots = calloc(n, sizeof *f->slots);
+    f->queues = calloc(nqueues, sizeof *f->queues);
+    f->fifo = calloc(n, sizeof *f->fifo);
+    if (!f->slots || !f->queues || !f->fifo)
+        goto fail;
+    for (int i = 0; i < nqueues; i++)
+        f->queues[i].efd = -1;
+    for (int i = 0; i < n; i++) {
+        struct fr_slot *s = &f->slots[i];
+        s->hdr = aligned_alloc(4096, 4096);
+        s->payload = aligned_alloc(4096, (payload + 4095) & ~4095u);
+        if (!s->hdr || !s->payload)
+            goto fail;
+        memset(s->hdr, 0, 4096);
+        s->iov[0] = (struct iovec){ s->hdr, sizeof(struct fr_header) };
+        s->iov[1] = (struct iovec){ s->payload, payload };
+        s->q = &f->queues[i / depth];
+    }
+    for (int i = 0; i < nqueues; i++) {
+        struct fr_queue *q = &f->queues[i];
+        q->f = f;
+        q->qid = i;
+        q->first_slot = i * depth;
+        q->efd = eventfd(0, EFD_CLOEXEC);
+        if (q->efd < 0) {
+            *err = errno;
+            goto fail;
+        }
+        struct io_uring_params par = { .flags = IORING_SETUP_SQE128 };
+        int r = io_uring_queue_init_params(4 * depth + 8, &q->ring, &par);
+        if (r < 0) {
+            *err = -r;
+            goto fail;
+        }
+        q->ring_ok = 1;
+    }
+    for (int i = 0; i < nqueues; i++) {
+        struct fr_queue *q = &f->queues[i];
+        int r = pthread_create(&q->thread, NULL, fr_serve, q);
+        if (r) {
+            *err = r;
+            atomic_store(&f->stop, 1);
+            goto fail;
+        }
+        q->started = 1;
+    }
+    double end = fr_now() + 5.0;
+    while (atomic_load(&f->registered) + atomic_load(&f->failed) < nqueues && fr_now() < end)
+        usleep(200);
+    if (atomic_load(&f->failed) || atomic_load(&f->registered) < nqueues) {
+        *err = atomic_load(&f->error) ? atomic_load(&f->error) : ETIMEDOUT;
+        atomic_store(&f->stop, 1);
+        goto fail;
+    }
+    *err = 0;
+    return f;
+fail:
+    ck_fring_free(f);
+    return NULL;
+}
+
+/* Take up to max slots handed to the Python side (FIFO); returns how many. */
+int ck_fring_take(struct ck_fring *f, int *ids, int max)
+{
+    if (!atomic_load(&f->pending))
+        return 0;
+    int n = 0;
+    pthread_mutex_lock(&f->lock);
+    unsigned cap = (unsigned)(f->nqueues * f->depth);
+    while (n < max && f->head != f->tail)
+        ids[n++] = f->fifo[f->head++ % cap];
+    pthread_mutex_unlock(&f->lock);
+    atomic_fetch_sub(&f->pending, n);
+    return n;
+}
+
+int ck_fring_pending(struct ck_fring *f) { return atomic_load(&f->pending); }
+
+/* The Python side is about to sleep on its eventfd (1) or is awake (0). Returns the requests
+ * waiting: with 1, if not 0, it must not sleep (one may have come before the flag was set). */
+int ck_fring_sleep(struct ck_fring *f, int sleeping)
+{
+    atomic_store(&f->py_sleeping, sleeping);
+    return atomic_load(&f->pending);
+}
+
+/* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
+ * the payload buffer, its length in payload_sz): the queue thread commits it. */
+void ck_fring_answer(struct ck_fring *f, int id)
+{
+    struct fr_slot *s = &f->slots[id];
+    struct fr_queue *q = s->q;
+    atomic_store_explicit(&s->state, ANSWERED, memory_order_release);
+    atomic_fetch_add(&q->answered, 1);
+    if (atomic_exchange(&q->sleeping, 0))
+        fr_wake(q);
+}
+
+void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
+void *ck_fring_payload(struct ck_fring *f, int id) { return f->slots[id].payload; }
+int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
+
+long ck_fring_served(struct ck_fring *f, int qid)
+{
+    return qid < f->nqueues ? atomic_load(&f->queues[qid].served) : -1;
+}
+
+int ck_fring_pinned(struct ck_fring *f, int qid)
+{
+    return qid < f->nqueues ? f->queues[qid].pinned : 0;
+}
+
+/* Stop the queue threads (their rings closed: the kernel cancels their entries), wait for
+ * them (at most 5 s each), free everything. Returns the threads that did not end. */
+int ck_fring_stop(struct ck_fring *f)
+{
+    atomic_store(&f->stop, 1);
+    int stuck = 0;
+    for (int i = 0; i < f->nqueues; i++) {
+        struct fr_queue *q = &f->queues[i];
+        if (!q->started)
+            continue;
+        fr_wake(q);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 5;
+        if (pthread_timedjoin_np(q->thread, NULL, &ts) != 0) {
+            stuck++;
+            continue;
+        }
+        q->started = 0;
+    }
+    if (stuck)
+        return stuck;  /* (kept: a thread still runs on it) */
+    ck_fring_free(f);
+    return 0;
+}
+
+void ck_fring_free(struct ck_fring *f)
+{
+    if (!f)
+        return;
+    for (int i = 0; f->queues && i < f->nqueues; i++) {
+        struct fr_queue *q = &f->queues[i];
+        if (q->started) {
+            fr_wake(q);
+            pthread_join(q->thread, NULL);
+        }
+        if (q->ring_ok)
+            io_uring_queue_exit(&q->ring);
+        if (q->efd >= 0)
+            close(q->efd);
+    }
+    for (int i = 0; f->slots && i < f->nqueues * f->depth; i++) {
+        free(f->slots[i].hdr);
+        free(f->slots[i].payload);
+    }
+    free(f->slots);
+    free(f->queues);
+    free(f->fifo);
+    pthread_mutex_destroy(&f->lock);
+    free(f);
+}

@@ -1,0 +1,179 @@
+"""FUSE over io_uring (`--fuse-uring`): requests arrive on per-CPU queues, answered from the
+caller's CPU.
+
+On /dev/fuse every request goes through one file: the daemon's request thread on one vCPU
+reads it, the caller on the other vCPU halts while it waits, and the reply has to wake it
+through the hypervisor (~85 us per waited request on this VM without halt polling; the
+request spin saves the daemon's side of it, not the caller's: docs/benchmarks.md, "What the
+FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the module switch
+/sys/module/fuse/parameters/enable_uring = Y) the kernel keeps a queue per CPU and puts a
+request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
+holds the queue's ring entries, hands each request to this side through a FIFO and, while its
+caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
+wake-up is local. The request itself is served here, by the fast path's handlers
+(fuse/fastpath.py), exactly as one read from /dev/fuse; only where its bytes are read from
+and where its answer goes differ:
+
+- a request sits in its ring entry: the 40-byte header and the op's fixed part in the entry's
+  header buffer, the rest (names, a WRITE's payload) in its payload buffer. A WRITE's payload
+  is copied from there into staging (on /dev/fuse it lands in the segment in place).
+- the answer goes into the same entry: the out header into the header buffer, the body into
+  the payload buffer, and the queue thread commits it (the kernel copies it to the caller).
+- requests served by pyfuse3 are forwarded as the /dev/fuse ones are, their answers routed
+  back to the entry by the request's unique.
+
+What stays on /dev/fuse: INIT, the requests sent before every queue has its entries,
+FORGET, INTERRUPT, and the daemon's notifications; the fast path keeps serving it.
+
+The switch is root's and machine-wide: without it (or on an older kernel) the kernel does
+not offer FUSE over io_uring in INIT, the mount serves /dev/fuse alone and logs why.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+
+from ckptfs.io import uring
+from ckptfs.io.uring import ffi, lib
+
+ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
+FUSE_OVER_IO_URING = 1 << 41  # INIT flags (bits 32-63: flags2)
+# Layout of an entry's header buffer (struct fuse_uring_req_header): the in/out header, the
+# op's fixed part, then struct fuse_uring_ent_in_out.
+OP_IN = 128
+OP_IN_SIZE = 128
+PAYLOAD_SZ = 256 + 16  # fuse_uring_ent_in_out.payload_sz
+IN_HEADER_SIZE = 40
+# Memory: each entry has a payload buffer as large as the biggest request (1 MiB); a queue
+# gets QUEUE_DEPTH entries (as many requests in service at once as the /dev/fuse loop's
+# request tasks, fuse/loop.MAX_TASKS), fewer on machines with many CPUs (RING_MEMORY in all,
+# at least one entry per queue; a buffer takes memory once a request used it).
+QUEUE_DEPTH = 32
+RING_MEMORY = 128 << 20
+TAKE = 16
+
+
+def enabled() -> str | None:
+    """None when this kernel offers FUSE over io_uring to new mounts, else why not."""
+    try:
+        with open(ENABLE_URING) as f:
+            on = f.read().strip()
+    except OSError:
+        return "this kernel has no FUSE over io_uring (Linux 6.14+)"
+    if on != "Y":
+        return f"{ENABLE_URING} is {on} (root can turn it on: docs/tuning.md)"
+    if lib is None:
+        return uring.uring_unavailable_reason() or "ckptfs.io._uring_cffi is not built"
+    if not lib.ck_have_uring():
+        return ffi.string(lib.ck_build_info()).decode()
+    return None
+
+
+def queues() -> int:
+    """The kernel's queues: one per possible CPU id."""
+    try:
+        with open("/sys/devices/system/cpu/possible") as f:
+            last = f.read().strip().split(",")[-1]
+        return int(last.split("-")[-1]) + 1
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
+class RingError(OSError):
+    pass
+
+
+class Ring:
+    """The queue threads of one mount and the entries they hand over."""
+
+    def __init__(self, fuse_fd: int, payload: int, spin_s: float) -> None:
+        self.nqueues = queues()
+        self.depth = max(1, min(QUEUE_DEPTH, RING_MEMORY // (self.nqueues * payload)))
+        self.payload = payload
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        err = ffi.new("int *")
+        self.handle = lib.ck_fring_start(fuse_fd, self.nqueues, self.depth, payload,
+                                         self.wake_fd, spin_s, err)
+        if self.handle == ffi.NULL:
+            os.close(self.wake_fd)
+            raise RingError(err[0], "FUSE over io_uring: cannot register the queues: "
+                            + os.strerror(err[0]))
+        n = self.nqueues * self.depth
+        self.headers = [ffi.buffer(lib.ck_fring_header(self.handle, i), 4096) for i in range(n)]
+        self.payloads = [ffi.buffer(lib.ck_fring_payload(self.handle, i), payload)
+                         for i in range(n)]
+        self.views = [memoryview(p) for p in self.payloads]
+        self._ids = ffi.new("int[]", TAKE)
+        self.taken: list[int] = []
+        self.requests = 0
+
+    def pending(self) -> int:
+        return lib.ck_fring_pending(self.handle) or len(self.taken)
+
+    def take(self) -> int:
+        """The next entry handed over (its request in headers[i], payloads[i]), or -1."""
+        if not self.taken:
+            k = lib.ck_fring_take(self.handle, self._ids, TAKE)
+            if not k:
+                return -1
+            self.taken = list(self._ids[0:k])
+            self.taken.reverse()
+        self.requests += 1
+        return self.taken.pop()
+
+    def sleep(self, sleeping: bool) -> bool:
+        """Tell the queue threads this side sleeps on wake_fd (True) or is awake again;
+        returns whether a request waits (then do not sleep)."""
+        waiting = lib.ck_fring_sleep(self.handle, 1 if sleeping else 0)
+        if not sleeping:
+            try:
+                os.eventfd_read(self.wake_fd)
+            except BlockingIOError:
+                pass
+        return bool(waiting or self.taken)
+
+    def request(self, i: int) -> tuple[memoryview, int]:
+        """Entry i's header buffer and its payload's length."""
+        h = self.headers[i]
+        return memoryview(h), struct.unpack_from("<I", h, PAYLOAD_SZ)[0]
+
+    def answer(self, i: int, header: bytes, data) -> bool:
+        """Entry i's answer: `header` (out header and maybe the start of the body), then the
+        buffers `data`; the queue thread commits it. False if it does not fit."""
+        h, pay = self.headers[i], self.payloads[i]
+        body = len(header) - 16 + sum(map(len, data))
+        if body > self.payload:
+            return False
+        h[0:16] = header[0:16]
+        pos = len(header) - 16
+        if pos:
+            pay[0:pos] = header[16:]
+        for d in data:
+            k = len(d)
+            pay[pos:pos + k] = d
+            pos += k
+        struct.pack_into("<I", h, PAYLOAD_SZ, body)
+        lib.ck_fring_answer(self.handle, i)
+        return True
+
+    def counts(self) -> dict:
+        return {"ring_queues": self.nqueues, "ring_depth": self.depth,
+                "ring_requests": self.requests,
+                "ring_queues_pinned": sum(lib.ck_fring_pinned(self.handle, q)
+                                          for q in range(self.nqueues))}
+
+    def error(self) -> int:
+        return lib.ck_fring_error(self.handle) if self.handle is not None else 0
+
+    def stop(self) -> None:
+        """Stop the queue threads and free the entries (after the last request is served)."""
+        if self.handle is None:
+            return
+        self.headers = self.payloads = self.views = []
+        stuck = lib.ck_fring_stop(self.handle)
+        self.handle = None
+        os.close(self.wake_fd)
+        if stuck:
+            raise RingError(errno.EBUSY, f"{stuck} FUSE queue threads did not stop")
