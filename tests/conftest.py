@@ -71,7 +71,7 @@ class Mounts:
         options.setdefault("staging_size", "64M")
         options.setdefault("segment_size", "4M")
         options.setdefault("read_cache", "64M")
-        if FUSE_URING and options.get("fast_path", True):
+        if FUSE_URING and options.get("fast_path", True) and not options.get("no_fast_path"):
             options.setdefault("fuse_uring", True)
         # (the staging memory is faulted in and registered with io_uring as in a user's
         # mount: the fixed-buffer writes are the ones tested; a few tests pass no_populate)

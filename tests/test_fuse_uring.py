@@ -54,7 +54,7 @@ def test_requests_are_served_on_the_rings_bit_exact(mounts):
         assert st["ring_queues_pinned"] >= 1
         assert st["writes_in_place"] > 0
         m.stop()
-    m2 = mounts.mount(m.backing)  # (through /dev/fuse: the same bytes)
+    m2 = mounts.mount(m.backing, fuse_uring=False)  # (through /dev/fuse: the same bytes)
     assert m2.status()["transport"] == "/dev/fuse"
     check_files(files, m.mountpoint, m2.mountpoint)
     back = torch.load(path.replace(m.mountpoint, m2.mountpoint))

@@ -718,6 +718,7 @@ class Maintainer:
         staging, journal = self.staging, self.journal
         pos, end, moved = s, s + len(data), 0
         while pos < end:
+            staging.claim()
             seg = staging.open
             if seg is None:
                 seg = await staging._open_segment()  # (may wait for a free segment)

@@ -316,6 +316,16 @@ class Staging:
         self.waiting_writers = 0
         self.error: OSError | None = None  # set while the flusher cannot make progress
         self.checksums = Checksums()
+        # Set while another thread may copy write payloads into the tails (FUSE over io_uring's
+        # queue threads: fuse/ring.py): takes the tails back and records what landed there.
+        # Everything that changes the open segment or takes a free buffer calls it first.
+        self.claim_hook: Callable[[], None] | None = None
+
+    def claim(self) -> None:
+        """Staging is about to change here: no other thread copies into the tails from now
+        until they are offered again, and what it copied is recorded."""
+        if self.claim_hook is not None:
+            self.claim_hook()
 
     @property
     def capacity_bytes(self) -> int:
@@ -329,6 +339,7 @@ class Staging:
         backpressure). Several writers may wait at once: when buffers come back, the first
         one opens a segment and the others share it."""
         while True:
+            self.claim()
             if self.open is not None:
                 return self.open
             if self.free:
@@ -358,6 +369,7 @@ class Staging:
         self.free_event.set()
 
     def seal(self) -> Segment | None:
+        self.claim()
         seg = self.open
         if seg is None or seg.used == 0:
             return None
@@ -371,6 +383,11 @@ class Staging:
         first free buffer, not taken yet), then the next free buffer; None where no buffer is
         free. A request may be read straight into them; its bytes count only once `landed`
         is called, before any other task runs."""
+        self.claim()
+        return self.offered_tails()
+
+    def offered_tails(self) -> tuple[memoryview | None, memoryview | None]:
+        """tails() without the claim: what the claim hook's owner offers."""
         seg, free = self.open, self.free
         if seg is not None:
             return seg.view[seg.used:], (memoryview(free[0]) if free else None)
@@ -382,6 +399,7 @@ class Staging:
                base: int = 0) -> None:
         """The first `k` bytes of the first of `tails()` not yet filled are file data now
         (read there in place): data offset `base` on."""
+        self.claim()
         seg = self.open
         if seg is None:  # tails() offered the first free buffer: it becomes the open segment
             self.numbers += 1
@@ -402,6 +420,7 @@ class Staging:
         n = len(mv)
         pos = 0
         while pos < n:
+            self.claim()
             seg = self.open
             if seg is None:
                 seg = await self._open_segment()

@@ -111,6 +111,10 @@ REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
 
 
+def _dead(seg, dpos, soff, k) -> None:
+    """The recorder of landed bytes that belong to no file (dead space in their segment)."""
+
+
 class _Context:
     """What the handlers read of pyfuse3's RequestContext."""
 
@@ -183,6 +187,8 @@ class FastPath(RequestWait):
         self.ring: fring.Ring | None = None
         self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
         self.ring_turn = 0
+        self.zone_live = False  # staging's tails offered to the queue threads
+        self.ring_landed: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
         self.transport = "/dev/fuse"
         if uring:
             # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
@@ -241,8 +247,11 @@ class FastPath(RequestWait):
 
     def probe(self, timeout: int) -> bool:
         ring = self.ring
-        if ring is not None and ring.pending():
-            return True
+        if ring is not None:
+            if ring.pending():
+                return True
+            if not self.zone_live:
+                self.offer_zone()
         return bool(self.poller.poll(timeout))
 
     def park(self, sleeping: bool) -> bool:
@@ -277,7 +286,9 @@ class FastPath(RequestWait):
         head = self.head
         if self.overflow is None:
             self.overflow = bytearray(self.request_max)
-        t1, t2 = self.staging.tails() if self.minor else (None, None)
+        # (with the ring, its queue threads land WRITEs in the tails; a /dev/fuse WRITE then
+        # goes to the overflow buffer and is copied)
+        t1, t2 = self.staging.tails() if self.minor and ring is None else (None, None)
         bufs = [head, t1, t2, self.overflow] if t2 is not None else (
             [head, t1, self.overflow] if t1 is not None else [head, self.overflow])
         try:
@@ -330,6 +341,8 @@ class FastPath(RequestWait):
         """Serve the request in ring entry i (fuse/ring.py) as serve_one serves one read from
         /dev/fuse; True if it was handed to libfuse."""
         ring = self.ring
+        self.claim_landed()
+        self.offer_zone()
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
         self.ring_uniques[unique] = i
@@ -345,11 +358,16 @@ class FastPath(RequestWait):
             self.answered += 1
             if opcode == FUSE_WRITE:
                 fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(h, op)
-                if size != psz:
-                    self.reply_error(unique, errno.EIO)
+                done, err = self.ring_landed.pop(i, (0, 0))
+                if size != psz or err:
+                    self.reply_error(unique, err or errno.EIO)
+                    return False
+                if done == size:
+                    self.writes_in_place += 1
+                    self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
                     return False
                 await self.write_landed(unique, fh, off, size, write_flags, pid, None, None,
-                                        pay)
+                                        pay, done)
                 return False
             if opcode == FUSE_READ:
                 await self.read(unique, pid, h, op)
@@ -381,23 +399,26 @@ class FastPath(RequestWait):
         await self.write_landed(unique, fh, off, size, write_flags, pid, t1, t2, None)
 
     async def write_landed(self, unique: int, fh: int, off: int, size: int, write_flags: int,
-                           pid: int, t1, t2, payload) -> None:
+                           pid: int, t1, t2, payload, recorded: int = 0) -> None:
         """A WRITE whose payload landed in t1 and t2 (the staging's tails) as far as they
-        reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer."""
+        reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer;
+        `recorded`: bytes at its start the queue threads landed (and claim_landed recorded)."""
         ops, staging = self.ops, self.staging
         try:
             h, x = ops.write_target(fh)
             if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                 ops.clear_setid(x)
             record = ops.piece_recorder(x, off)
-            k = min(size, len(t1)) if t1 is not None else 0
-            if k:
-                staging.landed(k, record)
-            if t2 is not None and size > k:  # ran past the segment's end into the next buffer
-                k2 = min(size - k, len(t2))
-                staging.landed(k2, record, base=k)
-                k += k2
-            self.bytes_in_place += k
+            k = recorded
+            if t1 is not None:
+                k = min(size, len(t1))
+                if k:
+                    staging.landed(k, record)
+                if t2 is not None and size > k:  # ran past the segment's end into the next
+                    k2 = min(size - k, len(t2))
+                    staging.landed(k2, record, base=k)
+                    k += k2
+                self.bytes_in_place += k
             if size > k:  # the rest went to the overflow buffer: copy it into staging
                 if payload is not None:
                     rest = payload[k:size]
@@ -565,16 +586,65 @@ class FastPath(RequestWait):
             return
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
         self.ring = ring
+        self.staging.claim_hook = self.claim_landed
+        self.offer_zone()
         self.transport = "io_uring"
         ring.sleep(self.busy)  # (a task may already sleep in the slow path)
         log.info("FUSE over io_uring: %d queues of %d entries (%d KiB each), %d of them "
                  "served from their own CPU", ring.nqueues, ring.depth, payload >> 10,
                  ring.counts()["ring_queues_pinned"])
 
+    def offer_zone(self) -> None:
+        """Offer the staging's tails to the queue threads for the next WRITE payloads."""
+        t1, t2 = self.staging.offered_tails()
+        if t1 is None or not len(t1):
+            return
+        self.ring.offer(t1, t2)
+        self.zone_live = True
+
+    def claim_landed(self) -> None:
+        """Staging's claim hook: take the tails back from the queue threads and record the
+        writes they landed, in order, as a /dev/fuse WRITE read into the tails is recorded
+        (serve_one, write_landed); each one's outcome waits for its entry's turn in
+        serve_ring. A write that cannot be recorded (a stale handle, say) still takes its
+        place in the segment, as dead bytes: the writes after it landed behind it."""
+        if not self.zone_live:
+            return
+        self.zone_live = False
+        ring, ops, staging = self.ring, self.ops, self.staging
+        ring.revoke()
+        for i, k1, k2 in ring.take_landed():
+            h = ring.headers[i]
+            pid = IN_HEADER.unpack_from(h)[6]
+            fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(h, fring.OP_IN)
+            try:
+                _, x = ops.write_target(fh)
+                if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
+                    ops.clear_setid(x)
+                record = ops.piece_recorder(x, off)
+            except pyfuse3.FUSEError as exc:
+                self.ring_landed[i] = (0, exc.errno)
+                record = _dead
+            except Exception:
+                log.exception("internal error in write (pid %d)", pid)
+                self.ring_landed[i] = (0, errno.EIO)
+                record = _dead
+            if k1:
+                staging.landed(k1, record)
+            if k2:
+                staging.landed(k2, record, base=k1)
+            self.bytes_in_place += k1 + k2
+            if record is not _dead:
+                if k1 + k2 == size:
+                    ops.wrote(*ops.write_target(fh), off + size, size)
+                self.ring_landed[i] = (k1 + k2, 0)
+
     def stop_ring(self) -> None:
         ring, self.ring = self.ring, None
         if ring is None:
             return
+        self.staging.claim_hook = None
+        self.zone_live = False
         self.ring_uniques.clear()
         try:
             ring.stop()

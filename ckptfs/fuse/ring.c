@@ -10,6 +10,13 @@
  * it with the same handlers as a request read from /dev/fuse and writes the answer into the
  * entry's buffers; the queue thread commits it.
  *
+ * One thing is done here: a WRITE's payload is copied into staging, on the caller's CPU while
+ * its bytes are still in that CPU's cache, where the Python side said the next bytes go (the
+ * landing zone: the staging's tails, as a /dev/fuse request is read into them in place). The
+ * copy and the note of where it went (the landed list) are made under one lock, so the
+ * Python side records landed writes in the order they took the zone. It takes the zone back
+ * (revoke) before it changes staging itself, and records what landed first.
+ *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
  * from a daemon on the other CPU has to wake it through the hypervisor. Here the answer is
@@ -64,6 +71,7 @@ struct fr_slot {
     struct fr_queue *q;
     _Atomic int state;
     int waited;  /* its caller waits for the answer */
+    uint32_t landed[2];  /* a WRITE's bytes copied into the zone's two parts */
 };
 
 struct fr_queue {
@@ -94,6 +102,12 @@ struct ck_fring {
     unsigned head, tail;  /* (under lock) */
     _Atomic int pending;
     int wake_fd;  /* the Python side's eventfd */
+    /* the landing zone and the landed list (under lock) */
+    char *zone[2];
+    uint32_t room[2];
+    int zone_on;
+    int *landed;
+    unsigned lhead, ltail;
     _Atomic int py_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
@@ -148,10 +162,33 @@ static int fr_arm_wake(struct fr_queue *q)
     return 0;
 }
 
-static void fr_hand_over(struct ck_fring *f, int idx)
+static uint32_t fr_land(struct ck_fring *f, int part, const char *src, uint32_t n)
 {
+    uint32_t k = n < f->room[part] ? n : f->room[part];
+    if (!k)
+        return 0;
+    memcpy(f->zone[part], src, k);
+    f->zone[part] += k;
+    f->room[part] -= k;
+    return k;
+}
+
+static void fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
+{
+    struct fr_slot *s = &f->slots[idx];
+    unsigned cap = (unsigned)(f->nqueues * f->depth);
+    s->landed[0] = s->landed[1] = 0;
     pthread_mutex_lock(&f->lock);
-    f->fifo[f->tail++ % (unsigned)(f->nqueues * f->depth)] = idx;
+    if (write_size && f->zone_on) {
+        /* (the second part only once the first is full: staging opens it then) */
+        s->landed[0] = fr_land(f, 0, s->payload, write_size);
+        if (s->landed[0] < write_size && !f->room[0])
+            s->landed[1] = fr_land(f, 1, s->payload + s->landed[0],
+                                   write_size - s->landed[0]);
+        if (s->landed[0] || s->landed[1])
+            f->landed[f->ltail++ % cap] = idx;
+    }
+    f->fifo[f->tail++ % cap] = idx;
     pthread_mutex_unlock(&f->lock);
     atomic_fetch_add(&f->pending, 1);
     if (atomic_exchange(&f->py_sleeping, 0)) {
@@ -203,6 +240,7 @@ static int fr_reap(struct fr_queue *q)
             return res;
         struct fr_slot *s = &f->slots[tag];
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
+        const uint32_t *write_size = (const void *)(s->hdr->op_in + 16);
         const uint32_t *write_flags = (const void *)(s->hdr->op_in + 20);
         s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
                       || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
@@ -211,7 +249,8 @@ static int fr_reap(struct fr_queue *q)
             q->waited_with_python++;
         atomic_fetch_add(&q->served, 1);
         atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
-        fr_hand_over(f, (int)tag);
+        fr_hand_over(f, (int)tag, h->opcode == FR_OP_WRITE
+                     && *write_size == s->hdr->ent.payload_sz ? *write_size : 0);
     }
     return n;
 }
@@ -322,7 +361,8 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->slots = calloc(n, sizeof *f->slots);
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n, sizeof *f->fifo);
-    if (!f->slots || !f->queues || !f->fifo)
+    f->landed = calloc(n, sizeof *f->landed);
+    if (!f->slots || !f->queues || !f->fifo || !f->landed)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -417,6 +457,46 @@ void ck_fring_answer(struct ck_fring *f, int id)
         fr_wake(q);
 }
 
+/* Where the next WRITE payloads go: n1 bytes at p1, then (once those are full) n2 at p2. */
+void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
+{
+    pthread_mutex_lock(&f->lock);
+    f->zone[0] = p1;
+    f->room[0] = p1 ? n1 : 0;
+    f->zone[1] = p2;
+    f->room[1] = p2 ? n2 : 0;
+    f->zone_on = f->room[0] > 0;
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* No more landing (the Python side changes staging); returns the landed writes to record. */
+int ck_fring_revoke(struct ck_fring *f)
+{
+    pthread_mutex_lock(&f->lock);
+    f->zone_on = 0;
+    int n = (int)(f->ltail - f->lhead);
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
+/* Take up to max landed writes, in the order they landed: their slots and the bytes copied
+ * into the zone's first and second parts. */
+int ck_fring_take_landed(struct ck_fring *f, int *ids, uint32_t *k1, uint32_t *k2, int max)
+{
+    int n = 0;
+    unsigned cap = (unsigned)(f->nqueues * f->depth);
+    pthread_mutex_lock(&f->lock);
+    while (n < max && f->lhead != f->ltail) {
+        int id = f->landed[f->lhead++ % cap];
+        ids[n] = id;
+        k1[n] = f->slots[id].landed[0];
+        k2[n] = f->slots[id].landed[1];
+        n++;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
 void *ck_fring_payload(struct ck_fring *f, int id) { return f->slots[id].payload; }
 int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
@@ -479,6 +559,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->slots);
     free(f->queues);
     free(f->fifo);
+    free(f->landed);
     pthread_mutex_destroy(&f->lock);
     free(f);
 }

@@ -16,7 +16,10 @@ and where its answer goes differ:
 
 - a request sits in its ring entry: the 40-byte header and the op's fixed part in the entry's
   header buffer, the rest (names, a WRITE's payload) in its payload buffer. A WRITE's payload
-  is copied from there into staging (on /dev/fuse it lands in the segment in place).
+  is copied from there into staging by the queue thread, on the caller's CPU, where this side
+  offered (the staging's tails, as the /dev/fuse loop reads a request into them); this side
+  records the landed writes in the order they landed, before it serves any request and
+  before anything else changes staging (Staging.claim). What did not fit is copied here.
 - the answer goes into the same entry: the out header into the header buffer, the body into
   the payload buffer, and the queue thread commits it (the kernel copies it to the caller).
 - requests served by pyfuse3 are forwarded as the /dev/fuse ones are, their answers routed
@@ -106,6 +109,9 @@ class Ring:
                          for i in range(n)]
         self.views = [memoryview(p) for p in self.payloads]
         self._ids = ffi.new("int[]", TAKE)
+        self._landed = (ffi.new("int[]", TAKE), ffi.new("uint32_t[]", TAKE),
+                        ffi.new("uint32_t[]", TAKE))
+        self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
         self.requests = 0
 
@@ -133,6 +139,29 @@ class Ring:
             except BlockingIOError:
                 pass
         return bool(waiting or self.taken)
+
+    def offer(self, t1, t2) -> None:
+        """The next WRITE payloads go into t1, then (once it is full) t2 (writable buffers)."""
+        p1 = ffi.from_buffer(t1, require_writable=True)
+        p2 = ffi.from_buffer(t2, require_writable=True) if t2 is not None else ffi.NULL
+        self.zone = (p1, p2)
+        lib.ck_fring_offer(self.handle, p1, len(t1), p2, len(t2) if t2 is not None else 0)
+
+    def revoke(self) -> None:
+        """No more landing until the next offer."""
+        lib.ck_fring_revoke(self.handle)
+        self.zone = None
+
+    def take_landed(self) -> list[tuple[int, int, int]]:
+        """The writes landed since the last call, in order: (entry, bytes in the first part of
+        the zone, bytes in the second)."""
+        ids, k1, k2 = self._landed
+        out: list[tuple[int, int, int]] = []
+        while True:
+            n = lib.ck_fring_take_landed(self.handle, ids, k1, k2, TAKE)
+            out.extend(zip(ids[0:n], k1[0:n], k2[0:n]))
+            if n < TAKE:
+                return out
 
     def request(self, i: int) -> tuple[memoryview, int]:
         """Entry i's header buffer and its payload's length."""

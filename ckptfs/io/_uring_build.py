@@ -64,6 +64,9 @@ int ck_fring_take(struct ck_fring *f, int *ids, int max);
 int ck_fring_pending(struct ck_fring *f);
 int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
+void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
+int ck_fring_revoke(struct ck_fring *f);
+int ck_fring_take_landed(struct ck_fring *f, int *ids, uint32_t *k1, uint32_t *k2, int max);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
@@ -306,6 +309,11 @@ int ck_fring_take(struct ck_fring *f, int *i, int m) { (void)f; (void)i; (void)m
 int ck_fring_pending(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
 void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
+void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
+{ (void)f; (void)p1; (void)n1; (void)p2; (void)n2; }
+int ck_fring_revoke(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_take_landed(struct ck_fring *f, int *i, uint32_t *a, uint32_t *b, int m)
+{ (void)f; (void)i; (void)a; (void)b; (void)m; return 0; }
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
