@@ -38,11 +38,12 @@ import traceback
 from ckptfs import api, bench
 from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
+from ckptfs.fuse import ring
 from ckptfs.system import guest_halt_poll_ns, libc, status_bytes
 
 
-DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "dcp", "dcp_ckptfs",
-                      "torchsnapshot", "datastates", "tmpfs", "raw", "fio")
+DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "ckptfs_uring", "dcp",
+                      "dcp_ckptfs", "torchsnapshot", "datastates", "tmpfs", "raw", "fio")
 QUICK_SIZE = 24 << 20
 
 
@@ -468,12 +469,19 @@ def main(argv: list[str]) -> int:
         a.staging = "64M" if quick else "512M"
     if a.step_timeout is None:
         a.step_timeout = max(300.0, a.size / 20e6)
+    uring_off = ring.enabled()  # (None: the kernel offers FUSE over io_uring)
     keys = a.contenders.split(",") if a.contenders else [
-        k for k in DEFAULT_CONTENDERS if k != "fio" or shutil.which("fio")]
+        k for k in DEFAULT_CONTENDERS if (k != "fio" or shutil.which("fio"))
+        and (k != "ckptfs_uring" or uring_off is None)]
+    if not a.contenders and uring_off is not None:
+        print(f"ckptfs_uring skipped: {uring_off}")
     bad = [k for k in keys if k not in CONTENDERS]
     if bad:
         print(f"unknown contender(s): {', '.join(bad)}; choose from {', '.join(CONTENDERS)}",
               file=sys.stderr)
+        return 2
+    if "ckptfs_uring" in keys and uring_off is not None:
+        print(f"ckptfs_uring: {uring_off}", file=sys.stderr)
         return 2
     if "fio" in keys and not shutil.which("fio"):
         print("fio is not installed", file=sys.stderr)

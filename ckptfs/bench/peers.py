@@ -322,6 +322,15 @@ class CkptfsPageCache(Ckptfs):
     restore_options = {"direct_reads": False}
 
 
+class CkptfsUring(Ckptfs):
+    """The same save and restore with --fuse-uring (requests on FUSE's per-CPU io_uring
+    queues, fuse/ring.py); run only where the kernel offers it (e2e checks)."""
+    key, label = "ckptfs_uring", "torch.save per tensor into ckptfs --fuse-uring"
+
+    def _mount(self, run, settle: bool = True, **extra) -> api.Mount:
+        return super()._mount(run, settle, fuse_uring=True, **extra)
+
+
 class DcpCkptfs(Ckptfs):
     """DCP into the mount; restored through a default mount (direct reads: DCP reads item by
     item at offsets, where page-cache readahead mostly reads what is not asked for)."""
@@ -541,6 +550,6 @@ class Fio(Contender):
         return 1, "by construction: fio end_fsync=1"
 
 
-CONTENDERS = {c.key: c for c in (Straight, StraightFsync, Ckptfs, CkptfsPageCache, Dcp,
-                                 DcpCkptfs, TorchSnapshot, DataStatesPattern, Tmpfs, RawDirect,
-                                 Fio)}
+CONTENDERS = {c.key: c for c in (Straight, StraightFsync, Ckptfs, CkptfsPageCache, CkptfsUring,
+                                 Dcp, DcpCkptfs, TorchSnapshot, DataStatesPattern, Tmpfs,
+                                 RawDirect, Fio)}

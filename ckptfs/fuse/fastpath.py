@@ -283,6 +283,10 @@ class FastPath(RequestWait):
                 i = ring.take()
                 if i >= 0:
                     return await self.serve_ring(i)
+                # only WRITEs the queue threads answered: record them
+                self.claim_landed()
+                self.offer_zone()
+                return False
         head = self.head
         if self.overflow is None:
             self.overflow = bytearray(self.request_max)
@@ -321,6 +325,8 @@ class FastPath(RequestWait):
                 await self.simple(unique, self.ops.flush)
                 return False
             if opcode == FUSE_RELEASE:
+                if ring is not None:
+                    ring.writable(FH_IN.unpack_from(head, IN_HEADER.size)[0], False)
                 await self.simple(unique, self.ops.release)
                 return False
             if opcode == FUSE_IOCTL:
@@ -376,7 +382,9 @@ class FastPath(RequestWait):
                 await self.simple(unique, self.ops.flush, FH_IN.unpack_from(h, op)[0])
                 return False
             if opcode == FUSE_RELEASE:
-                await self.simple(unique, self.ops.release, FH_IN.unpack_from(h, op)[0])
+                fh = FH_IN.unpack_from(h, op)[0]
+                ring.writable(fh, False)
+                await self.simple(unique, self.ops.release, fh)
                 return False
             if opcode == FUSE_IOCTL:
                 self.reply_error(unique, errno.ENOTTY)  # (as serve_one says)
@@ -514,6 +522,7 @@ class FastPath(RequestWait):
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
                 out = OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
+                self.takes_writes(fi.fh, flags)
             else:
                 flags, mode, umask, _ = CREATE_IN.unpack_from(body)
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
@@ -521,6 +530,7 @@ class FastPath(RequestWait):
                 fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
                 out = _entry_of(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
                     fi.fh, _open_flags(fi, flags), 0)
+                self.takes_writes(fi.fh, flags)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
@@ -529,6 +539,17 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
+
+    def takes_writes(self, fh: int, flags: int) -> None:
+        """With the ring: a handle opened for writing whose writes ops would take (write_target)
+        gets its WRITEs answered by the queue threads when they land whole."""
+        if self.ring is None or flags & os.O_ACCMODE == os.O_RDONLY:
+            return
+        try:
+            self.ops.write_target(fh)
+        except pyfuse3.FUSEError:
+            return
+        self.ring.writable(fh, True)
 
     def body(self, n: int, bufs: list) -> bytes:
         """The request's bytes after the 40-byte header."""
@@ -613,21 +634,20 @@ class FastPath(RequestWait):
         self.zone_live = False
         ring, ops, staging = self.ring, self.ops, self.staging
         ring.revoke()
-        for i, k1, k2 in ring.take_landed():
-            h = ring.headers[i]
-            pid = IN_HEADER.unpack_from(h)[6]
-            fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(h, fring.OP_IN)
+        for i, answered, k1, k2, fh, off, size, write_flags, pid in ring.take_landed():
             try:
-                _, x = ops.write_target(fh)
+                h, x = ops.write_target(fh)
                 if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                     ops.clear_setid(x)
                 record = ops.piece_recorder(x, off)
-            except pyfuse3.FUSEError as exc:
-                self.ring_landed[i] = (0, exc.errno)
-                record = _dead
-            except Exception:
-                log.exception("internal error in write (pid %d)", pid)
-                self.ring_landed[i] = (0, errno.EIO)
+            except Exception as exc:
+                err = exc.errno if isinstance(exc, pyfuse3.FUSEError) else errno.EIO
+                if answered:  # (a handle said to take writes that does not: a defect)
+                    log.error("a WRITE answered by its queue thread cannot be recorded "
+                              "(handle %d, pid %d): %s", fh, pid, exc)
+                elif not isinstance(exc, pyfuse3.FUSEError):
+                    log.exception("internal error in write (pid %d)", pid)
+                self.ring_landed[i] = (0, err)
                 record = _dead
             if k1:
                 staging.landed(k1, record)
@@ -636,8 +656,11 @@ class FastPath(RequestWait):
             self.bytes_in_place += k1 + k2
             if record is not _dead:
                 if k1 + k2 == size:
-                    ops.wrote(*ops.write_target(fh), off + size, size)
-                self.ring_landed[i] = (k1 + k2, 0)
+                    ops.wrote(h, x, off + size, size)
+                if answered:
+                    self.writes_in_place += 1
+                else:
+                    self.ring_landed[i] = (k1 + k2, 0)
 
     def stop_ring(self) -> None:
         ring, self.ring = self.ring, None

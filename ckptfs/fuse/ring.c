@@ -15,7 +15,11 @@
  * landing zone: the staging's tails, as a /dev/fuse request is read into them in place). The
  * copy and the note of where it went (the landed list) are made under one lock, so the
  * Python side records landed writes in the order they took the zone. It takes the zone back
- * (revoke) before it changes staging itself, and records what landed first.
+ * (revoke) before it changes staging itself, and records what landed first. A WRITE that
+ * landed whole, on a handle the Python side said takes writes, is answered here at once:
+ * its record carries what the Python side needs of it (the entry goes back to the kernel),
+ * and the Python side records it before it serves any request or changes staging, as it
+ * records a WRITE read into staging from /dev/fuse before its answer.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -51,6 +55,10 @@
 #define FR_OP_WRITE 16
 #define FR_OP_RELEASEDIR 29
 #define FR_WRITE_CACHE 1u
+#define FH_SLOTS 4096  /* the writable-handle set: open addressing, at most half full */
+#define FH_EMPTY 0
+#define FH_GONE UINT64_MAX
+#define LANDED_MAX 4096  /* landed writes not yet recorded by the Python side */
 
 struct fr_in_header { uint32_t len, opcode; uint64_t unique, nodeid; uint32_t uid, gid, pid;
                       uint16_t total_extlen, padding; };
@@ -63,6 +71,14 @@ enum { AT_KERNEL = 0, AT_PYTHON = 1, ANSWERED = 2 };
 #define WAKE_TAG UINT64_MAX
 
 struct fr_queue;
+
+/* A landed WRITE, as the Python side records it (copied: an entry answered here goes back to
+ * the kernel at once). */
+struct ck_fring_landed {
+    int id, answered;
+    uint32_t k1, k2, size, flags, pid, pad;
+    uint64_t fh, off;
+};
 
 struct fr_slot {
     struct fr_header *hdr;
@@ -88,6 +104,7 @@ struct fr_queue {
     int with_python, waited_with_python;
     int first_slot;
     _Atomic long served;
+    _Atomic long answered_here;
 };
 
 struct ck_fring {
@@ -106,8 +123,11 @@ struct ck_fring {
     char *zone[2];
     uint32_t room[2];
     int zone_on;
-    int *landed;
+    struct ck_fring_landed *landed;
     unsigned lhead, ltail;
+    _Atomic int landed_count;  /* records not taken yet */
+    uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
+    int nfhs;
     _Atomic int py_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
@@ -173,28 +193,77 @@ static uint32_t fr_land(struct ck_fring *f, int part, const char *src, uint32_t 
     return k;
 }
 
-static void fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
+static unsigned fr_fh_slot(uint64_t fh) { return (unsigned)((fh * 0x9E3779B97F4A7C15ull) >> 52); }
+
+/* (under lock) */
+static int fr_fh_writable(struct ck_fring *f, uint64_t fh)
+{
+    for (unsigned i = fr_fh_slot(fh), n = 0; n < FH_SLOTS; i = (i + 1) % FH_SLOTS, n++) {
+        if (f->fhs[i] == fh + 1)
+            return 1;
+        if (f->fhs[i] == FH_EMPTY)
+            return 0;
+    }
+    return 0;
+}
+
+/* Hand entry idx over; a WRITE (write_size > 0) lands in the zone first. Returns 1 when the
+ * WRITE was answered here (the entry is not handed over). */
+static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
 {
     struct fr_slot *s = &f->slots[idx];
     unsigned cap = (unsigned)(f->nqueues * f->depth);
+    int answered = 0;
     s->landed[0] = s->landed[1] = 0;
     pthread_mutex_lock(&f->lock);
-    if (write_size && f->zone_on) {
+    if (write_size && f->zone_on && f->ltail - f->lhead < LANDED_MAX) {
         /* (the second part only once the first is full: staging opens it then) */
         s->landed[0] = fr_land(f, 0, s->payload, write_size);
         if (s->landed[0] < write_size && !f->room[0])
             s->landed[1] = fr_land(f, 1, s->payload + s->landed[0],
                                    write_size - s->landed[0]);
-        if (s->landed[0] || s->landed[1])
-            f->landed[f->ltail++ % cap] = idx;
+        if (s->landed[0] || s->landed[1]) {
+            const struct fr_in_header *h = (const void *)s->hdr->in_out;
+            const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
+            const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
+            struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
+            r->id = idx;
+            r->k1 = s->landed[0];
+            r->k2 = s->landed[1];
+            r->fh = w[0];
+            r->off = w[1];
+            r->size = w32[0];
+            r->flags = w32[1];
+            r->pid = h->pid;
+            answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
+            r->answered = answered;
+            atomic_fetch_add(&f->landed_count, 1);
+        }
     }
-    f->fifo[f->tail++ % cap] = idx;
+    if (!answered)
+        f->fifo[f->tail++ % cap] = idx;
     pthread_mutex_unlock(&f->lock);
-    atomic_fetch_add(&f->pending, 1);
+    if (!answered)
+        atomic_fetch_add(&f->pending, 1);
     if (atomic_exchange(&f->py_sleeping, 0)) {
         uint64_t one = 1;
         if (write(f->wake_fd, &one, sizeof one) < 0) {}
     }
+    return answered;
+}
+
+/* The answer to a WRITE of `size` bytes, all taken. */
+static void fr_answer_write(struct fr_slot *s, uint32_t size)
+{
+    struct { uint32_t len; int32_t error; uint64_t unique; } oh;
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    oh.len = sizeof oh + 8;
+    oh.error = 0;
+    oh.unique = h->unique;
+    uint32_t out[2] = { size, 0 };
+    memcpy(s->hdr->in_out, &oh, sizeof oh);
+    memcpy(s->payload, out, sizeof out);
+    s->hdr->ent.payload_sz = sizeof out;
 }
 
 /* Commit the answers the Python side left; returns how many. */
@@ -242,15 +311,25 @@ static int fr_reap(struct fr_queue *q)
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
         const uint32_t *write_size = (const void *)(s->hdr->op_in + 16);
         const uint32_t *write_flags = (const void *)(s->hdr->op_in + 20);
+        uint32_t size = h->opcode == FR_OP_WRITE && *write_size == s->hdr->ent.payload_sz
+            ? *write_size : 0;
+        atomic_fetch_add(&q->served, 1);
+        atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
         s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
                       || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
         q->with_python++;
         if (s->waited)
             q->waited_with_python++;
-        atomic_fetch_add(&q->served, 1);
-        atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
-        fr_hand_over(f, (int)tag, h->opcode == FR_OP_WRITE
-                     && *write_size == s->hdr->ent.payload_sz ? *write_size : 0);
+        if (fr_hand_over(f, (int)tag, size)) {
+            q->with_python--;
+            if (s->waited)
+                q->waited_with_python--;
+            atomic_fetch_add(&q->answered_here, 1);
+            fr_answer_write(s, size);
+            atomic_store(&s->state, AT_KERNEL);
+            if (fr_queue_cmd(q, (int)tag, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) < 0)
+                return -EBUSY;
+        }
     }
     return n;
 }
@@ -361,7 +440,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->slots = calloc(n, sizeof *f->slots);
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n, sizeof *f->fifo);
-    f->landed = calloc(n, sizeof *f->landed);
+    f->landed = calloc(LANDED_MAX, sizeof *f->landed);
     if (!f->slots || !f->queues || !f->fifo || !f->landed)
         goto fail;
     for (int i = 0; i < nqueues; i++)
@@ -435,7 +514,44 @@ int ck_fring_take(struct ck_fring *f, int *ids, int max)
     return n;
 }
 
-int ck_fring_pending(struct ck_fring *f) { return atomic_load(&f->pending); }
+int ck_fring_pending(struct ck_fring *f)
+{
+    return atomic_load(&f->pending) + atomic_load(&f->landed_count);
+}
+
+/* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no
+ * longer (0, at its release). Returns 0, or -ENOSPC when the set is full (then its WRITEs go
+ * to the Python side, as any). */
+int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
+{
+    int r = 0;
+    pthread_mutex_lock(&f->lock);
+    unsigned i = fr_fh_slot(fh), gone = FH_SLOTS;
+    for (unsigned n = 0; n < FH_SLOTS; i = (i + 1) % FH_SLOTS, n++) {
+        if (f->fhs[i] == fh + 1) {
+            if (!on) {
+                f->fhs[i] = FH_GONE;
+                f->nfhs--;
+            }
+            goto out;
+        }
+        if (f->fhs[i] == FH_GONE && gone == FH_SLOTS)
+            gone = i;
+        if (f->fhs[i] == FH_EMPTY)
+            break;
+    }
+    if (on) {
+        if (f->nfhs >= FH_SLOTS / 2) {
+            r = -ENOSPC;
+            goto out;
+        }
+        f->fhs[gone != FH_SLOTS ? gone : i] = fh + 1;
+        f->nfhs++;
+    }
+out:
+    pthread_mutex_unlock(&f->lock);
+    return r;
+}
 
 /* The Python side is about to sleep on its eventfd (1) or is awake (0). Returns the requests
  * waiting: with 1, if not 0, it must not sleep (one may have come before the flag was set). */
@@ -479,21 +595,15 @@ int ck_fring_revoke(struct ck_fring *f)
     return n;
 }
 
-/* Take up to max landed writes, in the order they landed: their slots and the bytes copied
- * into the zone's first and second parts. */
-int ck_fring_take_landed(struct ck_fring *f, int *ids, uint32_t *k1, uint32_t *k2, int max)
+/* Take up to max landed writes, in the order they landed. */
+int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max)
 {
     int n = 0;
-    unsigned cap = (unsigned)(f->nqueues * f->depth);
     pthread_mutex_lock(&f->lock);
-    while (n < max && f->lhead != f->ltail) {
-        int id = f->landed[f->lhead++ % cap];
-        ids[n] = id;
-        k1[n] = f->slots[id].landed[0];
-        k2[n] = f->slots[id].landed[1];
-        n++;
-    }
+    while (n < max && f->lhead != f->ltail)
+        out[n++] = f->landed[f->lhead++ % LANDED_MAX];
     pthread_mutex_unlock(&f->lock);
+    atomic_fetch_sub(&f->landed_count, n);
     return n;
 }
 
@@ -504,6 +614,11 @@ int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
 long ck_fring_served(struct ck_fring *f, int qid)
 {
     return qid < f->nqueues ? atomic_load(&f->queues[qid].served) : -1;
+}
+
+long ck_fring_answered_here(struct ck_fring *f, int qid)
+{
+    return qid < f->nqueues ? atomic_load(&f->queues[qid].answered_here) : -1;
 }
 
 int ck_fring_pinned(struct ck_fring *f, int qid)

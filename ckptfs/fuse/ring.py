@@ -109,8 +109,7 @@ class Ring:
                          for i in range(n)]
         self.views = [memoryview(p) for p in self.payloads]
         self._ids = ffi.new("int[]", TAKE)
-        self._landed = (ffi.new("int[]", TAKE), ffi.new("uint32_t[]", TAKE),
-                        ffi.new("uint32_t[]", TAKE))
+        self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
         self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
         self.requests = 0
@@ -152,16 +151,24 @@ class Ring:
         lib.ck_fring_revoke(self.handle)
         self.zone = None
 
-    def take_landed(self) -> list[tuple[int, int, int]]:
-        """The writes landed since the last call, in order: (entry, bytes in the first part of
-        the zone, bytes in the second)."""
-        ids, k1, k2 = self._landed
-        out: list[tuple[int, int, int]] = []
+    def take_landed(self) -> list[tuple]:
+        """The writes landed since the last call, in order: (entry, answered already, bytes in
+        the first part of the zone, bytes in the second, fh, offset, size, write_flags, pid).
+        An entry answered already is back with the kernel."""
+        rec = self._landed
+        out: list[tuple] = []
         while True:
-            n = lib.ck_fring_take_landed(self.handle, ids, k1, k2, TAKE)
-            out.extend(zip(ids[0:n], k1[0:n], k2[0:n]))
+            n = lib.ck_fring_take_landed(self.handle, rec, TAKE)
+            for j in range(n):
+                r = rec[j]
+                out.append((r.id, r.answered, r.k1, r.k2, r.fh, r.off, r.size, r.flags, r.pid))
             if n < TAKE:
                 return out
+
+    def writable(self, fh: int, on: bool) -> None:
+        """Handle fh takes writes (its WRITEs that land whole are answered by the queue
+        threads) or, at its release, no longer."""
+        lib.ck_fring_writable(self.handle, fh, 1 if on else 0)
 
     def request(self, i: int) -> tuple[memoryview, int]:
         """Entry i's header buffer and its payload's length."""
@@ -189,9 +196,13 @@ class Ring:
 
     def counts(self) -> dict:
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
-                "ring_requests": self.requests,
+                "ring_requests": self.requests + self.answered_here(),
+                "ring_writes_answered_in_c": self.answered_here(),
                 "ring_queues_pinned": sum(lib.ck_fring_pinned(self.handle, q)
                                           for q in range(self.nqueues))}
+
+    def answered_here(self) -> int:
+        return sum(lib.ck_fring_answered_here(self.handle, q) for q in range(self.nqueues))
 
     def error(self) -> int:
         return lib.ck_fring_error(self.handle) if self.handle is not None else 0

@@ -58,6 +58,11 @@ const char *ck_build_info(void);
 
 /* FUSE over io_uring's queue threads (fuse/ring.c, fuse/ring.py) */
 struct ck_fring;
+struct ck_fring_landed {
+    int id, answered;
+    uint32_t k1, k2, size, flags, pid, pad;
+    uint64_t fh, off;
+};
 struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
                                 int wake_fd, double spin_s, int *err);
 int ck_fring_take(struct ck_fring *f, int *ids, int max);
@@ -66,7 +71,9 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
 int ck_fring_revoke(struct ck_fring *f);
-int ck_fring_take_landed(struct ck_fring *f, int *ids, uint32_t *k1, uint32_t *k2, int max);
+int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max);
+int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on);
+long ck_fring_answered_here(struct ck_fring *f, int qid);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
@@ -312,8 +319,13 @@ void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
 { (void)f; (void)p1; (void)n1; (void)p2; (void)n2; }
 int ck_fring_revoke(struct ck_fring *f) { (void)f; return 0; }
-int ck_fring_take_landed(struct ck_fring *f, int *i, uint32_t *a, uint32_t *b, int m)
-{ (void)f; (void)i; (void)a; (void)b; (void)m; return 0; }
+struct ck_fring_landed { int id, answered; uint32_t k1, k2, size, flags, pid, pad;
+                         uint64_t fh, off; };
+int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *o, int m)
+{ (void)f; (void)o; (void)m; return 0; }
+int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
+{ (void)f; (void)fh; (void)on; return -ENOSYS; }
+long ck_fring_answered_here(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
