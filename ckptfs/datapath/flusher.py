@@ -242,6 +242,9 @@ class Flusher:
         self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
+        # told when `error` is set and when it clears (FUSE over io_uring's queue threads answer
+        # FLUSH themselves while there is none: fuse/ring.py)
+        self.error_hook: Callable[[bool], None] | None = None
         self.committed = trio.Event()
         self.stats = FlushStats()
         self.engine_name = "?"
@@ -349,10 +352,14 @@ class Flusher:
         if self.error is not None:
             self.error = None
             self.staging.error = None
+            if self.error_hook is not None:
+                self.error_hook(False)
 
     def _on_error(self, exc: OSError) -> None:
         self.error = exc
         self.staging.error = exc
+        if self.error_hook is not None:
+            self.error_hook(True)
         self.stats.errors += 1
         self.stats.last_error = f"{exc.__class__.__name__}: {exc}"
         self.staging.free_event.set()  # wake writers waiting for a segment: they see the error

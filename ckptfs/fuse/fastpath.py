@@ -609,6 +609,9 @@ class FastPath(RequestWait):
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
         self.offer_zone()
+        flusher = self.ops.flusher
+        flusher.error_hook = ring.flush_fails
+        ring.flush_fails(flusher.error is not None)
         self.transport = "io_uring"
         ring.sleep(self.busy)  # (a task may already sleep in the slow path)
         log.info("FUSE over io_uring: %d queues of %d entries (%d KiB each), %d of them "
@@ -667,6 +670,7 @@ class FastPath(RequestWait):
         if ring is None:
             return
         self.staging.claim_hook = None
+        self.ops.flusher.error_hook = None
         self.zone_live = False
         self.ring_uniques.clear()
         try:

@@ -19,7 +19,11 @@
  * landed whole, on a handle the Python side said takes writes, is answered here at once:
  * its record carries what the Python side needs of it (the entry goes back to the kernel),
  * and the Python side records it before it serves any request or changes staging, as it
- * records a WRITE read into staging from /dev/fuse before its answer.
+ * records a WRITE read into staging from /dev/fuse before its answer. Two more requests are
+ * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
+ * open() asks isatty() of every file) and FLUSH while the flusher has no error to report
+ * (ckptfs's close() does not wait for durability; with an error, FLUSH goes to the Python side,
+ * which reports it to handles that wrote).
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -52,6 +56,8 @@
 #define FR_REGISTER 1
 #define FR_COMMIT_AND_FETCH 2
 #define FR_OP_RELEASE 18
+#define FR_OP_FLUSH 25
+#define FR_OP_IOCTL 39
 #define FR_OP_WRITE 16
 #define FR_OP_RELEASEDIR 29
 #define FR_WRITE_CACHE 1u
@@ -131,6 +137,7 @@ struct ck_fring {
     _Atomic int py_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
+    _Atomic int flush_fails;  /* the flusher has an error: FLUSH goes to the Python side */
     _Atomic int registered;  /* queues whose entries are registered */
     _Atomic int failed;      /* queues that could not register */
 };
@@ -252,18 +259,18 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
     return answered;
 }
 
-/* The answer to a WRITE of `size` bytes, all taken. */
-static void fr_answer_write(struct fr_slot *s, uint32_t size)
+/* An answer written here: `error` (0 or -errno), then `len` bytes of body (from `body`). */
+static void fr_answer(struct fr_slot *s, int32_t error, const void *body, uint32_t len)
 {
     struct { uint32_t len; int32_t error; uint64_t unique; } oh;
     const struct fr_in_header *h = (const void *)s->hdr->in_out;
-    oh.len = sizeof oh + 8;
-    oh.error = 0;
+    oh.len = sizeof oh + len;
+    oh.error = error;
     oh.unique = h->unique;
-    uint32_t out[2] = { size, 0 };
     memcpy(s->hdr->in_out, &oh, sizeof oh);
-    memcpy(s->payload, out, sizeof out);
-    s->hdr->ent.payload_sz = sizeof out;
+    if (len)
+        memcpy(s->payload, body, len);
+    s->hdr->ent.payload_sz = len;
 }
 
 /* Commit the answers the Python side left; returns how many. */
@@ -317,15 +324,28 @@ static int fr_reap(struct fr_queue *q)
         atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
         s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
                       || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
-        q->with_python++;
-        if (s->waited)
-            q->waited_with_python++;
-        if (fr_hand_over(f, (int)tag, size)) {
-            q->with_python--;
+        int here = 0;
+        if (h->opcode == FR_OP_IOCTL) {
+            fr_answer(s, -ENOTTY, NULL, 0);
+            here = 1;
+        } else if (h->opcode == FR_OP_FLUSH && !atomic_load(&f->flush_fails)) {
+            fr_answer(s, 0, NULL, 0);
+            here = 1;
+        } else {
+            q->with_python++;
             if (s->waited)
-                q->waited_with_python--;
+                q->waited_with_python++;
+            if (fr_hand_over(f, (int)tag, size)) {
+                q->with_python--;
+                if (s->waited)
+                    q->waited_with_python--;
+                uint32_t out[2] = { size, 0 };  /* fuse_write_out */
+                fr_answer(s, 0, out, sizeof out);
+                here = 1;
+            }
+        }
+        if (here) {
             atomic_fetch_add(&q->answered_here, 1);
-            fr_answer_write(s, size);
             atomic_store(&s->state, AT_KERNEL);
             if (fr_queue_cmd(q, (int)tag, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) < 0)
                 return -EBUSY;
@@ -610,6 +630,9 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
 void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
 void *ck_fring_payload(struct ck_fring *f, int id) { return f->slots[id].payload; }
 int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
+
+/* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
+void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
 
 long ck_fring_served(struct ck_fring *f, int qid)
 {

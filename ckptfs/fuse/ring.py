@@ -197,9 +197,13 @@ class Ring:
     def counts(self) -> dict:
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
                 "ring_requests": self.requests + self.answered_here(),
-                "ring_writes_answered_in_c": self.answered_here(),
+                "ring_answered_in_c": self.answered_here(),
                 "ring_queues_pinned": sum(lib.ck_fring_pinned(self.handle, q)
                                           for q in range(self.nqueues))}
+
+    def flush_fails(self, failing: bool) -> None:
+        """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
+        lib.ck_fring_flush_fails(self.handle, 1 if failing else 0)
 
     def answered_here(self) -> int:
         return sum(lib.ck_fring_answered_here(self.handle, q) for q in range(self.nqueues))

@@ -77,6 +77,7 @@ long ck_fring_answered_here(struct ck_fring *f, int qid);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
+void ck_fring_flush_fails(struct ck_fring *f, int on);
 long ck_fring_served(struct ck_fring *f, int qid);
 int ck_fring_pinned(struct ck_fring *f, int qid);
 int ck_fring_stop(struct ck_fring *f);
@@ -329,6 +330,7 @@ long ck_fring_answered_here(struct ck_fring *f, int q) { (void)f; (void)q; retur
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
+void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
 long ck_fring_served(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
 int ck_fring_pinned(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
 int ck_fring_stop(struct ck_fring *f) { (void)f; return 0; }
