@@ -310,6 +310,9 @@ class FastPath(RequestWait):
             log.error("short read on /dev/fuse (%d bytes)", n)
             return False
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
+        if ring is not None:  # (what the queue threads answered comes first, as in serve_ring)
+            self.claim_landed()
+            self.offer_zone()
         if self.minor and not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE and n >= HEAD:
@@ -619,7 +622,11 @@ class FastPath(RequestWait):
                  ring.counts()["ring_queues_pinned"])
 
     def offer_zone(self) -> None:
-        """Offer the staging's tails to the queue threads for the next WRITE payloads."""
+        """Offer the staging's tails to the queue threads for the next WRITE payloads (once
+        claim_landed took them back: an offer while they hold them would land bytes where
+        earlier ones went)."""
+        if self.zone_live:
+            return
         t1, t2 = self.staging.offered_tails()
         if t1 is None or not len(t1):
             return

@@ -216,6 +216,7 @@ class Ring:
         if self.handle is None:
             return
         self.headers = self.payloads = self.views = []
+        self.zone = None
         stuck = lib.ck_fring_stop(self.handle)
         self.handle = None
         os.close(self.wake_fd)
