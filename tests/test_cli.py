@@ -339,7 +339,7 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
              "index_snapshot_ratio": 4.0, "index_snapshot_min": "1M", "data_logs": 3,
              "stripe_size": "1M", "io_chunk": "4M",
              "read_cache": "32M", "prefetch": "16M", "readahead": "1M", "idle_flush": 0.25,
-             "refresh": 0.5, "request_spin": 10, "fast_path": False,
+             "refresh": 0.5, "request_spin": 10, "fast_path": False, "fuse_uring": True,
              "writeback_cache": True,
              "direct_writes": False, "direct_reads": True, "allow_other": True,
              "prometheus": "/tmp/p.prom", "ro": True, "no_populate": True, "debug": True}
@@ -357,7 +357,7 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
                   stripe_bytes=1 << 20,
                   io_chunk_bytes=4 << 20, read_cache_bytes=32 << 20, prefetch_bytes=16 << 20,
                   readahead_kb=1024, idle_flush_s=0.25, refresh_s=0.5, request_spin_us=10,
-                  fast_path=False,
+                  fast_path=False, fuse_uring=True,
                   writeback_cache=True, direct_writes=False, direct_reads=True,
                   allow_other=True, prometheus_file="/tmp/p.prom", readonly=True,
                   populate=False, debug=True, log_file="/tmp/d.log")
