@@ -185,6 +185,17 @@ METRICS = {
                                "Requests the fast path answered itself"),
     "requests_interrupted": ("requests_interrupted_total", "counter",
                              "Requests answered early because their caller was being killed"),
+    "ring_queues": ("ring_queues", "gauge",
+                    "FUSE io_uring queues, one per CPU (--fuse-uring; absent on /dev/fuse)"),
+    "ring_depth": ("ring_queue_entries", "gauge", "Entries of each FUSE io_uring queue"),
+    "ring_queues_pinned": ("ring_queues_pinned", "gauge",
+                           "FUSE io_uring queue threads running on their own CPU"),
+    "ring_requests": ("ring_requests_total", "counter",
+                      "Requests that came on the FUSE io_uring queues"),
+    "ring_answered_in_c": ("ring_answered_in_c_total", "counter",
+                           "Requests the io_uring queue threads answered themselves"),
+    "ring_entries_lost": ("ring_entries_lost_total", "counter",
+                          "FUSE io_uring queue entries whose command the kernel refused"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),
     "live_bytes": ("data_log_live_bytes", "gauge", "Data log bytes that files still use"),
     "dead_bytes": ("data_log_dead_bytes", "gauge",
@@ -253,7 +264,7 @@ METRICS = {
 }
 # words and flags: labels of ckptfs_info
 INFO_LABELS = ("pid", "backing", "engine", "io_mode", "readonly", "direct_reads",
-               "shared_mmap_of_direct_files")
+               "shared_mmap_of_direct_files", "transport")
 # derived (ckptfs_data_log_written_bytes_total / ckptfs_flush_seconds_total), or in ckptfs_info
 NOT_METRICS = {"flush_gbps", "pid"}
 

@@ -263,6 +263,50 @@ def test_tails_and_landed_read_in_place():
     run_trio(main)
 
 
+def test_every_change_of_the_tails_claims_them_first():
+    """Another thread may copy payloads into the offered tails (FUSE over io_uring's queue
+    threads): whatever changes the open segment or takes a free buffer calls the claim hook
+    first, so what that thread landed is recorded before, at the place it landed. Simulated
+    here: the "other thread" lands bytes into the offered tails, and the hook records them
+    as claim_landed does."""
+    async def main():
+        sealed = []
+        st = staging(4, sealed)
+        got = []
+        other = []  # (bytes) the other thread landed and the hook has not recorded yet
+        claims = []
+
+        def hook():
+            claims.append(len(other))
+            while other:
+                data = other.pop(0)
+                st.landed(len(data), lambda seg, dpos, soff, k: got.append(
+                    (seg.number, soff, bytes(seg.view[soff:soff + k]))))
+        st.claim_hook = hook
+
+        def land(data: bytes) -> None:  # the other thread, into what was offered
+            t1, _ = st.offered_tails()
+            t1[:len(data)] = data
+            other.append(data)
+
+        land(b"AAAA")
+        await st.append(b"BB", lambda *a: got.append(("append",) + a[2:]))
+        assert got[0] == (1, 0, b"AAAA") and got[1] == ("append", 4, 2)
+        land(b"CCC")
+        st.seal()  # (the idle sealer, a barrier)
+        assert got[2] == (1, 6, b"CCC") and sealed[-1].used == 9
+        land(b"DD")
+        st.tails()  # (a /dev/fuse read into the tails)
+        assert got[3] == (2, 0, b"DD")
+        land(b"E")
+        await st._open_segment()  # (the cleaner moving data)
+        assert got[4] == (2, 2, b"E") and st.open.used == 3
+        assert claims.count(1) == 4
+        st.close()
+
+    run_trio(main)
+
+
 # ---------------------------------------------------------------- owed checksums
 def _file(ino: int = 5) -> Inode:
     x = Inode(ino, 0o100644, 0, 0)

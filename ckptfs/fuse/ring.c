@@ -111,6 +111,7 @@ struct fr_queue {
     int first_slot;
     _Atomic long served;
     _Atomic long answered_here;
+    _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
 struct ck_fring {
@@ -312,8 +313,16 @@ static int fr_reap(struct fr_queue *q)
                 return -EBUSY;
             continue;
         }
-        if (res < 0)
-            return res;
+        if (res == -ENOTCONN || res == -ECANCELED || res == -ENODEV)
+            return res;  /* unmounted, or the connection aborted */
+        if (res < 0) {
+            /* (the kernel refused this entry's command, e.g. an answer it could not take: the
+             * caller got an error; the entry is lost to the queue, the others go on) */
+            int zero = 0;
+            atomic_compare_exchange_strong(&f->error, &zero, -res);
+            atomic_fetch_add(&q->lost, 1);
+            continue;
+        }
         struct fr_slot *s = &f->slots[tag];
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
         const uint32_t *write_size = (const void *)(s->hdr->op_in + 16);
@@ -637,6 +646,11 @@ void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_f
 long ck_fring_served(struct ck_fring *f, int qid)
 {
     return qid < f->nqueues ? atomic_load(&f->queues[qid].served) : -1;
+}
+
+int ck_fring_lost(struct ck_fring *f, int qid)
+{
+    return qid < f->nqueues ? atomic_load(&f->queues[qid].lost) : 0;
 }
 
 long ck_fring_answered_here(struct ck_fring *f, int qid)

@@ -198,6 +198,9 @@ class Ring:
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
                 "ring_requests": self.requests + self.answered_here(),
                 "ring_answered_in_c": self.answered_here(),
+                "ring_entries_lost": sum(lib.ck_fring_lost(self.handle, q)
+                                         for q in range(self.nqueues)),
+                "ring_error": os.strerror(self.error()) if self.error() else "",
                 "ring_queues_pinned": sum(lib.ck_fring_pinned(self.handle, q)
                                           for q in range(self.nqueues))}
 

@@ -74,6 +74,7 @@ int ck_fring_revoke(struct ck_fring *f);
 int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max);
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on);
 long ck_fring_answered_here(struct ck_fring *f, int qid);
+int ck_fring_lost(struct ck_fring *f, int qid);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
@@ -327,6 +328,7 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *o, int m)
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 { (void)f; (void)fh; (void)on; return -ENOSYS; }
 long ck_fring_answered_here(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
+int ck_fring_lost(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
