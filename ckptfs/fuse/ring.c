@@ -559,7 +559,8 @@ int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
     for (unsigned n = 0; n < FH_SLOTS; i = (i + 1) % FH_SLOTS, n++) {
         if (f->fhs[i] == fh + 1) {
             if (!on) {
-                f->fhs[i] = FH_GONE;
+                /* (a tombstone only where a probe may have to pass it) */
+                f->fhs[i] = f->fhs[(i + 1) % FH_SLOTS] == FH_EMPTY ? FH_EMPTY : FH_GONE;
                 f->nfhs--;
             }
             goto out;
