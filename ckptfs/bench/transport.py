@@ -44,10 +44,10 @@ import sys
 import tempfile
 import time
 
+from ckptfs.fuse.ring import ENABLE_URING
 from ckptfs.system import guest_halt_poll_ns
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport.c")
-ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
 ALL = None  # (every CPU)
 # name: (mode, spin us, server CPUs, client CPUs, a thread per queue, queue threads pinned,
 # namespace requests handed to one thread)

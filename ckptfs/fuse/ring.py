@@ -10,9 +10,11 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. The request itself is served here, by the fast path's handlers
-(fuse/fastpath.py), exactly as one read from /dev/fuse; only where its bytes are read from
-and where its answer goes differ:
+wake-up is local. Three requests are answered by the queue thread itself (a WRITE that
+landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
+IOCTL: fuse/ring.c); every other one is served here, by the fast path's handlers
+(fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
+its answer goes differ:
 
 - a request sits in its ring entry: the 40-byte header and the op's fixed part in the entry's
   header buffer, the rest (names, a WRITE's payload) in its payload buffer. A WRITE's payload
@@ -48,7 +50,6 @@ FUSE_OVER_IO_URING = 1 << 41  # INIT flags (bits 32-63: flags2)
 OP_IN = 128
 OP_IN_SIZE = 128
 PAYLOAD_SZ = 256 + 16  # fuse_uring_ent_in_out.payload_sz
-IN_HEADER_SIZE = 40
 # Memory: each entry has a payload buffer as large as the biggest request (1 MiB); a queue
 # gets QUEUE_DEPTH entries (as many requests in service at once as the /dev/fuse loop's
 # request tasks, fuse/loop.MAX_TASKS), fewer on machines with many CPUs (RING_MEMORY in all,
