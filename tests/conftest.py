@@ -28,6 +28,15 @@ def uring_switch(value: str = "Y"):
             was = f.read().strip()
     except OSError:
         pytest.skip("this kernel has no FUSE over io_uring")
+    if value == "Y":  # (io_uring itself may be off here: a sysctl, seccomp, a stub build)
+        from ckptfs.io.uring import ffi, lib
+        if lib is None or not lib.ck_have_uring():
+            pytest.skip("ckptfs was built without io_uring")
+        err, features = ffi.new("int *"), ffi.new("unsigned int *")
+        r = lib.ck_ring_open(1, err, features)
+        if r == ffi.NULL:
+            pytest.skip(f"io_uring is not usable here: {os.strerror(err[0])}")
+        lib.ck_ring_close(r)
     try:
         with open(ring.ENABLE_URING, "w") as f:
             f.write(value)
