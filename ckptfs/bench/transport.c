@@ -481,6 +481,20 @@ static int serve(int argc, char **argv) {
 }
 
 /* ------------------------------------------------------------------ client */
+/* m writes (or reads) of 1 MiB through one descriptor of path; 1 on an error (printed). */
+static int big_io(const char *path, int writing, char *buf, int m) {
+    int fd = writing ? open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644) : open(path, O_RDONLY);
+    for (int i = 0; i < m; i++) {
+        ssize_t k = fd < 0 ? -1 : writing ? write(fd, buf, MAX_WRITE) : read(fd, buf, MAX_WRITE);
+        if (k != MAX_WRITE) {
+            perror(path);
+            return 1;
+        }
+    }
+    close(fd);
+    return 0;
+}
+
 static int client(int argc, char **argv) {
     if (argc < 6) {
         fprintf(stderr, "usage: transport client DIR N SIZE M\n");
@@ -503,17 +517,12 @@ static int client(int argc, char **argv) {
     }
     double t1 = now();
     snprintf(path, sizeof path, "%s/big", dir);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    for (int i = 0; i < m; i++)
-        if (fd < 0 || write(fd, buf, MAX_WRITE) != MAX_WRITE) {
-            perror(path);
-            return 1;
-        }
-    close(fd);
+    if (big_io(path, 1, buf, m))
+        return 1;
     double t2 = now();
     for (int i = 0; i < n; i++) {
         snprintf(path, sizeof path, "%s/r%d_%d", dir, size, i);
-        fd = open(path, O_RDONLY);
+        int fd = open(path, O_RDONLY);
         if (fd < 0 || read(fd, buf, MAX_WRITE) != size || close(fd)) {
             perror(path);
             return 1;
@@ -521,13 +530,8 @@ static int client(int argc, char **argv) {
     }
     double t3 = now();
     snprintf(path, sizeof path, "%s/r%ld_big", dir, (long)m * MAX_WRITE);
-    fd = open(path, O_RDONLY);
-    for (int i = 0; i < m; i++)
-        if (fd < 0 || read(fd, buf, MAX_WRITE) != MAX_WRITE) {
-            perror(path);
-            return 1;
-        }
-    close(fd);
+    if (big_io(path, 0, buf, m))
+        return 1;
     double t4 = now();
     printf("%.2f %.2f %.2f %.2f\n", n ? (t1 - t0) / n * 1e6 : 0.0, m ? (t2 - t1) / m * 1e6 : 0.0,
            n ? (t3 - t2) / n * 1e6 : 0.0, m ? (t4 - t3) / m * 1e6 : 0.0);

@@ -283,9 +283,7 @@ class FastPath(RequestWait):
                 i = ring.take()
                 if i >= 0:
                     return await self.serve_ring(i)
-                # only WRITEs the queue threads answered: record them
-                self.claim_landed()
-                self.offer_zone()
+                self.settle_ring()  # (only WRITEs the queue threads answered: record them)
                 return False
         head = self.head
         if self.overflow is None:
@@ -311,8 +309,7 @@ class FastPath(RequestWait):
             return False
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
         if ring is not None:  # (what the queue threads answered comes first, as in serve_ring)
-            self.claim_landed()
-            self.offer_zone()
+            self.settle_ring()
         if self.minor and not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE and n >= HEAD:
@@ -350,12 +347,11 @@ class FastPath(RequestWait):
         """Serve the request in ring entry i (fuse/ring.py) as serve_one serves one read from
         /dev/fuse; True if it was handed to libfuse."""
         ring = self.ring
-        self.claim_landed()
-        self.offer_zone()
+        self.settle_ring()
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
         self.ring_uniques[unique] = i
-        pay = ring.views[i]
+        pay = ring.payloads[i]
         # the op's fixed part (in the header buffer); the rest is in the payload buffer
         opsize = length - IN_HEADER.size - psz
         if not 0 <= opsize <= fring.OP_IN_SIZE:
@@ -388,9 +384,6 @@ class FastPath(RequestWait):
                 fh = FH_IN.unpack_from(h, op)[0]
                 ring.writable(fh, False)
                 await self.simple(unique, self.ops.release, fh)
-                return False
-            if opcode == FUSE_IOCTL:
-                self.reply_error(unique, errno.ENOTTY)  # (as serve_one says)
                 return False
             if opcode in self.entry_ops:
                 await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
@@ -671,6 +664,12 @@ class FastPath(RequestWait):
                     self.writes_in_place += 1
                 else:
                     self.ring_landed[i] = (k1 + k2, 0)
+
+    def settle_ring(self) -> None:
+        """Before a request is served: the writes the queue threads landed are recorded, and
+        the tails offered again."""
+        self.claim_landed()
+        self.offer_zone()
 
     def stop_ring(self) -> None:
         ring, self.ring = self.ring, None

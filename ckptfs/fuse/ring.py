@@ -105,15 +105,14 @@ class Ring:
             raise RingError(err[0], "FUSE over io_uring: cannot register the queues: "
                             + os.strerror(err[0]))
         n = self.nqueues * self.depth
-        self.headers = [ffi.buffer(lib.ck_fring_header(self.handle, i), 4096) for i in range(n)]
-        self.payloads = [ffi.buffer(lib.ck_fring_payload(self.handle, i), payload)
+        self.headers = [memoryview(ffi.buffer(lib.ck_fring_header(self.handle, i), 4096))
+                        for i in range(n)]
+        self.payloads = [memoryview(ffi.buffer(lib.ck_fring_payload(self.handle, i), payload))
                          for i in range(n)]
-        self.views = [memoryview(p) for p in self.payloads]
         self._ids = ffi.new("int[]", TAKE)
         self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
         self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
-        self.requests = 0
 
     def pending(self) -> int:
         return lib.ck_fring_pending(self.handle) or len(self.taken)
@@ -126,7 +125,6 @@ class Ring:
                 return -1
             self.taken = list(self._ids[0:k])
             self.taken.reverse()
-        self.requests += 1
         return self.taken.pop()
 
     def sleep(self, sleeping: bool) -> bool:
@@ -174,7 +172,7 @@ class Ring:
     def request(self, i: int) -> tuple[memoryview, int]:
         """Entry i's header buffer and its payload's length."""
         h = self.headers[i]
-        return memoryview(h), struct.unpack_from("<I", h, PAYLOAD_SZ)[0]
+        return h, struct.unpack_from("<I", h, PAYLOAD_SZ)[0]
 
     def answer(self, i: int, header: bytes, data) -> bool:
         """Entry i's answer: `header` (out header and maybe the start of the body), then the
@@ -196,21 +194,21 @@ class Ring:
         return True
 
     def counts(self) -> dict:
+        err = self.error()
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
-                "ring_requests": self.requests + self.answered_here(),
-                "ring_answered_in_c": self.answered_here(),
-                "ring_entries_lost": sum(lib.ck_fring_lost(self.handle, q)
-                                         for q in range(self.nqueues)),
-                "ring_error": os.strerror(self.error()) if self.error() else "",
-                "ring_queues_pinned": sum(lib.ck_fring_pinned(self.handle, q)
-                                          for q in range(self.nqueues))}
+                "ring_requests": self._queues_sum(lib.ck_fring_served),
+                "ring_answered_in_c": self._queues_sum(lib.ck_fring_answered_here),
+                "ring_entries_lost": self._queues_sum(lib.ck_fring_lost),
+                "ring_error": os.strerror(err) if err else "",
+                "ring_queues_pinned": self._queues_sum(lib.ck_fring_pinned)}
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
         lib.ck_fring_flush_fails(self.handle, 1 if failing else 0)
 
-    def answered_here(self) -> int:
-        return sum(lib.ck_fring_answered_here(self.handle, q) for q in range(self.nqueues))
+    def _queues_sum(self, figure) -> int:
+        """A per-queue figure of the queue threads, summed."""
+        return sum(figure(self.handle, q) for q in range(self.nqueues))
 
     def error(self) -> int:
         return lib.ck_fring_error(self.handle) if self.handle is not None else 0
@@ -219,7 +217,7 @@ class Ring:
         """Stop the queue threads and free the entries (after the last request is served)."""
         if self.handle is None:
             return
-        self.headers = self.payloads = self.views = []
+        self.headers = self.payloads = []
         self.zone = None
         stuck = lib.ck_fring_stop(self.handle)
         self.handle = None
