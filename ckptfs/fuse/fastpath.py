@@ -667,7 +667,11 @@ class FastPath(RequestWait):
 
     def settle_ring(self) -> None:
         """Before a request is served: the writes the queue threads landed are recorded, and
-        the tails offered again."""
+        the tails offered again (while nothing landed, the offer stands: staging is as
+        offered; a landing in progress belongs to a WRITE whose caller has no answer yet, so
+        no request served now depends on it)."""
+        if self.zone_live and not self.ring.landed():
+            return
         self.claim_landed()
         self.offer_zone()
 

@@ -543,6 +543,9 @@ int ck_fring_take(struct ck_fring *f, int *ids, int max)
     return n;
 }
 
+/* Landed writes the Python side has not taken yet. */
+int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); }
+
 int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_count);

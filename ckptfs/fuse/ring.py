@@ -127,6 +127,10 @@ class Ring:
             self.taken.reverse()
         return self.taken.pop()
 
+    def landed(self) -> int:
+        """Writes landed and not yet taken (take_landed)."""
+        return lib.ck_fring_landed(self.handle)
+
     def sleep(self, sleeping: bool) -> bool:
         """Tell the queue threads this side sleeps on wake_fd (True) or is awake again;
         returns whether a request waits (then do not sleep)."""

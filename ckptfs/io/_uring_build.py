@@ -67,6 +67,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
                                 int wake_fd, double spin_s, int *err);
 int ck_fring_take(struct ck_fring *f, int *ids, int max);
 int ck_fring_pending(struct ck_fring *f);
+int ck_fring_landed(struct ck_fring *f);
 int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
@@ -316,6 +317,7 @@ struct ck_fring *ck_fring_start(int fd, int nq, int d, uint32_t p, int w, double
 { (void)fd; (void)nq; (void)d; (void)p; (void)w; (void)s; *err = ENOSYS; return NULL; }
 int ck_fring_take(struct ck_fring *f, int *i, int m) { (void)f; (void)i; (void)m; return 0; }
 int ck_fring_pending(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_landed(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
 void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
