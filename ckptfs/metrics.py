@@ -194,6 +194,9 @@ METRICS = {
                       "Requests that came on the FUSE io_uring queues"),
     "ring_answered_in_c": ("ring_answered_in_c_total", "counter",
                            "Requests the io_uring queue threads answered themselves"),
+    "ring_attrs_answered_in_c": ("ring_attrs_answered_in_c_total", "counter",
+                                 "GETATTRs of directories the io_uring queue threads answered "
+                                 "from their cache"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",
                           "FUSE io_uring queue entries whose command the kernel refused"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),

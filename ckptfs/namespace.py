@@ -101,8 +101,14 @@ class Inode:
         return self.children is not None
 
 
+# Records that change a directory's attributes (its entries, times, link count) whatever
+# their target; a SETATTR does when its target is a directory.
+_DIR_CHANGES = frozenset((InodeRec, RenameRec, UnlinkRec, LinkRec, XUnlinkRec))
+
+
 class Namespace:
-    """The tree. `journal_hook(rec)` receives every change made through `change()`."""
+    """The tree. `journal_hook(rec)` receives every change made through `change()`;
+    `dirs_changed()`, if set, is called after each of them that changed a directory."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
                  gid: int = 0, now_ns: int | None = None) -> None:
@@ -113,6 +119,7 @@ class Namespace:
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
+        self.dirs_changed: Callable[[], None] | None = None
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
         self.retired: set[int] = set()  # data logs a RETIRE record named
         self.last_log = 0  # the highest data log number a record named (never reused)
@@ -188,6 +195,11 @@ class Namespace:
     # ------------------------------------------------------------ changes
     def change(self, rec: Record) -> None:
         self.apply(rec)
+        if self.dirs_changed is not None:
+            t = type(rec)
+            if t in _DIR_CHANGES or (t is SetattrRec and (x := self.inodes.get(rec.ino))
+                                     is not None and x.children is not None):
+                self.dirs_changed()
         if self.journal_hook is not None and not self._orphaned(rec):
             self.journal_hook(rec)
 

@@ -234,3 +234,23 @@ def test_attributes_and_lookups_are_the_same_as_through_pyfuse3(mounts):
         tree["."] = tree["."][:8] + tree["."][9:]
     assert fast == again == slow
     assert fast["small"][9] == 1_600_000_000_987_654_321  # mtime to the nanosecond
+
+
+def test_a_closed_files_times_are_durable_with_the_next_barrier(mounts):
+    """RELEASE is answered at once and its work (the file's times into the journal) is done
+    while no request waits, or before any request that may depend on it: a barrier right
+    after close() makes them durable, so a daemon killed after it loses nothing."""
+    m = mounts.mount()
+    want = {}
+    for i in range(30):
+        p = os.path.join(m.mountpoint, f"f{i}")
+        with open(p, "wb") as f:
+            f.write(b"x" * (100 + i))
+            f.flush()
+            f.write(b"y")  # (mtime: the last write's, later than the create's)
+        m.sync()
+        want[p] = os.stat(p).st_mtime_ns
+    m.kill()
+    m2 = mounts.mount(m.backing)
+    got = {p: os.stat(p.replace(m.mountpoint, m2.mountpoint)).st_mtime_ns for p in want}
+    assert got == want

@@ -89,3 +89,52 @@ def test_fuse_uring_without_the_fast_path_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "--fuse-uring needs the fast path" in proc.stderr
     assert not os.listdir(tmp_path / "b")  # (nothing written)
+
+
+def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):
+    """GETATTR of a directory is answered by the queue threads from what the Python side left
+    with them (after a CREATE in it, after a GETATTR it answered); every change of a directory
+    takes them back, so stat() of a directory shows each change, as through /dev/fuse."""
+    with uring_switch("Y"):
+        m = mounts.mount(fuse_uring=True)
+        d = os.path.join(m.mountpoint, "d")
+        os.mkdir(d)
+        times = []
+        for i in range(20):  # a small file's save: the kernel asks for d's attributes each time
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                f.write(b"x" * 100)
+            times.append(os.stat(d).st_mtime_ns)
+        assert times == sorted(times) and len(set(times)) == len(times)
+        assert m.status()["ring_attrs_answered_in_c"] >= 20
+
+        def changed(what, *args) -> os.stat_result:
+            before = os.stat(d)
+            what(*args)
+            after = os.stat(d)
+            assert after.st_mtime_ns > before.st_mtime_ns, what
+            return after
+
+        assert changed(os.mkdir, os.path.join(d, "sub")).st_nlink == 3
+        changed(os.unlink, os.path.join(d, "f0"))
+        sub0 = os.stat(os.path.join(d, "sub")).st_mtime_ns
+        changed(os.rename, os.path.join(d, "f1"), os.path.join(d, "sub", "f1"))
+        assert os.stat(os.path.join(d, "sub")).st_mtime_ns > sub0
+        os.link(os.path.join(d, "f2"), os.path.join(d, "sub", "f2"))
+        os.chmod(d, 0o700)
+        assert os.stat(d).st_mode & 0o7777 == 0o700
+        os.utime(d, ns=(10**9, 2 * 10**9))
+        assert os.stat(d).st_mtime_ns == 2 * 10**9
+        with open(os.path.join(d, "g"), "wb"):
+            pass
+        assert os.stat(d).st_mtime_ns > 2 * 10**9
+        os.unlink(os.path.join(d, "sub", "f1"))
+        os.unlink(os.path.join(d, "sub", "f2"))
+        assert changed(os.rmdir, os.path.join(d, "sub")).st_nlink == 2
+        # (the same through /dev/fuse after a remount: what the rings answered was the tree's)
+        want = {n: os.stat(os.path.join(d, n)).st_size for n in os.listdir(d)}
+        dst = os.stat(d)
+        m.stop()
+    m2 = mounts.mount(m.backing, fuse_uring=False)
+    d2 = os.path.join(m2.mountpoint, "d")
+    assert {n: os.stat(os.path.join(d2, n)).st_size for n in os.listdir(d2)} == want
+    assert (os.stat(d2).st_mtime_ns, os.stat(d2).st_nlink) == (dst.st_mtime_ns, dst.st_nlink)

@@ -86,6 +86,9 @@ IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid 
 RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
 FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
 INTERRUPT_IN = struct.Struct("<Q")  # the unique of the interrupted request
+# Requests that do not depend on a RELEASE before them (a lookup, a new file, attributes): a
+# RELEASE's work (its journal record) may wait until they are answered (FastPath.run_releases).
+PAST_RELEASES = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_CREATE, FUSE_INTERRUPT))
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
@@ -178,6 +181,7 @@ class FastPath(RequestWait):
         self.forwarded = 0
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
+        self.releases: list[int] = []  # handles released (answered), their work not yet run
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
@@ -220,6 +224,7 @@ class FastPath(RequestWait):
         self.detached = True
         self.closed = True
         self.interrupts.stop()  # (the fd goes)
+        self.run_releases()
         self.stop_ring()
         if self.uring_wanted:
             self.epoll.close()
@@ -310,6 +315,8 @@ class FastPath(RequestWait):
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
         if ring is not None:  # (what the queue threads answered comes first, as in serve_ring)
             self.settle_ring()
+        if self.releases and opcode not in PAST_RELEASES:
+            self.run_releases()
         if self.minor and not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE and n >= HEAD:
@@ -325,9 +332,7 @@ class FastPath(RequestWait):
                 await self.simple(unique, self.ops.flush)
                 return False
             if opcode == FUSE_RELEASE:
-                if ring is not None:
-                    ring.writable(FH_IN.unpack_from(head, IN_HEADER.size)[0], False)
-                await self.simple(unique, self.ops.release)
+                self.release(unique, FH_IN.unpack_from(head, IN_HEADER.size)[0])
                 return False
             if opcode == FUSE_IOCTL:
                 # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of
@@ -351,6 +356,8 @@ class FastPath(RequestWait):
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
         self.ring_uniques[unique] = i
+        if self.releases and opcode not in PAST_RELEASES:
+            self.run_releases()
         pay = ring.payloads[i]
         # the op's fixed part (in the header buffer); the rest is in the payload buffer
         opsize = length - IN_HEADER.size - psz
@@ -381,9 +388,7 @@ class FastPath(RequestWait):
                 await self.simple(unique, self.ops.flush, FH_IN.unpack_from(h, op)[0])
                 return False
             if opcode == FUSE_RELEASE:
-                fh = FH_IN.unpack_from(h, op)[0]
-                ring.writable(fh, False)
-                await self.simple(unique, self.ops.release, fh)
+                self.release(unique, FH_IN.unpack_from(h, op)[0])
                 return False
             if opcode in self.entry_ops:
                 await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
@@ -503,8 +508,10 @@ class FastPath(RequestWait):
         ops = self.ops
         try:
             if opcode == FUSE_GETATTR:
-                out = ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0,
-                                    *ops.attr_fields(ops.inode(nodeid)))
+                x = ops.inode(nodeid)
+                out = ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0, *ops.attr_fields(x))
+                if x.children is not None:
+                    self.dir_attrs(x, nodeid, out)
             elif opcode == FUSE_LOOKUP:
                 if ops.refresh_due():  # other writers' changes first (ops.lookup)
                     await ops.refresh()
@@ -527,6 +534,12 @@ class FastPath(RequestWait):
                 out = _entry_of(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
                     fi.fh, _open_flags(fi, flags), 0)
                 self.takes_writes(fi.fh, flags)
+                if self.ring is not None:
+                    # (the kernel asks for the directory's attributes right after: its
+                    # permission check before the next name in it)
+                    d = ops.inode(nodeid)
+                    self.dir_attrs(d, nodeid, ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0,
+                                                            *ops.attr_fields(d)))
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
@@ -535,6 +548,47 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
+
+    def release(self, unique: int, fh: int) -> None:
+        """RELEASE: answered at once (the closing process does not wait for it; the kernel
+        sends it after close() returned), its work (ops.release_now: the file's times into the
+        journal, the handle and maybe the inode let go) run later by run_releases. A small
+        file's save sends RELEASE and then, for the next file, GETATTR of the directory,
+        LOOKUP and CREATE, which the caller waits for and which do not depend on it: they go
+        first, and the release's work is done while the caller serialises its next tensor."""
+        if self.ring is not None:
+            self.ring.writable(fh, False)
+        self.releases.append(fh)
+        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
+
+    def run_releases(self, until=None) -> None:
+        """The work of the RELEASEs answered so far, in order; before any request but those in
+        PAST_RELEASES, when no request waits (`until`: stop once it returns True), and
+        before the fast path stops."""
+        ops, releases = self.ops, self.releases
+        while releases:
+            fh = releases.pop(0)
+            try:
+                ops.release_now(fh)
+            except Exception:  # (what fs._guard does for pyfuse3's calls)
+                log.exception("internal error in release")
+            if until is not None and until(0):
+                return
+
+    def _idle(self) -> bool:
+        if self.releases:
+            self.run_releases(self.probe)
+            if self.probe(0):
+                return True
+        return super()._idle()
+
+    def dir_attrs(self, d, nodeid: int, attr_out: bytes) -> None:
+        """With the ring: the queue threads answer GETATTR of directory d with `attr_out`
+        until a directory changes (Namespace.dirs_changed, the refresher's look at other
+        writers, a request pyfuse3 served). Only this writer's own directories, under the
+        number the kernel knows them by."""
+        if self.ring is not None and d.layer == 0 and d.ino == nodeid:
+            self.ring.attr_put(nodeid, attr_out)
 
     def takes_writes(self, fh: int, flags: int) -> None:
         """With the ring: a handle opened for writing whose writes ops would take (write_target)
@@ -604,6 +658,7 @@ class FastPath(RequestWait):
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
+        self.ops.ns.dirs_changed = ring.attr_clear
         self.offer_zone()
         flusher = self.ops.flusher
         flusher.error_hook = ring.flush_fails
@@ -680,6 +735,7 @@ class FastPath(RequestWait):
         if ring is None:
             return
         self.staging.claim_hook = None
+        self.ops.ns.dirs_changed = None
         self.ops.flusher.error_hook = None
         self.zone_live = False
         self.ring_uniques.clear()
@@ -739,6 +795,8 @@ class FastPath(RequestWait):
                     continue
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
                     continue
+            if self.ring is not None:  # (pyfuse3's handlers may change a directory in steps)
+                self.ring.attr_clear()
             self.send(msg)
 
     def negotiated(self, msg, err: int) -> None:

@@ -790,6 +790,11 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(self.flusher.error.errno or errno.EIO)
 
     async def release(self, fh):
+        self.release_now(fh)
+
+    def release_now(self, fh) -> None:
+        """RELEASE's work (nothing in it waits): the fast path runs it after the requests
+        that do not depend on it (fastpath.FastPath.run_releases)."""
         h = self.handles.pop(fh, None)
         self.snapshots.pop(fh, None)
         if h is not None and h.wrote and h.inode.layer == 0 and not self.settings.readonly:

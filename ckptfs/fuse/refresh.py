@@ -305,8 +305,11 @@ class Refresher:
     # ------------------------------------------------------------ trio thread
     async def _apply(self, found: list[tuple]) -> None:
         view = self.view
+        changed = view.ns.dirs_changed
         async with self.lock:
             self._release()
+            if changed is not None:
+                changed()
             t0 = time.perf_counter()
             for item in found:
                 kind = item[0]
@@ -357,6 +360,8 @@ class Refresher:
                     log.info("writer %s left the backing directory",
                              view.union.writer_ids.get(item[1]))
             self._account(t0)
+            if changed is not None:  # (and what was answered while it paused)
+                changed()
             for w in view.union.warnings[self._warned:]:
                 log.warning("%s", w)
             self._warned = len(view.union.warnings)

@@ -10,9 +10,10 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Three requests are answered by the queue thread itself (a WRITE that
+wake-up is local. Four requests are answered by the queue thread itself (a WRITE that
 landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
-IOCTL: fuse/ring.c); every other one is served here, by the fast path's handlers
+IOCTL, GETATTR of a directory whose attributes this side left with it: fuse/ring.c); every
+other one is served here, by the fast path's handlers
 (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
 its answer goes differ:
 
@@ -202,9 +203,19 @@ class Ring:
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
                 "ring_requests": self._queues_sum(lib.ck_fring_served),
                 "ring_answered_in_c": self._queues_sum(lib.ck_fring_answered_here),
+                "ring_attrs_answered_in_c": self._queues_sum(lib.ck_fring_attrs_here),
                 "ring_entries_lost": self._queues_sum(lib.ck_fring_lost),
                 "ring_error": os.strerror(err) if err else "",
                 "ring_queues_pinned": self._queues_sum(lib.ck_fring_pinned)}
+
+    def attr_put(self, nodeid: int, attr_out: bytes) -> None:
+        """GETATTR of directory `nodeid` is answered by the queue threads with `attr_out` (a
+        struct fuse_attr_out) until the next attr_clear."""
+        lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out))
+
+    def attr_clear(self) -> None:
+        """A directory changed: every GETATTR goes to this side again until attr_put."""
+        lib.ck_fring_attr_clear(self.handle)
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""

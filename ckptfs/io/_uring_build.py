@@ -80,7 +80,10 @@ void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
 void ck_fring_flush_fails(struct ck_fring *f, int on);
+int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint32_t len);
+void ck_fring_attr_clear(struct ck_fring *f);
 long ck_fring_served(struct ck_fring *f, int qid);
+long ck_fring_attrs_here(struct ck_fring *f, int qid);
 int ck_fring_pinned(struct ck_fring *f, int qid);
 int ck_fring_stop(struct ck_fring *f);
 """
@@ -335,7 +338,11 @@ void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NU
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
 void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
+int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
+{ (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
+void ck_fring_attr_clear(struct ck_fring *f) { (void)f; }
 long ck_fring_served(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
+long ck_fring_attrs_here(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
 int ck_fring_pinned(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
 int ck_fring_stop(struct ck_fring *f) { (void)f; return 0; }
 """
