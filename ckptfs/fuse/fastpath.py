@@ -48,6 +48,7 @@ import os
 import select
 import socket
 import struct
+import time
 
 import pyfuse3
 import trio
@@ -89,6 +90,10 @@ INTERRUPT_IN = struct.Struct("<Q")  # the unique of the interrupted request
 # Requests that do not depend on a RELEASE before them (a lookup, a new file, attributes): a
 # RELEASE's work (its journal record) may wait until they are answered (FastPath.run_releases).
 PAST_RELEASES = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_CREATE, FUSE_INTERRUPT))
+# How long no request comes before the releases' work is done while the loop spins: a small
+# file's RELEASE is followed within ~25-75 us by the next file's GETATTR/LOOKUP/CREATE, then the
+# caller serialises its tensor for ~100 us or more.
+RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
@@ -182,6 +187,7 @@ class FastPath(RequestWait):
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.releases: list[int] = []  # handles released (answered), their work not yet run
+        self.released_at = 0.0  # when the first of them came (perf_counter)
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
@@ -258,10 +264,6 @@ class FastPath(RequestWait):
             if not self.zone_live:
                 self.offer_zone()
         return bool(self.poller.poll(timeout))
-
-    def park(self, sleeping: bool) -> bool:
-        ring = self.ring
-        return ring.sleep(sleeping) if ring is not None else False
 
     async def __call__(self) -> bool:
         task = trio.lowlevel.current_task()
@@ -551,20 +553,23 @@ class FastPath(RequestWait):
 
     def release(self, unique: int, fh: int) -> None:
         """RELEASE: answered at once (the closing process does not wait for it; the kernel
-        sends it after close() returned), its work (ops.release_now: the file's times into the
-        journal, the handle and maybe the inode let go) run later by run_releases. A small
-        file's save sends RELEASE and then, for the next file, GETATTR of the directory,
-        LOOKUP and CREATE, which the caller waits for and which do not depend on it: they go
-        first, and the release's work is done while the caller serialises its next tensor."""
+        sends it after close() returned; with the ring the queue threads answer it), its
+        work (ops.release_now: the file's times into the journal, the handle and maybe the
+        inode let go) run later by run_releases. A small file's save sends RELEASE and then,
+        for the next file, GETATTR of the directory, LOOKUP and CREATE, which the caller
+        waits for and which do not depend on it: they go first, and the release's work is
+        done while the caller serialises its next tensor."""
         if self.ring is not None:
             self.ring.writable(fh, False)
+        if not self.releases:
+            self.released_at = time.perf_counter()
         self.releases.append(fh)
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
     def run_releases(self, until=None) -> None:
-        """The work of the RELEASEs answered so far, in order; before any request but those in
-        PAST_RELEASES, when no request waits (`until`: stop once it returns True), and
-        before the fast path stops."""
+        """The work of the RELEASEs answered so far, in order: before any request but those
+        in PAST_RELEASES, once no request came for RELEASE_GRACE_S (`until`: stop when it
+        says a request waits), before the loop sleeps and before the fast path stops."""
         ops, releases = self.ops, self.releases
         while releases:
             fh = releases.pop(0)
@@ -573,14 +578,21 @@ class FastPath(RequestWait):
             except Exception:  # (what fs._guard does for pyfuse3's calls)
                 log.exception("internal error in release")
             if until is not None and until(0):
-                return
+                break
+        self.released_at = time.perf_counter()
 
-    def _idle(self) -> bool:
-        if self.releases:
+    def spin_work(self) -> None:
+        """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
+        since the first of them (the caller is busy with its own work then)."""
+        if self.releases and time.perf_counter() - self.released_at >= RELEASE_GRACE_S:
             self.run_releases(self.probe)
-            if self.probe(0):
-                return True
-        return super()._idle()
+
+    def park(self, sleeping: bool) -> bool:
+        if sleeping and self.releases:  # (not left until the next request)
+            self.run_releases()
+            return True
+        ring = self.ring
+        return ring.sleep(sleeping) if ring is not None else False
 
     def dir_attrs(self, d, nodeid: int, attr_out: bytes) -> None:
         """With the ring: the queue threads answer GETATTR of directory d with `attr_out`
@@ -721,11 +733,17 @@ class FastPath(RequestWait):
                     self.ring_landed[i] = (k1 + k2, 0)
 
     def settle_ring(self) -> None:
-        """Before a request is served: the writes the queue threads landed are recorded, and
-        the tails offered again (while nothing landed, the offer stands: staging is as
-        offered; a landing in progress belongs to a WRITE whose caller has no answer yet, so
-        no request served now depends on it)."""
-        if self.zone_live and not self.ring.landed():
+        """Before a request is served: the RELEASEs the queue threads answered join the
+        releases to run, the writes they landed are recorded (those of a released handle
+        landed before its RELEASE came), and the tails are offered again (while nothing
+        landed, the offer stands: staging is as offered; a landing in progress belongs to a
+        WRITE whose caller has no answer yet, so no request served now depends on it)."""
+        ring = self.ring
+        if ring.released():
+            if not self.releases:
+                self.released_at = time.perf_counter()
+            self.releases.extend(ring.take_released())
+        if self.zone_live and not ring.landed():
             return
         self.claim_landed()
         self.offer_zone()

@@ -155,15 +155,20 @@ class RequestWait:
             self.skip -= 1
             return False
         end = time.perf_counter() + self.spin_s
-        poll = self.probe
+        poll, work = self.probe, self.spin_work
         while time.perf_counter() < end:
             if poll(0):
                 self.spun += 1
                 self.misses = 0
                 return True
+            work()
         self.misses = min(self.misses + 1, 8)
         self.skip = (1 << self.misses) - 1
         return False
+
+    def spin_work(self) -> None:
+        """Work done between polls while the loop spins (a few tens of microseconds at most
+        at a time; see FastPath.spin_work); none here."""
 
     def detach(self) -> None:
         """Undo what install() changed besides the hook (nothing here; see FastPath)."""

@@ -71,6 +71,7 @@
 #define FH_EMPTY 0
 #define FH_GONE UINT64_MAX
 #define LANDED_MAX 4096  /* landed writes not yet recorded by the Python side */
+#define RELEASED_MAX 4096  /* handles released here whose release the Python side has not run */
 #define ATTR_SLOTS 256  /* the directory attribute cache: open addressing, short probes */
 #define ATTR_PROBE 8
 #define ATTR_OUT_SIZE 104  /* struct fuse_attr_out */
@@ -149,6 +150,9 @@ struct ck_fring {
     struct ck_fring_landed *landed;
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
+    uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
+    unsigned rhead, rtail;
+    _Atomic int released_count;  /* not taken yet */
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
@@ -244,6 +248,62 @@ static int fr_attr_get(struct ck_fring *f, uint64_t nodeid, char *out)
     return found;
 }
 
+/* Handle fh in the writable set (on) or out of it; -ENOSPC when the set is full. (under
+ * lock) */
+static int fr_fh_set(struct ck_fring *f, uint64_t fh, int on)
+{
+    unsigned i = fr_fh_slot(fh), gone = FH_SLOTS;
+    for (unsigned n = 0; n < FH_SLOTS; i = (i + 1) % FH_SLOTS, n++) {
+        if (f->fhs[i] == fh + 1) {
+            if (!on) {
+                /* (a tombstone only where a probe may have to pass it) */
+                f->fhs[i] = f->fhs[(i + 1) % FH_SLOTS] == FH_EMPTY ? FH_EMPTY : FH_GONE;
+                f->nfhs--;
+            }
+            return 0;
+        }
+        if (f->fhs[i] == FH_GONE && gone == FH_SLOTS)
+            gone = i;
+        if (f->fhs[i] == FH_EMPTY)
+            break;
+    }
+    if (on) {
+        if (f->nfhs >= FH_SLOTS / 2)
+            return -ENOSPC;
+        f->fhs[gone != FH_SLOTS ? gone : i] = fh + 1;
+        f->nfhs++;
+    }
+    return 0;
+}
+
+static void fr_wake_python(struct ck_fring *f)
+{
+    if (atomic_exchange(&f->py_sleeping, 0)) {
+        uint64_t one = 1;
+        if (write(f->wake_fd, &one, sizeof one) < 0) {}
+    }
+}
+
+/* A RELEASE answered here: its handle leaves the writable set and is noted for the Python
+ * side, which runs the release's work (the file's times into the journal) when it suits it.
+ * 0 when the list is full (the request is then handed over). */
+static int fr_note_release(struct ck_fring *f, uint64_t fh)
+{
+    int ok = 0;
+    pthread_mutex_lock(&f->lock);
+    if (f->rtail - f->rhead < RELEASED_MAX) {
+        f->released[f->rtail++ % RELEASED_MAX] = fh;
+        fr_fh_set(f, fh, 0);
+        ok = 1;
+    }
+    pthread_mutex_unlock(&f->lock);
+    if (ok) {
+        atomic_fetch_add(&f->released_count, 1);
+        fr_wake_python(f);
+    }
+    return ok;
+}
+
 /* (under lock) */
 static int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 {
@@ -294,10 +354,7 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
     pthread_mutex_unlock(&f->lock);
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
-    if (atomic_exchange(&f->py_sleeping, 0)) {
-        uint64_t one = 1;
-        if (write(f->wake_fd, &one, sizeof one) < 0) {}
-    }
+    fr_wake_python(f);
     return answered;
 }
 
@@ -379,6 +436,10 @@ static int fr_reap(struct fr_queue *q)
         if (h->opcode == FR_OP_GETATTR && fr_attr_get(f, h->nodeid, attr)) {
             fr_answer(s, 0, attr, ATTR_OUT_SIZE);
             atomic_fetch_add(&q->attrs_here, 1);
+            here = 1;
+        } else if (h->opcode == FR_OP_RELEASE
+                   && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
+            fr_answer(s, 0, NULL, 0);
             here = 1;
         } else if (h->opcode == FR_OP_IOCTL) {
             fr_answer(s, -ENOTTY, NULL, 0);
@@ -517,7 +578,8 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
-    if (!f->slots || !f->queues || !f->fifo || !f->landed)
+    f->released = calloc(RELEASED_MAX, sizeof *f->released);
+    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->released)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -595,7 +657,23 @@ int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); 
 
 int ck_fring_pending(struct ck_fring *f)
 {
-    return atomic_load(&f->pending) + atomic_load(&f->landed_count);
+    return atomic_load(&f->pending) + atomic_load(&f->landed_count)
+        + atomic_load(&f->released_count);
+}
+
+/* Handles released here whose release the Python side has not taken yet. */
+int ck_fring_released(struct ck_fring *f) { return atomic_load(&f->released_count); }
+
+/* Take up to max of them, in the order their RELEASEs came. */
+int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max)
+{
+    int n = 0;
+    pthread_mutex_lock(&f->lock);
+    while (n < max && f->rhead != f->rtail)
+        out[n++] = f->released[f->rhead++ % RELEASED_MAX];
+    pthread_mutex_unlock(&f->lock);
+    atomic_fetch_sub(&f->released_count, n);
+    return n;
 }
 
 /* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no
@@ -603,32 +681,8 @@ int ck_fring_pending(struct ck_fring *f)
  * to the Python side, as any). */
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 {
-    int r = 0;
     pthread_mutex_lock(&f->lock);
-    unsigned i = fr_fh_slot(fh), gone = FH_SLOTS;
-    for (unsigned n = 0; n < FH_SLOTS; i = (i + 1) % FH_SLOTS, n++) {
-        if (f->fhs[i] == fh + 1) {
-            if (!on) {
-                /* (a tombstone only where a probe may have to pass it) */
-                f->fhs[i] = f->fhs[(i + 1) % FH_SLOTS] == FH_EMPTY ? FH_EMPTY : FH_GONE;
-                f->nfhs--;
-            }
-            goto out;
-        }
-        if (f->fhs[i] == FH_GONE && gone == FH_SLOTS)
-            gone = i;
-        if (f->fhs[i] == FH_EMPTY)
-            break;
-    }
-    if (on) {
-        if (f->nfhs >= FH_SLOTS / 2) {
-            r = -ENOSPC;
-            goto out;
-        }
-        f->fhs[gone != FH_SLOTS ? gone : i] = fh + 1;
-        f->nfhs++;
-    }
-out:
+    int r = fr_fh_set(f, fh, on);
     pthread_mutex_unlock(&f->lock);
     return r;
 }
@@ -800,6 +854,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->queues);
     free(f->fifo);
     free(f->landed);
+    free(f->released);
     pthread_mutex_destroy(&f->lock);
     free(f);
 }

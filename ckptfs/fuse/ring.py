@@ -10,10 +10,10 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Four requests are answered by the queue thread itself (a WRITE that
+wake-up is local. Five requests are answered by the queue thread itself (a WRITE that
 landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
-IOCTL, GETATTR of a directory whose attributes this side left with it: fuse/ring.c); every
-other one is served here, by the fast path's handlers
+IOCTL, GETATTR of a directory whose attributes this side left with it, RELEASE, whose work
+this side does later: fuse/ring.c); every other one is served here, by the fast path's handlers
 (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
 its answer goes differ:
 
@@ -112,6 +112,7 @@ class Ring:
                          for i in range(n)]
         self._ids = ffi.new("int[]", TAKE)
         self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
+        self._released = ffi.new("uint64_t[]", TAKE)
         self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
 
@@ -166,6 +167,21 @@ class Ring:
             for j in range(n):
                 r = rec[j]
                 out.append((r.id, r.answered, r.k1, r.k2, r.fh, r.off, r.size, r.flags, r.pid))
+            if n < TAKE:
+                return out
+
+    def released(self) -> int:
+        """RELEASEs the queue threads answered whose handles were not taken yet."""
+        return lib.ck_fring_released(self.handle)
+
+    def take_released(self) -> list[int]:
+        """The handles of those RELEASEs, in the order they came (their work is this side's:
+        ops.release_now)."""
+        out: list[int] = []
+        buf = self._released
+        while True:
+            n = lib.ck_fring_take_released(self.handle, buf, TAKE)
+            out.extend(buf[0:n])
             if n < TAKE:
                 return out
 

@@ -68,6 +68,8 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
 int ck_fring_take(struct ck_fring *f, int *ids, int max);
 int ck_fring_pending(struct ck_fring *f);
 int ck_fring_landed(struct ck_fring *f);
+int ck_fring_released(struct ck_fring *f);
+int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max);
 int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
@@ -321,6 +323,9 @@ struct ck_fring *ck_fring_start(int fd, int nq, int d, uint32_t p, int w, double
 int ck_fring_take(struct ck_fring *f, int *i, int m) { (void)f; (void)i; (void)m; return 0; }
 int ck_fring_pending(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_landed(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_released(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_take_released(struct ck_fring *f, uint64_t *o, int m)
+{ (void)f; (void)o; (void)m; return 0; }
 int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
 void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
