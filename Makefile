@@ -45,11 +45,13 @@ gluster-down:
 demo: setup
 	$(VENV)/bin/ckptfs demo
 
-# The data-path tests run a second time with every mount on FUSE over io_uring (--fuse-uring;
-# the kernel's switch on for that run: tests/conftest.py; skipped where the kernel has none).
+# The data-path and namespace tests run a second time with every mount on FUSE over io_uring
+# (--fuse-uring; the kernel's switch on for that run: tests/conftest.py; skipped where the
+# kernel has none).
 URING_TESTS = tests/test_fastpath.py tests/test_crash.py tests/test_full_disk.py tests/test_eio.py \
 	tests/test_fs_concurrency.py tests/test_fs_model.py tests/test_fs_torch.py \
-	tests/test_request_loop.py tests/test_direct_reads.py
+	tests/test_request_loop.py tests/test_direct_reads.py tests/test_live_writers.py \
+	tests/test_multiwriter.py tests/test_fs_posix.py tests/test_permissions.py
 
 test: setup gluster-deps
 	$(PY) -m pytest -q

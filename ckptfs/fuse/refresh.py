@@ -305,11 +305,9 @@ class Refresher:
     # ------------------------------------------------------------ trio thread
     async def _apply(self, found: list[tuple]) -> None:
         view = self.view
-        changed = view.ns.dirs_changed
         async with self.lock:
             self._release()
-            if changed is not None:
-                changed()
+            self._dirs_changed()
             t0 = time.perf_counter()
             for item in found:
                 kind = item[0]
@@ -360,13 +358,18 @@ class Refresher:
                     log.info("writer %s left the backing directory",
                              view.union.writer_ids.get(item[1]))
             self._account(t0)
-            if changed is not None:  # (and what was answered while it paused)
-                changed()
+            self._dirs_changed()  # (and what was answered while it paused)
             for w in view.union.warnings[self._warned:]:
                 log.warning("%s", w)
             self._warned = len(view.union.warnings)
             if view.max_stamp > self.journal.seen_ns:
                 self.journal.seen_ns = view.max_stamp
+
+    def _dirs_changed(self) -> None:
+        """Directories may change: what was left with the ring's queue threads goes."""
+        hook = self.view.ns.dirs_changed
+        if hook is not None:
+            hook()
 
     def _account(self, t0: float) -> None:
         dt = time.perf_counter() - t0

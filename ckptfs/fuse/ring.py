@@ -227,11 +227,13 @@ class Ring:
     def attr_put(self, nodeid: int, attr_out: bytes) -> None:
         """GETATTR of directory `nodeid` is answered by the queue threads with `attr_out` (a
         struct fuse_attr_out) until the next attr_clear."""
-        lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out))
+        if self.handle is not None:
+            lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out))
 
     def attr_clear(self) -> None:
         """A directory changed: every GETATTR goes to this side again until attr_put."""
-        lib.ck_fring_attr_clear(self.handle)
+        if self.handle is not None:
+            lib.ck_fring_attr_clear(self.handle)
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
