@@ -378,6 +378,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                 await pyfuse3.main()
             nursery.cancel_scope.cancel()
     finally:
+        if ops.request_wait is not None:
+            ops.request_wait.quiesce()  # (what it held back goes into the last commit)
         try:
             with trio.CancelScope(shield=True):
                 await flusher.stop()

@@ -581,6 +581,16 @@ class FastPath(RequestWait):
                 break
         self.released_at = time.perf_counter()
 
+    def quiesce(self) -> None:
+        """Before the unmount's last commit: the releases answered so far run (their records
+        go into it); the queue threads answer no more RELEASEs (one that comes now waits, as
+        every request does once the loop has ended)."""
+        ring = self.ring
+        if ring is not None:
+            ring.stop_releasing()
+            self.settle_ring()  # (their handles' landed writes recorded first)
+        self.run_releases()
+
     def spin_work(self) -> None:
         """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
         since the first of them (the caller is busy with its own work then)."""

@@ -166,6 +166,10 @@ class RequestWait:
         self.skip = (1 << self.misses) - 1
         return False
 
+    def quiesce(self) -> None:
+        """Called when the loop has ended, before the unmount's last commit: work held back
+        for later is done now (FastPath's releases); none here."""
+
     def spin_work(self) -> None:
         """Work done between polls while the loop spins (a few tens of microseconds at most
         at a time; see FastPath.spin_work); none here."""

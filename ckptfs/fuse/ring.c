@@ -153,6 +153,7 @@ struct ck_fring {
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
+    int release_here;  /* RELEASE is answered here (under lock; off once the mount stops) */
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
@@ -291,16 +292,15 @@ static int fr_note_release(struct ck_fring *f, uint64_t fh)
 {
     int ok = 0;
     pthread_mutex_lock(&f->lock);
-    if (f->rtail - f->rhead < RELEASED_MAX) {
+    if (f->release_here && f->rtail - f->rhead < RELEASED_MAX) {
         f->released[f->rtail++ % RELEASED_MAX] = fh;
         fr_fh_set(f, fh, 0);
+        atomic_fetch_add(&f->released_count, 1);  /* (under the lock: never below the list) */
         ok = 1;
     }
     pthread_mutex_unlock(&f->lock);
-    if (ok) {
-        atomic_fetch_add(&f->released_count, 1);
+    if (ok)
         fr_wake_python(f);
-    }
     return ok;
 }
 
@@ -572,6 +572,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->wake_fd = wake_fd;
     f->spin_s = spin_s;
     f->attr_gen = 1;
+    f->release_here = 1;
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
     f->slots = calloc(n, sizeof *f->slots);
@@ -671,9 +672,18 @@ int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max)
     pthread_mutex_lock(&f->lock);
     while (n < max && f->rhead != f->rtail)
         out[n++] = f->released[f->rhead++ % RELEASED_MAX];
-    pthread_mutex_unlock(&f->lock);
     atomic_fetch_sub(&f->released_count, n);
+    pthread_mutex_unlock(&f->lock);
     return n;
+}
+
+/* RELEASE answered here (1, from the start) or handed over as any request (0: the mount
+ * stops; the Python side takes what was noted before). */
+void ck_fring_release_here(struct ck_fring *f, int on)
+{
+    pthread_mutex_lock(&f->lock);
+    f->release_here = on;
+    pthread_mutex_unlock(&f->lock);
 }
 
 /* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no
@@ -692,7 +702,7 @@ int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
     atomic_store(&f->py_sleeping, sleeping);
-    return atomic_load(&f->pending);
+    return atomic_load(&f->pending) + atomic_load(&f->released_count);
 }
 
 /* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in

@@ -185,6 +185,11 @@ class Ring:
             if n < TAKE:
                 return out
 
+    def stop_releasing(self) -> None:
+        """The queue threads answer no more RELEASEs (the mount stops): take_released then
+        returns the last of them."""
+        lib.ck_fring_release_here(self.handle, 0)
+
     def writable(self, fh: int, on: bool) -> None:
         """Handle fh takes writes (its WRITEs that land whole are answered by the queue
         threads) or, at its release, no longer."""

@@ -70,6 +70,7 @@ int ck_fring_pending(struct ck_fring *f);
 int ck_fring_landed(struct ck_fring *f);
 int ck_fring_released(struct ck_fring *f);
 int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max);
+void ck_fring_release_here(struct ck_fring *f, int on);
 int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
@@ -326,6 +327,7 @@ int ck_fring_landed(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_released(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_take_released(struct ck_fring *f, uint64_t *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
+void ck_fring_release_here(struct ck_fring *f, int on) { (void)f; (void)on; }
 int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
 void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
