@@ -49,6 +49,7 @@ import select
 import socket
 import struct
 import time
+from collections import deque
 
 import pyfuse3
 import trio
@@ -143,6 +144,11 @@ def _valid(t: float) -> tuple[int, int]:
 ATTR_VALID = _valid(ATTR_TIMEOUT_S)
 
 
+def _attr_out(fields: tuple) -> bytes:
+    """fuse_attr_out of an inode with these attribute fields (ops.attr_fields)."""
+    return ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0, *fields)
+
+
 def _entry_of(x, fields: tuple, entry_valid: tuple[int, int]) -> bytes:
     """fuse_entry_out of inode x (generation 0, as ops._attr says) with its attribute fields;
     `entry_valid`: the mount's entry timeout (ops.Settings.entry_timeout)."""
@@ -186,7 +192,7 @@ class FastPath(RequestWait):
         self.forwarded = 0
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
-        self.releases: list[int] = []  # handles released (answered), their work not yet run
+        self.releases: deque[int] = deque()  # handles released (answered), work not yet run
         self.released_at = 0.0  # when the first of them came (perf_counter)
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
@@ -511,7 +517,7 @@ class FastPath(RequestWait):
         try:
             if opcode == FUSE_GETATTR:
                 x = ops.inode(nodeid)
-                out = ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0, *ops.attr_fields(x))
+                out = _attr_out(ops.attr_fields(x))
                 if x.children is not None:
                     self.dir_attrs(x, nodeid, out)
             elif opcode == FUSE_LOOKUP:
@@ -540,8 +546,7 @@ class FastPath(RequestWait):
                     # (the kernel asks for the directory's attributes right after: its
                     # permission check before the next name in it)
                     d = ops.inode(nodeid)
-                    self.dir_attrs(d, nodeid, ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0,
-                                                            *ops.attr_fields(d)))
+                    self.dir_attrs(d, nodeid, _attr_out(ops.attr_fields(d)))
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
@@ -561,10 +566,15 @@ class FastPath(RequestWait):
         done while the caller serialises its next tensor."""
         if self.ring is not None:
             self.ring.writable(fh, False)
+        self.hold_releases((fh,))
+        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
+
+    def hold_releases(self, fhs) -> None:
+        """Released handles whose work run_releases does later (the grace counts from the
+        first one held)."""
         if not self.releases:
             self.released_at = time.perf_counter()
-        self.releases.append(fh)
-        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
+        self.releases.extend(fhs)
 
     def run_releases(self, until=None) -> None:
         """The work of the RELEASEs answered so far, in order: before any request but those
@@ -572,7 +582,7 @@ class FastPath(RequestWait):
         says a request waits), before the loop sleeps and before the fast path stops."""
         ops, releases = self.ops, self.releases
         while releases:
-            fh = releases.pop(0)
+            fh = releases.popleft()
             try:
                 ops.release_now(fh)
             except Exception:  # (what fs._guard does for pyfuse3's calls)
@@ -750,9 +760,7 @@ class FastPath(RequestWait):
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
         if ring.released():
-            if not self.releases:
-                self.released_at = time.perf_counter()
-            self.releases.extend(ring.take_released())
+            self.hold_releases(ring.take_released())
         if self.zone_live and not ring.landed():
             return
         self.claim_landed()

@@ -746,8 +746,8 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
     pthread_mutex_lock(&f->lock);
     while (n < max && f->lhead != f->ltail)
         out[n++] = f->landed[f->lhead++ % LANDED_MAX];
+    atomic_fetch_sub(&f->landed_count, n);  /* (under the lock, as it is raised) */
     pthread_mutex_unlock(&f->lock);
-    atomic_fetch_sub(&f->landed_count, n);
     return n;
 }
 
