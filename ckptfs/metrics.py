@@ -197,6 +197,9 @@ METRICS = {
     "ring_attrs_answered_in_c": ("ring_attrs_answered_in_c_total", "counter",
                                  "GETATTRs of directories the io_uring queue threads answered "
                                  "from their cache"),
+    "ring_absent_answered_in_c": ("ring_absent_answered_in_c_total", "counter",
+                                  "LOOKUPs of absent names the io_uring queue threads answered "
+                                  "from their name filters"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",
                           "FUSE io_uring queue entries whose command the kernel refused"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),

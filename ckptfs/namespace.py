@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import stat
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from ckptfs.datapath.staging import ExtentMap, Run
 from ckptfs.format.records import (
@@ -106,9 +106,23 @@ class Inode:
 _DIR_CHANGES = frozenset((InodeRec, RenameRec, UnlinkRec, LinkRec, XUnlinkRec))
 
 
+class Watch(Protocol):
+    """What is told of the tree's changes (fuse/ring.Ring: what its queue threads answer from
+    a copy of the Python side's answers goes when the tree changes under it)."""
+
+    def dirs_changed(self) -> None:
+        """A directory's attributes or entries changed."""
+
+    def name_added(self, parent: int, name: bytes) -> None:
+        """Directory `parent` now has an entry `name` (it may have had one before)."""
+
+    def view_changed(self) -> None:
+        """Any directory may have gained entries (other writers' changes came in)."""
+
+
 class Namespace:
-    """The tree. `journal_hook(rec)` receives every change made through `change()`;
-    `dirs_changed()`, if set, is called after each of them that changed a directory."""
+    """The tree. `journal_hook(rec)` receives every change made through `change()`; `watch`,
+    if set, is told after each of them that changed a directory."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
                  gid: int = 0, now_ns: int | None = None) -> None:
@@ -119,7 +133,7 @@ class Namespace:
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
-        self.dirs_changed: Callable[[], None] | None = None
+        self.watch: Watch | None = None
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
         self.retired: set[int] = set()  # data logs a RETIRE record named
         self.last_log = 0  # the highest data log number a record named (never reused)
@@ -195,11 +209,18 @@ class Namespace:
     # ------------------------------------------------------------ changes
     def change(self, rec: Record) -> None:
         self.apply(rec)
-        if self.dirs_changed is not None:
+        w = self.watch
+        if w is not None:
             t = type(rec)
             if t in _DIR_CHANGES or (t is SetattrRec and (x := self.inodes.get(rec.ino))
                                      is not None and x.children is not None):
-                self.dirs_changed()
+                w.dirs_changed()
+                if t is InodeRec or t is LinkRec:
+                    w.name_added(rec.parent, rec.name)
+                elif t is RenameRec:
+                    w.name_added(rec.new_parent, rec.new_name)
+                    if rec.flags & RENAME_EXCHANGE:
+                        w.name_added(rec.old_parent, rec.old_name)
         if self.journal_hook is not None and not self._orphaned(rec):
             self.journal_hook(rec)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import uring_switch
@@ -89,6 +90,83 @@ def test_fuse_uring_without_the_fast_path_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "--fuse-uring needs the fast path" in proc.stderr
     assert not os.listdir(tmp_path / "b")  # (nothing written)
+
+
+def drop_dentries() -> None:
+    """The kernel forgets the names it cached (and so asks with a LOOKUP for each again)."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2")
+    except PermissionError:
+        pytest.skip("dropping the kernel's dentries needs root")
+
+
+def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts):
+    """LOOKUP of a name that is not there is answered by the queue threads from the names of
+    the directory the Python side left with them (a new file's open asks for its name first);
+    every way a name comes into the directory reaches them before it is answered, so a name
+    that exists is never answered absent."""
+    with uring_switch("Y"):
+        m = mounts.mount(fuse_uring=True, refresh=30)  # (no look at other writers falls due)
+        root = m.mountpoint
+        d = os.path.join(root, "d")
+        os.mkdir(d)
+        for i in range(600):  # (past the first filter's room: it is built again, larger)
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                f.write(b"x")
+        assert m.status()["ring_absent_answered_in_c"] >= 500
+        os.mkdir(os.path.join(root, "e"))
+        open(os.path.join(root, "e", "moved"), "wb").close()
+        ways = {
+            "created": lambda p: open(p, "xb").close(),
+            "dir": os.mkdir,
+            "symlink": lambda p: os.symlink("f0", p),
+            "fifo": os.mkfifo,
+            "link": lambda p: os.link(os.path.join(d, "f1"), p),
+            "renamed in": lambda p: os.rename(os.path.join(root, "e", "moved"), p),
+            "renamed here": lambda p: os.rename(os.path.join(d, "f2"), p),
+        }
+        for name, make in ways.items():
+            p = os.path.join(d, name)
+            assert not os.path.lexists(p)
+            make(p)
+        drop_dentries()
+        assert [n for n in ways if not os.path.lexists(os.path.join(d, n))] == []
+        assert [i for i in range(3, 600) if not os.path.exists(os.path.join(d, f"f{i}"))] == []
+        assert not os.path.lexists(os.path.join(d, "f2"))
+        # the root's names include the control directory's
+        assert not os.path.lexists(os.path.join(root, "nothing"))
+        assert not os.path.lexists(os.path.join(root, "nothing else"))
+        drop_dentries()
+        assert os.path.isdir(os.path.join(root, ".ckptfs"))
+        st = m.status()
+        assert st["ring_absent_answered_in_c"] >= 510, st
+        m.stop()
+
+
+def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
+    """A name another writer made durable is found within --refresh, also when the queue
+    threads answered the lookups of it absent before: they answer only while no look at the
+    other writers is due. (In the root, whose entry the kernel never asks for again, while the
+    mount is idle: no other request makes a look.)"""
+    with uring_switch("Y"):
+        backing = mounts.backing()
+        a = mounts.mount(backing, writer_id="w0", refresh=1.0, fuse_uring=True)
+        for i in range(50):
+            open(os.path.join(a.mountpoint, f"f{i}"), "wb").close()
+        assert a.status()["ring_absent_answered_in_c"] >= 40
+        a.sync()
+        time.sleep(2.5)  # (a's background look stops: nothing open, nobody asked)
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False)
+        with open(os.path.join(b.mountpoint, "x"), "wb") as f:
+            f.write(b"from b")
+        b.sync()
+        t0 = time.monotonic()
+        while not os.path.exists(os.path.join(a.mountpoint, "x")):
+            assert time.monotonic() - t0 < 1.0 + 4.0, "another writer's file never showed"
+            time.sleep(0.01)
+        with open(os.path.join(a.mountpoint, "x"), "rb") as f:
+            assert f.read() == b"from b"
 
 
 def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):

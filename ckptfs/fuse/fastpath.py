@@ -57,7 +57,8 @@ import trio
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import ATTR_TIMEOUT_S, SETID_BITS
+from ckptfs.fuse.ops import ATTR_TIMEOUT_S, CTL_NAME, SETID_BITS
+from ckptfs.namespace import ROOT_INO
 
 log = logging.getLogger("ckptfs")
 
@@ -525,6 +526,8 @@ class FastPath(RequestWait):
                     await ops.refresh()
                 x = ops.find(nodeid, body[:body.index(b"\0")])
                 if x is None:
+                    if self.ring is not None:
+                        self.dir_names(nodeid)
                     self.reply_error(unique, errno.ENOENT)
                     return
                 x.lookups += 1
@@ -616,11 +619,28 @@ class FastPath(RequestWait):
 
     def dir_attrs(self, d, nodeid: int, attr_out: bytes) -> None:
         """With the ring: the queue threads answer GETATTR of directory d with `attr_out`
-        until a directory changes (Namespace.dirs_changed, the refresher's look at other
+        until a directory changes (Namespace.watch, the refresher's look at other
         writers, a request pyfuse3 served). Only this writer's own directories, under the
         number the kernel knows them by."""
         if self.ring is not None and d.layer == 0 and d.ino == nodeid:
             self.ring.attr_put(nodeid, attr_out)
+
+    def dir_names(self, nodeid: int) -> None:
+        """With the ring, after a LOOKUP of a name not in directory `nodeid`: the queue threads
+        answer the next ones (a new file's open(O_CREAT) asks for its name first) from its
+        names (they learn those it gains: Namespace.watch), until a look at other writers is
+        due. Only this writer's own directories, under the number the kernel knows them by,
+        with no other writer's directory merged into them (their names change only by this
+        writer's records)."""
+        ring, ops = self.ring, self.ops
+        ring.absent_until(ops.fresh_until())
+        if ring.has_names(nodeid):
+            return
+        d = ops.inode(nodeid)
+        if d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d):
+            return
+        names = d.children.keys()
+        ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names)
 
     def takes_writes(self, fh: int, flags: int) -> None:
         """With the ring: a handle opened for writing whose writes ops would take (write_target)
@@ -690,7 +710,7 @@ class FastPath(RequestWait):
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
-        self.ops.ns.dirs_changed = ring.attr_clear
+        self.ops.ns.watch = ring
         self.offer_zone()
         flusher = self.ops.flusher
         flusher.error_hook = ring.flush_fails
@@ -771,7 +791,7 @@ class FastPath(RequestWait):
         if ring is None:
             return
         self.staging.claim_hook = None
-        self.ops.ns.dirs_changed = None
+        self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
         self.zone_live = False
         self.ring_uniques.clear()
@@ -832,7 +852,7 @@ class FastPath(RequestWait):
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
                     continue
             if self.ring is not None:  # (pyfuse3's handlers may change a directory in steps)
-                self.ring.attr_clear()
+                self.ring.dirs_changed()
             self.send(msg)
 
     def negotiated(self, msg, err: int) -> None:

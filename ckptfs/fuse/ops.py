@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -397,6 +398,17 @@ class CkptOperations(pyfuse3.Operations):
         the last look is older than --refresh (docs/scaling.md, the visibility contract)."""
         r = self.refresher
         return r is not None and r.due()
+
+    def merged(self, d: Inode) -> bool:
+        """Whether another writer's directory is merged into view directory d (its entries
+        then come and go with that writer's changes too)."""
+        return self.view is not None and bool(self.view.members.get(d))
+
+    def fresh_until(self) -> float:
+        """Until when (time.monotonic()) a lookup's answer needs no look at other writers
+        first (refresh_due)."""
+        r = self.refresher
+        return math.inf if r is None else r.fresh_until()
 
     async def refresh(self) -> None:
         await self.refresher.refresh()

@@ -113,6 +113,13 @@ class Refresher:
         self.asked.set()
         return trio.current_time() - self.last >= self.delay
 
+    def fresh_until(self) -> float:
+        """Until when (time.monotonic()) an open, lookup or listing needs no look first; now
+        while a look's changes are being applied."""
+        if self.lock.locked():
+            return time.monotonic()
+        return time.monotonic() + (self.last + self.delay - trio.current_time())
+
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender)
@@ -307,7 +314,8 @@ class Refresher:
         view = self.view
         async with self.lock:
             self._release()
-            self._dirs_changed()
+            if found:  # (a look that found nothing changes nothing)
+                self._view_changed()
             t0 = time.perf_counter()
             for item in found:
                 kind = item[0]
@@ -358,18 +366,19 @@ class Refresher:
                     log.info("writer %s left the backing directory",
                              view.union.writer_ids.get(item[1]))
             self._account(t0)
-            self._dirs_changed()  # (and what was answered while it paused)
+            if found:
+                self._view_changed()  # (and what was answered while it paused)
             for w in view.union.warnings[self._warned:]:
                 log.warning("%s", w)
             self._warned = len(view.union.warnings)
             if view.max_stamp > self.journal.seen_ns:
                 self.journal.seen_ns = view.max_stamp
 
-    def _dirs_changed(self) -> None:
+    def _view_changed(self) -> None:
         """Directories may change: what was left with the ring's queue threads goes."""
-        hook = self.view.ns.dirs_changed
-        if hook is not None:
-            hook()
+        w = self.view.ns.watch
+        if w is not None:
+            w.view_changed()
 
     def _account(self, t0: float) -> None:
         dt = time.perf_counter() - t0

@@ -28,7 +28,10 @@
  * it answered a GETATTR of it, and clears them all whenever a directory changes): the kernel
  * asks for the directory's attributes before every name created in it (its permission check,
  * the attributes being invalid since the last CREATE), so a small file's save waits for the
- * Python side once less.
+ * Python side once less. And LOOKUP of a name that is not there, in a directory whose names
+ * the Python side left here (a Bloom filter of them: a name it does not hold is absent; one
+ * it holds goes to the Python side), while the Python side says no look at other writers is
+ * due (`--refresh`'s contract): a new file's open(O_CREAT) asks for its name first.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -60,6 +63,7 @@
 /* linux/fuse.h (7.42+); Debian's headers predate it */
 #define FR_REGISTER 1
 #define FR_COMMIT_AND_FETCH 2
+#define FR_OP_LOOKUP 1
 #define FR_OP_GETATTR 3
 #define FR_OP_RELEASE 18
 #define FR_OP_FLUSH 25
@@ -75,6 +79,13 @@
 #define ATTR_SLOTS 256  /* the directory attribute cache: open addressing, short probes */
 #define ATTR_PROBE 8
 #define ATTR_OUT_SIZE 104  /* struct fuse_attr_out */
+#define NAME_DIRS 32  /* directories with a name filter: open addressing, short probes */
+#define NAME_PROBE 4
+#define NAME_MAX_LEN 255
+#define NAME_HASHES 4  /* bits set per name */
+#define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
+#define NAME_BITS_MIN (1u << 12)
+#define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 256 Ki names has none */
 
 struct fr_in_header { uint32_t len, opcode; uint64_t unique, nodeid; uint32_t uid, gid, pid;
                       uint16_t total_extlen, padding; };
@@ -92,6 +103,15 @@ struct fr_queue;
 struct fr_attr {
     uint64_t nodeid, gen;
     char out[ATTR_OUT_SIZE];
+};
+
+/* The names of a directory as the Python side gave them, and those added since: a Bloom
+ * filter (valid while gen is current; dropped when it holds more than cap names). */
+struct fr_names {
+    uint64_t nodeid, gen;
+    uint64_t *bits;
+    uint32_t mask;  /* bits - 1 */
+    uint32_t count, cap;
 };
 
 /* A landed WRITE, as the Python side records it (copied: an entry answered here goes back to
@@ -128,6 +148,7 @@ struct fr_queue {
     _Atomic long served;
     _Atomic long answered_here;
     _Atomic long attrs_here;  /* (of those: GETATTR of a directory from the cache) */
+    _Atomic long absent_here;  /* (and LOOKUP of an absent name) */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -158,6 +179,9 @@ struct ck_fring {
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
     uint64_t attr_gen;  /* 0: never valid; a clear moves it on (under lock) */
+    struct fr_names names[NAME_DIRS];  /* (under lock) */
+    uint64_t names_gen;  /* as attr_gen */
+    double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
     _Atomic int py_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
@@ -247,6 +271,90 @@ static int fr_attr_get(struct ck_fring *f, uint64_t nodeid, char *out)
     }
     pthread_mutex_unlock(&f->lock);
     return found;
+}
+
+static unsigned fr_names_slot(uint64_t nodeid)
+{
+    return (unsigned)((nodeid * 0x9E3779B97F4A7C15ull) >> 59);  /* NAME_DIRS = 2^5 */
+}
+
+/* A name's hash (64-bit FNV-1a, then a finaliser that spreads its bits over both halves). */
+static uint64_t fr_name_hash(const char *name, uint32_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (uint32_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 0x100000001b3ull;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return h;
+}
+
+/* The filter of directory nodeid, or NULL. (under lock) */
+static struct fr_names *fr_names_of(struct ck_fring *f, uint64_t nodeid)
+{
+    for (unsigned i = fr_names_slot(nodeid), n = 0; n < NAME_PROBE;
+         i = (i + 1) % NAME_DIRS, n++) {
+        struct fr_names *d = &f->names[i];
+        if (d->gen == f->names_gen && d->bits && d->nodeid == nodeid)
+            return d;
+    }
+    return NULL;
+}
+
+/* Set (add) or test the name's bits; returns whether all were set before. */
+static int fr_names_bits(struct fr_names *d, const char *name, uint32_t len, int add)
+{
+    uint64_t h = fr_name_hash(name, len);
+    uint32_t h1 = (uint32_t)h, h2 = (uint32_t)(h >> 32) | 1;
+    int all = 1;
+    for (uint32_t i = 0; i < NAME_HASHES; i++) {
+        uint32_t b = (h1 + i * h2) & d->mask;
+        uint64_t bit = 1ull << (b & 63);
+        if (!(d->bits[b >> 6] & bit)) {
+            all = 0;
+            if (!add)
+                break;
+            d->bits[b >> 6] |= bit;
+        }
+    }
+    return all;
+}
+
+static void fr_names_drop(struct fr_names *d)
+{
+    free(d->bits);
+    d->bits = NULL;
+    d->gen = 0;
+}
+
+/* Whether LOOKUP of name in directory nodeid is answered absent here: the directory has a
+ * filter, the name is not in it, and no look at other writers is due. */
+static int fr_absent(struct ck_fring *f, uint64_t nodeid, const char *name, uint32_t len)
+{
+    double now = fr_now();
+    int absent = 0;
+    pthread_mutex_lock(&f->lock);
+    struct fr_names *d = now < f->absent_until ? fr_names_of(f, nodeid) : NULL;
+    if (d)
+        absent = !fr_names_bits(d, name, len, 0);
+    pthread_mutex_unlock(&f->lock);
+    return absent;
+}
+
+/* The name a LOOKUP asks for (in its payload, NUL-terminated), if it is one a filter can
+ * answer: not ".", "..", empty, longer than NAME_MAX, or with a NUL inside; its length, else
+ * 0. */
+static uint32_t fr_lookup_name(const struct fr_slot *s)
+{
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    uint32_t psz = s->hdr->ent.payload_sz;
+    if (h->total_extlen || psz < 2 || psz > NAME_MAX_LEN + 1 || h->len != 40 + psz
+            || s->payload[psz - 1] != '\0' || memchr(s->payload, 0, psz - 1))
+        return 0;
+    if (s->payload[0] == '.' && (psz == 2 || (psz == 3 && s->payload[1] == '.')))
+        return 0;
+    return psz - 1;
 }
 
 /* Handle fh in the writable set (on) or out of it; -ENOSPC when the set is full. (under
@@ -433,9 +541,15 @@ static int fr_reap(struct fr_queue *q)
                       || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
         int here = 0;
         char attr[ATTR_OUT_SIZE];
+        uint32_t name_len;
         if (h->opcode == FR_OP_GETATTR && fr_attr_get(f, h->nodeid, attr)) {
             fr_answer(s, 0, attr, ATTR_OUT_SIZE);
             atomic_fetch_add(&q->attrs_here, 1);
+            here = 1;
+        } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_lookup_name(s))
+                   && fr_absent(f, h->nodeid, s->payload, name_len)) {
+            fr_answer(s, -ENOENT, NULL, 0);
+            atomic_fetch_add(&q->absent_here, 1);
             here = 1;
         } else if (h->opcode == FR_OP_RELEASE
                    && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
@@ -572,6 +686,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->wake_fd = wake_fd;
     f->spin_s = spin_s;
     f->attr_gen = 1;
+    f->names_gen = 1;
     f->release_here = 1;
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
@@ -787,32 +902,117 @@ void ck_fring_attr_clear(struct ck_fring *f)
     pthread_mutex_unlock(&f->lock);
 }
 
+/* LOOKUP of a name in directory nodeid that is none of `names` (count of them, each
+ * NUL-terminated, len bytes in all) is answered absent here until the next
+ * ck_fring_names_clear, while ck_fring_absent_until allows; names added later come with
+ * ck_fring_name_add. Returns 0, -E2BIG for a directory too large to hold, -ENOMEM. */
+int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, uint32_t len,
+                       uint32_t count)
+{
+    uint64_t want = (uint64_t)(count < 64 ? 64 : count) * NAME_BITS_PER * 2;
+    uint32_t nbits = NAME_BITS_MIN;
+    while (nbits < want && nbits < NAME_BITS_MAX)
+        nbits <<= 1;
+    if (nbits < want)
+        return -E2BIG;
+    struct fr_names d = { .nodeid = nodeid, .mask = nbits - 1, .cap = nbits / NAME_BITS_PER };
+    d.bits = calloc(nbits / 64, sizeof *d.bits);  /* (outside the lock: the threads go on) */
+    if (!d.bits)
+        return -ENOMEM;
+    for (uint32_t at = 0; at < len; ) {
+        const char *end = memchr(names + at, 0, len - at);
+        uint32_t n = end ? (uint32_t)(end - (names + at)) : len - at;
+        fr_names_bits(&d, names + at, n, 1);
+        d.count++;
+        at += n + 1;
+    }
+    pthread_mutex_lock(&f->lock);
+    d.gen = f->names_gen;
+    unsigned home = fr_names_slot(nodeid), at = home;
+    for (unsigned i = home, n = 0; n < NAME_PROBE; i = (i + 1) % NAME_DIRS, n++) {
+        struct fr_names *o = &f->names[i];
+        if (o->gen != f->names_gen || !o->bits || o->nodeid == nodeid) {
+            at = i;
+            break;
+        }
+    }
+    /* (no free slot within the probe: the home slot's directory is asked of Python again) */
+    uint64_t *old = f->names[at].bits;
+    f->names[at] = d;
+    pthread_mutex_unlock(&f->lock);
+    free(old);
+    return 0;
+}
+
+/* Name (len bytes) is now in directory nodeid: never answered absent there from now on. */
+void ck_fring_name_add(struct ck_fring *f, uint64_t nodeid, const char *name, uint32_t len)
+{
+    uint64_t *old = NULL;
+    pthread_mutex_lock(&f->lock);
+    struct fr_names *d = fr_names_of(f, nodeid);
+    if (d) {
+        fr_names_bits(d, name, len, 1);
+        if (++d->count > d->cap) {  /* (too full to answer well: built again, larger) */
+            old = d->bits;
+            d->bits = NULL;
+            d->gen = 0;
+        }
+    }
+    pthread_mutex_unlock(&f->lock);
+    free(old);
+}
+
+/* Whether directory nodeid has a filter here. */
+int ck_fring_names_has(struct ck_fring *f, uint64_t nodeid)
+{
+    pthread_mutex_lock(&f->lock);
+    int has = fr_names_of(f, nodeid) != NULL;
+    pthread_mutex_unlock(&f->lock);
+    return has;
+}
+
+/* Forget every directory's filter (names may have come by other ways: other writers). */
+void ck_fring_names_clear(struct ck_fring *f)
+{
+    uint64_t *old[NAME_DIRS];
+    pthread_mutex_lock(&f->lock);
+    f->names_gen++;
+    for (int i = 0; i < NAME_DIRS; i++) {
+        old[i] = f->names[i].bits;
+        f->names[i].bits = NULL;
+        f->names[i].gen = 0;
+    }
+    pthread_mutex_unlock(&f->lock);
+    for (int i = 0; i < NAME_DIRS; i++)
+        free(old[i]);
+}
+
+/* LOOKUP is answered absent here only before `until` (CLOCK_MONOTONIC seconds): then a look
+ * at other writers is due, which the Python side makes first. */
+void ck_fring_absent_until(struct ck_fring *f, double until)
+{
+    pthread_mutex_lock(&f->lock);
+    f->absent_until = until;
+    pthread_mutex_unlock(&f->lock);
+}
+
 /* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
 
-long ck_fring_served(struct ck_fring *f, int qid)
+/* Queue qid's figures into out[0..n): requests served, answered here, of those GETATTRs of
+ * a directory and LOOKUPs of an absent name, entries lost, pinned to its CPU (1 or 0).
+ * Returns how many were written. */
+int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
 {
-    return qid < f->nqueues ? atomic_load(&f->queues[qid].served) : -1;
-}
-
-int ck_fring_lost(struct ck_fring *f, int qid)
-{
-    return qid < f->nqueues ? atomic_load(&f->queues[qid].lost) : 0;
-}
-
-long ck_fring_answered_here(struct ck_fring *f, int qid)
-{
-    return qid < f->nqueues ? atomic_load(&f->queues[qid].answered_here) : -1;
-}
-
-long ck_fring_attrs_here(struct ck_fring *f, int qid)
-{
-    return qid < f->nqueues ? atomic_load(&f->queues[qid].attrs_here) : -1;
-}
-
-int ck_fring_pinned(struct ck_fring *f, int qid)
-{
-    return qid < f->nqueues ? f->queues[qid].pinned : 0;
+    if (qid < 0 || qid >= f->nqueues)
+        return 0;
+    struct fr_queue *q = &f->queues[qid];
+    long all[] = { atomic_load(&q->served), atomic_load(&q->answered_here),
+                   atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
+                   atomic_load(&q->lost), q->pinned };
+    int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
+    memcpy(out, all, k * sizeof *out);
+    return k;
 }
 
 /* Stop the queue threads (their rings closed: the kernel cancels their entries), wait for
@@ -865,6 +1065,8 @@ void ck_fring_free(struct ck_fring *f)
     free(f->fifo);
     free(f->landed);
     free(f->released);
+    for (int i = 0; i < NAME_DIRS; i++)
+        free(f->names[i].bits);
     pthread_mutex_destroy(&f->lock);
     free(f);
 }

@@ -10,10 +10,11 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Five requests are answered by the queue thread itself (a WRITE that
+wake-up is local. Six requests are answered by the queue thread itself (a WRITE that
 landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
-IOCTL, GETATTR of a directory whose attributes this side left with it, RELEASE, whose work
-this side does later: fuse/ring.c); every other one is served here, by the fast path's handlers
+IOCTL, GETATTR of a directory whose attributes this side left with it, LOOKUP of a name not in
+a directory whose names this side left with it, RELEASE, whose work this side does later:
+fuse/ring.c); every other one is served here, by the fast path's handlers
 (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
 its answer goes differ:
 
@@ -58,6 +59,9 @@ PAYLOAD_SZ = 256 + 16  # fuse_uring_ent_in_out.payload_sz
 QUEUE_DEPTH = 32
 RING_MEMORY = 128 << 20
 TAKE = 16
+# The queue threads' figures (ck_fring_queue_counts, in its order), summed over the queues.
+QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
+                "ring_absent_answered_in_c", "ring_entries_lost", "ring_queues_pinned")
 
 
 def enabled() -> str | None:
@@ -221,32 +225,63 @@ class Ring:
 
     def counts(self) -> dict:
         err = self.error()
+        sums = [0] * len(QUEUE_COUNTS)
+        if self.handle is not None:
+            out = ffi.new("long[]", len(QUEUE_COUNTS))
+            for q in range(self.nqueues):
+                k = lib.ck_fring_queue_counts(self.handle, q, out, len(QUEUE_COUNTS))
+                for j in range(k):
+                    sums[j] += out[j]
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
-                "ring_requests": self._queues_sum(lib.ck_fring_served),
-                "ring_answered_in_c": self._queues_sum(lib.ck_fring_answered_here),
-                "ring_attrs_answered_in_c": self._queues_sum(lib.ck_fring_attrs_here),
-                "ring_entries_lost": self._queues_sum(lib.ck_fring_lost),
-                "ring_error": os.strerror(err) if err else "",
-                "ring_queues_pinned": self._queues_sum(lib.ck_fring_pinned)}
+                **dict(zip(QUEUE_COUNTS, sums)), "ring_error": os.strerror(err) if err else ""}
 
     def attr_put(self, nodeid: int, attr_out: bytes) -> None:
         """GETATTR of directory `nodeid` is answered by the queue threads with `attr_out` (a
-        struct fuse_attr_out) until the next attr_clear."""
+        struct fuse_attr_out) until a directory changes (dirs_changed)."""
         if self.handle is not None:
             lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out))
 
-    def attr_clear(self) -> None:
-        """A directory changed: every GETATTR goes to this side again until attr_put."""
+    def names_put(self, nodeid: int, names) -> bool:
+        """LOOKUP of a name in directory `nodeid` that is none of `names` (bytes) is answered
+        absent by the queue threads while absent_until allows, until view_changed; the names
+        it gains come by name_added. False if the directory is too large to hold."""
+        if self.handle is None:
+            return False
+        names = list(names)
+        blob = b"\0".join(names)
+        return lib.ck_fring_names_put(self.handle, nodeid, blob, len(blob), len(names)) == 0
+
+    def has_names(self, nodeid: int) -> bool:
+        """Whether the queue threads hold directory nodeid's names (names_put)."""
+        return self.handle is not None and bool(lib.ck_fring_names_has(self.handle, nodeid))
+
+    def absent_until(self, t: float) -> None:
+        """The queue threads answer a LOOKUP absent only before `t` (time.monotonic()): a
+        look at other writers is due then (ops.fresh_until), which this side makes first."""
+        if self.handle is not None:
+            lib.ck_fring_absent_until(self.handle, t)
+
+    # namespace.Watch: what the queue threads answer from goes when the tree changes
+    def dirs_changed(self) -> None:
+        """Every GETATTR of a directory goes to this side again until attr_put."""
         if self.handle is not None:
             lib.ck_fring_attr_clear(self.handle)
+
+    def name_added(self, parent: int, name: bytes) -> None:
+        """A LOOKUP of `name` in directory `parent` is never answered absent from now on."""
+        if self.handle is not None:
+            lib.ck_fring_name_add(self.handle, parent, name, len(name))
+
+    def view_changed(self) -> None:
+        """Other writers' changes came in: the attributes and names the queue threads hold
+        go (this side gives them again as it answers)."""
+        if self.handle is not None:
+            lib.ck_fring_attr_clear(self.handle)
+            lib.ck_fring_names_clear(self.handle)
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
         lib.ck_fring_flush_fails(self.handle, 1 if failing else 0)
-
-    def _queues_sum(self, figure) -> int:
-        """A per-queue figure of the queue threads, summed."""
-        return sum(figure(self.handle, q) for q in range(self.nqueues))
 
     def error(self) -> int:
         return lib.ck_fring_error(self.handle) if self.handle is not None else 0

@@ -77,17 +77,19 @@ void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_
 int ck_fring_revoke(struct ck_fring *f);
 int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max);
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on);
-long ck_fring_answered_here(struct ck_fring *f, int qid);
-int ck_fring_lost(struct ck_fring *f, int qid);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
 void ck_fring_flush_fails(struct ck_fring *f, int on);
 int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint32_t len);
 void ck_fring_attr_clear(struct ck_fring *f);
-long ck_fring_served(struct ck_fring *f, int qid);
-long ck_fring_attrs_here(struct ck_fring *f, int qid);
-int ck_fring_pinned(struct ck_fring *f, int qid);
+int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, uint32_t len,
+                       uint32_t count);
+void ck_fring_name_add(struct ck_fring *f, uint64_t nodeid, const char *name, uint32_t len);
+int ck_fring_names_has(struct ck_fring *f, uint64_t nodeid);
+void ck_fring_names_clear(struct ck_fring *f);
+void ck_fring_absent_until(struct ck_fring *f, double until);
+int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n);
 int ck_fring_stop(struct ck_fring *f);
 """
 
@@ -339,8 +341,6 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 { (void)f; (void)fh; (void)on; return -ENOSYS; }
-long ck_fring_answered_here(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
-int ck_fring_lost(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
@@ -348,9 +348,15 @@ void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
 int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
 { (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
 void ck_fring_attr_clear(struct ck_fring *f) { (void)f; }
-long ck_fring_served(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
-long ck_fring_attrs_here(struct ck_fring *f, int q) { (void)f; (void)q; return -1; }
-int ck_fring_pinned(struct ck_fring *f, int q) { (void)f; (void)q; return 0; }
+int ck_fring_names_put(struct ck_fring *f, uint64_t n, const char *s, uint32_t l, uint32_t c)
+{ (void)f; (void)n; (void)s; (void)l; (void)c; return -ENOSYS; }
+void ck_fring_name_add(struct ck_fring *f, uint64_t n, const char *s, uint32_t l)
+{ (void)f; (void)n; (void)s; (void)l; }
+int ck_fring_names_has(struct ck_fring *f, uint64_t n) { (void)f; (void)n; return 0; }
+void ck_fring_names_clear(struct ck_fring *f) { (void)f; }
+void ck_fring_absent_until(struct ck_fring *f, double u) { (void)f; (void)u; }
+int ck_fring_queue_counts(struct ck_fring *f, int q, long *o, int n)
+{ (void)f; (void)q; (void)o; (void)n; return 0; }
 int ck_fring_stop(struct ck_fring *f) { (void)f; return 0; }
 """
 
