@@ -141,7 +141,75 @@ def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts):
         assert os.path.isdir(os.path.join(root, ".ckptfs"))
         st = m.status()
         assert st["ring_absent_answered_in_c"] >= 510, st
+        assert st["ring_creates_answered_in_c"] >= 500, st
         m.stop()
+
+
+def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
+    """CREATE answered by the queue threads: the file has the mode (umask applied), owner and
+    group (a set-group-ID directory's) a CREATE served by the Python side gives, its directory
+    takes the change at once, and the files, their numbers and times are in the tree (the
+    Python side made them) as the kernel was told at the create: after a remount through
+    /dev/fuse too."""
+    key = ("st_ino", "st_mode", "st_uid", "st_gid", "st_nlink", "st_ctime_ns")
+
+    def told(fd: int) -> list:  # (right after the create: its answer's attributes)
+        st = os.fstat(fd)
+        return [getattr(st, k) for k in key]
+
+    with uring_switch("Y"):
+        m = mounts.mount(fuse_uring=True, refresh=30)
+        d = os.path.join(m.mountpoint, "d")
+        os.mkdir(d)
+        os.chown(d, -1, 1234)
+        os.chmod(d, 0o2775)
+        seen = {}
+        old = os.umask(0o027)
+        try:
+            for i in range(60):
+                with open(os.path.join(d, f"f{i}"), "wb") as f:
+                    seen[f"f{i}"] = told(f.fileno())
+                    f.write(bytes([i]) * (100 + i))
+            fd = os.open(os.path.join(d, "ro"), os.O_CREAT | os.O_RDONLY, 0o604)
+            seen["ro"] = told(fd)
+            assert os.read(fd, 10) == b""
+            os.close(fd)
+            fd = os.open(os.path.join(d, "rw"), os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o666)
+            seen["rw"] = told(fd)
+            os.write(fd, b"read back")
+            assert os.pread(fd, 9, 0) == b"read back"
+            os.close(fd)
+            with pytest.raises(FileExistsError):
+                os.open(os.path.join(d, "rw"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            for i in range(5):  # (no writes: the file's times are its create's)
+                with open(os.path.join(d, f"e{i}"), "wb") as f:
+                    seen[f"e{i}"] = told(f.fileno())
+                e = os.stat(os.path.join(d, f"e{i}"))
+                assert e.st_mtime_ns == e.st_ctime_ns == e.st_atime_ns
+                assert os.stat(d).st_mtime_ns == e.st_mtime_ns
+        finally:
+            os.umask(old)
+        st = m.status()
+        assert st["ring_creates_answered_in_c"] >= 50, st
+        assert len({v[0] for v in seen.values()}) == 67
+        for n, v in seen.items():
+            want = 0o604 & ~0o027 if n == "ro" else 0o640
+            assert v[1:5] == [0o100000 | want, 0, 1234, 1], n
+        assert sorted(os.listdir(d)) == sorted(seen)
+        dst = os.stat(d)
+        m.sync()
+        m.stop()
+    m2 = mounts.mount(m.backing, fuse_uring=False)
+    d2 = os.path.join(m2.mountpoint, "d")
+    again = {n: [getattr(os.stat(os.path.join(d2, n)), k) for k in key] for n in seen}
+    # (the ctime of a file written to is its last write's)
+    assert {n: v[:5] for n, v in again.items()} == {n: v[:5] for n, v in seen.items()}
+    unwritten = [n for n in seen if n[0] == "e" or n == "ro"]
+    assert [again[n][5] for n in unwritten] == [seen[n][5] for n in unwritten]
+    assert os.stat(d2).st_mtime_ns == dst.st_mtime_ns
+    for i in range(60):
+        with open(os.path.join(d2, f"f{i}"), "rb") as f:
+            assert f.read() == bytes([i]) * (100 + i)
 
 
 def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):

@@ -206,6 +206,7 @@ class FastPath(RequestWait):
         self.ring_turn = 0
         self.zone_live = False  # staging's tails offered to the queue threads
         self.ring_landed: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
+        self.making_created = False  # (the queue threads know what those changes did)
         self.transport = "/dev/fuse"
         if uring:
             # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
@@ -600,7 +601,7 @@ class FastPath(RequestWait):
         every request does once the loop has ended)."""
         ring = self.ring
         if ring is not None:
-            ring.stop_releasing()
+            ring.stop_deferring()
             self.settle_ring()  # (their handles' landed writes recorded first)
         self.run_releases()
 
@@ -710,7 +711,11 @@ class FastPath(RequestWait):
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
-        self.ops.ns.watch = ring
+        ops = self.ops
+        ops.ns.watch = self
+        if not ops.settings.readonly:
+            ring.create_setup(ops.settings.direct_writes, self.entry_valid)
+            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
         self.offer_zone()
         flusher = self.ops.flusher
         flusher.error_hook = ring.flush_fails
@@ -744,6 +749,8 @@ class FastPath(RequestWait):
         self.zone_live = False
         ring, ops, staging = self.ring, self.ops, self.staging
         ring.revoke()
+        if ring.created():  # (a created file's writes land after its CREATE was answered)
+            self.make_created(ring.take_created())
         for i, answered, k1, k2, fh, off, size, write_flags, pid in ring.take_landed():
             try:
                 h, x = ops.write_target(fh)
@@ -773,18 +780,57 @@ class FastPath(RequestWait):
                     self.ring_landed[i] = (k1 + k2, 0)
 
     def settle_ring(self) -> None:
-        """Before a request is served: the RELEASEs the queue threads answered join the
-        releases to run, the writes they landed are recorded (those of a released handle
-        landed before its RELEASE came), and the tails are offered again (while nothing
+        """Before a request is served: the files the queue threads created are made, the
+        RELEASEs they answered join the releases to run, the writes they landed are recorded
+        (those of a released handle landed before its RELEASE came; those of a created file
+        after it was made), and the tails are offered again (while nothing
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        if ring.created():
+            self.make_created(ring.take_created())
         if ring.released():
             self.hold_releases(ring.take_released())
         if self.zone_live and not ring.landed():
             return
         self.claim_landed()
         self.offer_zone()
+
+    def make_created(self, created: list[tuple]) -> None:
+        """Make the files the queue threads created (fuse/ring.c), in order, as the CREATE
+        would have made them here, with their numbers and time: the INODE record, the open
+        handle. The queue threads have the directory's names and attributes as they are after
+        it already (the watch is not told)."""
+        ops = self.ops
+        self.making_created = True
+        try:
+            for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
+                try:
+                    ops.create_open(parent, name, mode, flags, _Context(uid, gid, pid), ino, fh,
+                                    now)
+                except Exception:  # (a defect: the kernel has the file open already)
+                    log.exception("a file created by a queue thread cannot be made "
+                                  "(%r in directory %d)", name, parent)
+                    continue
+                self.takes_writes(fh, flags)
+        finally:
+            self.making_created = False
+        ring = self.ring
+        if ring.reserve_left() < fring.RESERVE // 4:
+            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
+
+    # namespace.Watch (with the ring): what the queue threads answer from follows the tree
+    def dirs_changed(self) -> None:
+        if not self.making_created:
+            self.ring.dirs_changed()
+
+    def name_added(self, parent: int, name: bytes) -> None:
+        if not self.making_created:
+            self.ring.name_added(parent, name)
+
+    def view_changed(self) -> None:
+        self.settle_ring()  # (the files the queue threads created are in the tree first)
+        self.ring.view_changed()
 
     def stop_ring(self) -> None:
         ring, self.ring = self.ring, None

@@ -355,19 +355,21 @@ class CkptOperations(pyfuse3.Operations):
             self.ns.change(SetattrRec(x.ino, x.mode, x.uid, x.gid, x.atime_ns, x.mtime_ns, now))
 
     def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,
-             target: bytes = b"") -> Inode:
+             target: bytes = b"", ino: int | None = None, now: int | None = None) -> Inode:
         parent = self._dir(parent_ino)
         self._check_name(name)
         if name in parent.children or (name == CTL_NAME and parent.ino == ROOT_INO):
             raise _err(errno.EEXIST)
         parent = self._own_dir(parent)
-        now = time.time_ns()
+        if now is None:
+            now = time.time_ns()
         gid = ctx.gid
         if parent.mode & stat.S_ISGID:
             gid = parent.gid
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
-        ino = self.ns.new_ino()
+        if ino is None:
+            ino = self.ns.new_ino()
         self.ns.change(InodeRec(ino, parent.ino, name, mode, ctx.uid, gid, rdev, now, now, now,
                                 target))
         self._touch_dir(parent, now, journal=False)
@@ -527,12 +529,23 @@ class CkptOperations(pyfuse3.Operations):
         fi, x = self.create_open(parent_inode, name, mode, flags, ctx)
         return fi, self._attr(x)
 
-    def create_open(self, parent_inode, name, mode, flags, ctx) -> tuple[pyfuse3.FileInfo, Inode]:
-        """CREATE: the new file, open (create() answers pyfuse3 with its attributes)."""
+    def create_open(self, parent_inode, name, mode, flags, ctx, ino: int | None = None,
+                    fh: int | None = None, now_ns: int | None = None
+                    ) -> tuple[pyfuse3.FileInfo, Inode]:
+        """CREATE: the new file, open (create() answers pyfuse3 with its attributes). A create
+        the ring's queue threads answered comes with its numbers (reserve) and time."""
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
-        x = self._new(parent_inode, name, mode, ctx)
-        fh = self._open_handle(x, flags, ctx)
+        x = self._new(parent_inode, name, mode, ctx, ino=ino, now=now_ns)
+        fh = self._open_handle(x, flags, ctx, fh)
         return self._file_info(x, fh, flags), x
+
+    def reserve(self, n: int) -> tuple[int, int]:
+        """n inode numbers and n handle numbers for creates answered elsewhere (the ring's
+        queue threads; made here later with create_open): the first of each."""
+        ino, fh = self.ns.next_ino, self.next_fh
+        self.ns.next_ino += n
+        self.next_fh += n
+        return ino, fh
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         x = self._inode(inode)
@@ -659,9 +672,10 @@ class CkptOperations(pyfuse3.Operations):
             self._touch_dir(np_, now)
 
     # ------------------------------------------------------------ files
-    def _open_handle(self, x: Inode, flags: int, ctx=None) -> int:
-        fh = self.next_fh
-        self.next_fh += 1
+    def _open_handle(self, x: Inode, flags: int, ctx=None, fh: int | None = None) -> int:
+        if fh is None:
+            fh = self.next_fh
+            self.next_fh += 1
         self.handles[fh] = _Handle(x, flags, ctx is not None and ctx.uid != 0)
         x.opens += 1
         return fh

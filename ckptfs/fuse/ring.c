@@ -32,6 +32,13 @@
  * the Python side left here (a Bloom filter of them: a name it does not hold is absent; one
  * it holds goes to the Python side), while the Python side says no look at other writers is
  * due (`--refresh`'s contract): a new file's open(O_CREAT) asks for its name first.
+ * And, in such a directory whose attributes it holds too, CREATE of such a name: the new
+ * file's inode and handle numbers come from ranges the Python side reserved, its attributes
+ * from the request and the directory's; the directory's cached attributes and names take the
+ * change at once, the handle takes writes, and the create is noted for the Python side, which
+ * makes it in the tree (its INODE record, its handle) before it serves any request, as it
+ * does a RELEASE's work. So a small file's save (GETATTR of the directory, LOOKUP, CREATE,
+ * WRITEs, FLUSH, RELEASE) need not wait for the Python side at all.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -70,6 +77,19 @@
 #define FR_OP_IOCTL 39
 #define FR_OP_WRITE 16
 #define FR_OP_RELEASEDIR 29
+#define FR_OP_CREATE 35
+#define FR_O_ACCMODE 3
+#define FR_O_RDONLY 0
+#define FR_O_WRONLY 1
+#define FR_S_IFREG 0100000
+#define FR_S_ISGID 02000
+#define FR_FOPEN_DIRECT_IO 1u
+#define FR_FOPEN_KEEP_CACHE 2u
+#define FR_FOPEN_NOFLUSH 32u
+#define CREATE_IN_SIZE 16  /* struct fuse_create_in */
+#define ENTRY_OUT_SIZE 128  /* struct fuse_entry_out */
+#define OPEN_OUT_SIZE 16  /* struct fuse_open_out */
+#define CREATED_MAX 1024  /* files created here whose create the Python side has not made */
 #define FR_WRITE_CACHE 1u
 #define FH_SLOTS 4096  /* the writable-handle set: open addressing, at most half full */
 #define FH_EMPTY 0
@@ -114,6 +134,14 @@ struct fr_names {
     uint32_t count, cap;
 };
 
+/* A file created here, as the Python side makes it in the tree (ops.create_open). */
+struct ck_fring_created {
+    uint64_t parent, ino, fh;
+    int64_t now_ns;  /* CLOCK_REALTIME: the file's times and its directory's */
+    uint32_t mode, uid, gid, flags, pid, namelen;  /* mode: umask applied; gid: the caller's */
+    char name[256];
+};
+
 /* A landed WRITE, as the Python side records it (copied: an entry answered here goes back to
  * the kernel at once). */
 struct ck_fring_landed {
@@ -149,6 +177,7 @@ struct fr_queue {
     _Atomic long answered_here;
     _Atomic long attrs_here;  /* (of those: GETATTR of a directory from the cache) */
     _Atomic long absent_here;  /* (and LOOKUP of an absent name) */
+    _Atomic long creates_here;  /* (and CREATE) */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -174,7 +203,16 @@ struct ck_fring {
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
-    int release_here;  /* RELEASE is answered here (under lock; off once the mount stops) */
+    int defer_here;  /* RELEASE and CREATE are answered here (under lock; off once the mount
+                      * stops) */
+    struct ck_fring_created *created;  /* (under lock) */
+    unsigned chead, ctail;
+    _Atomic int created_count;  /* not taken yet */
+    uint64_t ino_next, ino_end, fh_next, fh_end;  /* numbers reserved for creates (under lock) */
+    int create_here;  /* CREATE is answered here at all (ck_fring_create_setup) */
+    int direct_writes;  /* a write-only handle gets FOPEN_DIRECT_IO (ops._file_info) */
+    uint64_t entry_valid;  /* the entry timeout a new file gets (s, ns) */
+    uint32_t entry_valid_ns;
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
@@ -189,6 +227,9 @@ struct ck_fring {
     _Atomic int registered;  /* queues whose entries are registered */
     _Atomic int failed;      /* queues that could not register */
 };
+
+static int fr_fh_set(struct ck_fring *f, uint64_t fh, int on);
+static void fr_wake_python(struct ck_fring *f);
 
 static double fr_now(void)
 {
@@ -342,14 +383,115 @@ static int fr_absent(struct ck_fring *f, uint64_t nodeid, const char *name, uint
     return absent;
 }
 
-/* The name a LOOKUP asks for (in its payload, NUL-terminated), if it is one a filter can
- * answer: not ".", "..", empty, longer than NAME_MAX, or with a NUL inside; its length, else
- * 0. */
-static uint32_t fr_lookup_name(const struct fr_slot *s)
+static struct fr_attr *fr_attr_of(struct ck_fring *f, uint64_t nodeid)
+{
+    for (unsigned i = fr_attr_slot(nodeid), n = 0; n < ATTR_PROBE;
+         i = (i + 1) % ATTR_SLOTS, n++) {
+        struct fr_attr *a = &f->attrs[i];
+        if (a->gen == f->attr_gen && a->nodeid == nodeid)
+            return a;
+    }
+    return NULL;
+}
+
+static void fr_put32(char *p, size_t at, uint32_t v) { memcpy(p + at, &v, 4); }
+static void fr_put64(char *p, size_t at, uint64_t v) { memcpy(p + at, &v, 8); }
+static uint32_t fr_get32(const char *p, size_t at) { uint32_t v; memcpy(&v, p + at, 4); return v; }
+
+/* CREATE of name (len bytes) in directory nodeid, answered here when the directory's names
+ * and attributes are here, the name is not among them, no look at other writers is due, and
+ * numbers are left: `out` gets the answer (fuse_entry_out, fuse_open_out). Returns 1 then. */
+static int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *name,
+                     uint32_t len, char *out)
+{
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    uint32_t cin[4];  /* flags mode umask open_flags */
+    memcpy(cin, s->hdr->op_in, sizeof cin);
+    double now = fr_now();
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t *drop = NULL;
+    int done = 0;
+    pthread_mutex_lock(&f->lock);
+    struct fr_names *d;
+    struct fr_attr *a;
+    if (f->create_here && f->defer_here && now < f->absent_until && f->ino_next < f->ino_end
+            && f->fh_next < f->fh_end && f->ctail - f->chead < CREATED_MAX
+            && (d = fr_names_of(f, h->nodeid)) && (a = fr_attr_of(f, h->nodeid))
+            && !fr_names_bits(d, name, len, 0)) {
+        /* fuse_attr_out: valid (s, ns) at 0 and 8, then fuse_attr at 16 (ino size blocks,
+         * atime mtime ctime s, their ns, mode nlink uid gid rdev blksize flags) */
+        uint32_t dmode = fr_get32(a->out, 76), dgid = fr_get32(a->out, 88);
+        uint32_t mode = FR_S_IFREG | (cin[1] & ~cin[2] & 07777);
+        uint32_t gid = dmode & FR_S_ISGID ? dgid : h->gid;  /* (as ops._new) */
+        uint32_t acc = cin[0] & FR_O_ACCMODE;
+        uint64_t ino = f->ino_next++, fh = f->fh_next++;
+        fr_names_bits(d, name, len, 1);
+        if (++d->count > d->cap) {
+            drop = d->bits;
+            d->bits = NULL;
+            d->gen = 0;
+        }
+        fr_put64(a->out, 48, (uint64_t)rt.tv_sec);  /* the directory's mtime and ctime */
+        fr_put64(a->out, 56, (uint64_t)rt.tv_sec);
+        fr_put32(a->out, 68, (uint32_t)rt.tv_nsec);
+        fr_put32(a->out, 72, (uint32_t)rt.tv_nsec);
+        struct ck_fring_created *c = &f->created[f->ctail++ % CREATED_MAX];
+        c->parent = h->nodeid;
+        c->ino = ino;
+        c->fh = fh;
+        c->now_ns = (int64_t)rt.tv_sec * 1000000000 + rt.tv_nsec;
+        c->mode = mode;
+        c->uid = h->uid;
+        c->gid = h->gid;
+        c->flags = cin[0];
+        c->pid = h->pid;
+        c->namelen = len;
+        memcpy(c->name, name, len);
+        c->name[len] = 0;
+        atomic_fetch_add(&f->created_count, 1);
+        if (acc != FR_O_RDONLY)
+            fr_fh_set(f, fh, 1);  /* (full: its WRITEs go to the Python side) */
+        memset(out, 0, ENTRY_OUT_SIZE + OPEN_OUT_SIZE);
+        fr_put64(out, 0, ino);  /* nodeid, generation 0 */
+        fr_put64(out, 16, f->entry_valid);
+        memcpy(out + 24, a->out, 8);  /* attr_valid, as the directory's */
+        fr_put32(out, 32, f->entry_valid_ns);
+        memcpy(out + 36, a->out + 8, 4);
+        char *at = out + 40;  /* fuse_attr */
+        fr_put64(at, 0, ino);
+        for (int i = 0; i < 3; i++) {
+            fr_put64(at, 24 + 8 * i, (uint64_t)rt.tv_sec);
+            fr_put32(at, 48 + 4 * i, (uint32_t)rt.tv_nsec);
+        }
+        fr_put32(at, 60, mode);
+        fr_put32(at, 64, 1);  /* nlink */
+        fr_put32(at, 68, h->uid);
+        fr_put32(at, 72, gid);
+        memcpy(at + 80, a->out + 16 + 80, 4);  /* blksize, as the directory's */
+        uint32_t oflags = f->direct_writes && acc == FR_O_WRONLY ? FR_FOPEN_DIRECT_IO
+                                                                : FR_FOPEN_KEEP_CACHE;
+        if (acc == FR_O_RDONLY)
+            oflags |= FR_FOPEN_NOFLUSH;
+        fr_put64(out, ENTRY_OUT_SIZE, fh);
+        fr_put32(out, ENTRY_OUT_SIZE + 8, oflags);
+        done = 1;
+    }
+    pthread_mutex_unlock(&f->lock);
+    free(drop);
+    if (done)
+        fr_wake_python(f);
+    return done;
+}
+
+/* The name a LOOKUP or CREATE asks for (in its payload, NUL-terminated, after an op part of
+ * opsize bytes in the header), if it is one a filter can answer: not ".", "..", empty, longer
+ * than NAME_MAX, or with a NUL inside; its length, else 0. */
+static uint32_t fr_request_name(const struct fr_slot *s, uint32_t opsize)
 {
     const struct fr_in_header *h = (const void *)s->hdr->in_out;
     uint32_t psz = s->hdr->ent.payload_sz;
-    if (h->total_extlen || psz < 2 || psz > NAME_MAX_LEN + 1 || h->len != 40 + psz
+    if (h->total_extlen || psz < 2 || psz > NAME_MAX_LEN + 1 || h->len != 40 + opsize + psz
             || s->payload[psz - 1] != '\0' || memchr(s->payload, 0, psz - 1))
         return 0;
     if (s->payload[0] == '.' && (psz == 2 || (psz == 3 && s->payload[1] == '.')))
@@ -400,7 +542,7 @@ static int fr_note_release(struct ck_fring *f, uint64_t fh)
 {
     int ok = 0;
     pthread_mutex_lock(&f->lock);
-    if (f->release_here && f->rtail - f->rhead < RELEASED_MAX) {
+    if (f->defer_here && f->rtail - f->rhead < RELEASED_MAX) {
         f->released[f->rtail++ % RELEASED_MAX] = fh;
         fr_fh_set(f, fh, 0);
         atomic_fetch_add(&f->released_count, 1);  /* (under the lock: never below the list) */
@@ -541,15 +683,22 @@ static int fr_reap(struct fr_queue *q)
                       || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
         int here = 0;
         char attr[ATTR_OUT_SIZE];
+        char created[ENTRY_OUT_SIZE + OPEN_OUT_SIZE];
         uint32_t name_len;
         if (h->opcode == FR_OP_GETATTR && fr_attr_get(f, h->nodeid, attr)) {
             fr_answer(s, 0, attr, ATTR_OUT_SIZE);
             atomic_fetch_add(&q->attrs_here, 1);
             here = 1;
-        } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_lookup_name(s))
+        } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_request_name(s, 0))
                    && fr_absent(f, h->nodeid, s->payload, name_len)) {
             fr_answer(s, -ENOENT, NULL, 0);
             atomic_fetch_add(&q->absent_here, 1);
+            here = 1;
+        } else if (h->opcode == FR_OP_CREATE
+                   && (name_len = fr_request_name(s, CREATE_IN_SIZE))
+                   && fr_create(f, s, s->payload, name_len, created)) {
+            fr_answer(s, 0, created, ENTRY_OUT_SIZE + OPEN_OUT_SIZE);
+            atomic_fetch_add(&q->creates_here, 1);
             here = 1;
         } else if (h->opcode == FR_OP_RELEASE
                    && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
@@ -687,7 +836,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->spin_s = spin_s;
     f->attr_gen = 1;
     f->names_gen = 1;
-    f->release_here = 1;
+    f->defer_here = 1;
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
     f->slots = calloc(n, sizeof *f->slots);
@@ -695,7 +844,8 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->fifo = calloc(n, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
-    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->released)
+    f->created = calloc(CREATED_MAX, sizeof *f->created);
+    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->released || !f->created)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -774,7 +924,7 @@ int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); 
 int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_count)
-        + atomic_load(&f->released_count);
+        + atomic_load(&f->released_count) + atomic_load(&f->created_count);
 }
 
 /* Handles released here whose release the Python side has not taken yet. */
@@ -792,13 +942,72 @@ int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max)
     return n;
 }
 
-/* RELEASE answered here (1, from the start) or handed over as any request (0: the mount
- * stops; the Python side takes what was noted before). */
-void ck_fring_release_here(struct ck_fring *f, int on)
+/* RELEASE and CREATE answered here (1, from the start) or handed over as any request (0: the
+ * mount stops; the Python side takes what was noted before). */
+void ck_fring_defer_here(struct ck_fring *f, int on)
 {
     pthread_mutex_lock(&f->lock);
-    f->release_here = on;
+    f->defer_here = on;
     pthread_mutex_unlock(&f->lock);
+}
+
+/* CREATE is answered here (where the directory's names and attributes are): a write-only
+ * handle gets FOPEN_DIRECT_IO when direct_writes, a new file's entry is valid for
+ * entry_valid s + entry_valid_ns ns. Numbers come from ck_fring_reserve. */
+void ck_fring_create_setup(struct ck_fring *f, int direct_writes, uint64_t entry_valid,
+                           uint32_t entry_valid_ns)
+{
+    pthread_mutex_lock(&f->lock);
+    f->direct_writes = direct_writes;
+    f->entry_valid = entry_valid;
+    f->entry_valid_ns = entry_valid_ns;
+    f->create_here = 1;
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* Files created here take inode numbers ino .. ino + n - 1 and handles fh .. fh + n - 1 (the
+ * Python side reserved them; what is left of the ranges before is not used). */
+void ck_fring_reserve(struct ck_fring *f, uint64_t ino, uint64_t fh, uint32_t n)
+{
+    pthread_mutex_lock(&f->lock);
+    f->ino_next = ino;
+    f->ino_end = ino + n;
+    f->fh_next = fh;
+    f->fh_end = fh + n;
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* Creates the reserved numbers are left for. */
+int ck_fring_reserve_left(struct ck_fring *f)
+{
+    pthread_mutex_lock(&f->lock);
+    uint64_t a = f->ino_end - f->ino_next, b = f->fh_end - f->fh_next;
+    pthread_mutex_unlock(&f->lock);
+    return (int)(a < b ? a : b);
+}
+
+/* Files created here that the Python side has not taken yet. */
+int ck_fring_created(struct ck_fring *f) { return atomic_load(&f->created_count); }
+
+/* Take up to max of them, in the order they were created. */
+int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *out, int max)
+{
+    int n = 0;
+    pthread_mutex_lock(&f->lock);
+    while (n < max && f->chead != f->ctail)
+        out[n++] = f->created[f->chead++ % CREATED_MAX];
+    atomic_fetch_sub(&f->created_count, n);
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
+/* Whether a file created here in directory nodeid is not taken yet. (under lock) */
+static int fr_creating_in(struct ck_fring *f, uint64_t nodeid)
+{
+    for (unsigned i = f->chead; i != f->ctail; i++)
+        if (f->created[i % CREATED_MAX].parent == nodeid)
+            return 1;
+    return 0;
 }
 
 /* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no
@@ -817,7 +1026,8 @@ int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
     atomic_store(&f->py_sleeping, sleeping);
-    return atomic_load(&f->pending) + atomic_load(&f->released_count);
+    return atomic_load(&f->pending) + atomic_load(&f->released_count)
+        + atomic_load(&f->created_count);
 }
 
 /* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
@@ -877,6 +1087,10 @@ int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint
     if (len != ATTR_OUT_SIZE)
         return -EINVAL;
     pthread_mutex_lock(&f->lock);
+    if (fr_creating_in(f, nodeid)) {  /* (the answer predates a create made here) */
+        pthread_mutex_unlock(&f->lock);
+        return -EAGAIN;
+    }
     unsigned home = fr_attr_slot(nodeid), at = home;
     for (unsigned i = home, n = 0; n < ATTR_PROBE; i = (i + 1) % ATTR_SLOTS, n++) {
         struct fr_attr *a = &f->attrs[i];
@@ -939,6 +1153,13 @@ int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, u
     /* (no free slot within the probe: the home slot's directory is asked of Python again) */
     uint64_t *old = f->names[at].bits;
     f->names[at] = d;
+    for (unsigned i = f->chead; i != f->ctail; i++) {  /* (made here, not in `names` yet) */
+        struct ck_fring_created *c = &f->created[i % CREATED_MAX];
+        if (c->parent == nodeid) {
+            fr_names_bits(&f->names[at], c->name, c->namelen, 1);
+            f->names[at].count++;
+        }
+    }
     pthread_mutex_unlock(&f->lock);
     free(old);
     return 0;
@@ -1000,8 +1221,8 @@ void ck_fring_absent_until(struct ck_fring *f, double until)
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
 
 /* Queue qid's figures into out[0..n): requests served, answered here, of those GETATTRs of
- * a directory and LOOKUPs of an absent name, entries lost, pinned to its CPU (1 or 0).
- * Returns how many were written. */
+ * a directory, LOOKUPs of an absent name and CREATEs, entries lost, pinned to its CPU (1 or
+ * 0). Returns how many were written. */
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
 {
     if (qid < 0 || qid >= f->nqueues)
@@ -1009,7 +1230,7 @@ int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
     struct fr_queue *q = &f->queues[qid];
     long all[] = { atomic_load(&q->served), atomic_load(&q->answered_here),
                    atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
-                   atomic_load(&q->lost), q->pinned };
+                   atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned };
     int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
     memcpy(out, all, k * sizeof *out);
     return k;
@@ -1065,6 +1286,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->fifo);
     free(f->landed);
     free(f->released);
+    free(f->created);
     for (int i = 0; i < NAME_DIRS; i++)
         free(f->names[i].bits);
     pthread_mutex_destroy(&f->lock);

@@ -10,11 +10,12 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Six requests are answered by the queue thread itself (a WRITE that
+wake-up is local. Seven requests are answered by the queue thread itself (a WRITE that
 landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
 IOCTL, GETATTR of a directory whose attributes this side left with it, LOOKUP of a name not in
-a directory whose names this side left with it, RELEASE, whose work this side does later:
-fuse/ring.c); every other one is served here, by the fast path's handlers
+a directory whose names this side left with it, CREATE of such a name, and RELEASE, whose work
+this side does later, as it makes the created files in the tree: fuse/ring.c); every other one
+is served here, by the fast path's handlers
 (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
 its answer goes differ:
 
@@ -61,7 +62,11 @@ RING_MEMORY = 128 << 20
 TAKE = 16
 # The queue threads' figures (ck_fring_queue_counts, in its order), summed over the queues.
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
-                "ring_absent_answered_in_c", "ring_entries_lost", "ring_queues_pinned")
+                "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
+                "ring_queues_pinned")
+# Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
+# fewer than a quarter are left).
+RESERVE = 256
 
 
 def enabled() -> str | None:
@@ -117,6 +122,7 @@ class Ring:
         self._ids = ffi.new("int[]", TAKE)
         self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
         self._released = ffi.new("uint64_t[]", TAKE)
+        self._created = ffi.new("struct ck_fring_created[]", TAKE)
         self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
 
@@ -189,10 +195,42 @@ class Ring:
             if n < TAKE:
                 return out
 
-    def stop_releasing(self) -> None:
-        """The queue threads answer no more RELEASEs (the mount stops): take_released then
-        returns the last of them."""
-        lib.ck_fring_release_here(self.handle, 0)
+    def stop_deferring(self) -> None:
+        """The queue threads answer no more RELEASEs and CREATEs (the mount stops):
+        take_released and take_created then return the last of them."""
+        lib.ck_fring_defer_here(self.handle, 0)
+
+    def create_setup(self, direct_writes: bool, entry_valid: tuple[int, int]) -> None:
+        """The queue threads answer CREATE where they can (fuse/ring.c): a write-only handle
+        gets FOPEN_DIRECT_IO with `direct_writes`; a new file's entry is valid for
+        `entry_valid` (s, ns). Numbers come from reserve()."""
+        lib.ck_fring_create_setup(self.handle, 1 if direct_writes else 0, *entry_valid)
+
+    def reserve_left(self) -> int:
+        """Creates the numbers reserved for the queue threads are left for."""
+        return lib.ck_fring_reserve_left(self.handle)
+
+    def reserve(self, ino: int, fh: int, n: int) -> None:
+        """The queue threads' creates take inode numbers ino.. and handles fh.. (n of each)."""
+        lib.ck_fring_reserve(self.handle, ino, fh, n)
+
+    def created(self) -> int:
+        """Files the queue threads created that were not taken yet."""
+        return lib.ck_fring_created(self.handle)
+
+    def take_created(self) -> list[tuple]:
+        """Those files, in the order they were created: (parent, name, ino, fh, mode, uid,
+        gid, open flags, pid, time in ns); each is for this side to make (ops.create_open)."""
+        out: list[tuple] = []
+        buf = self._created
+        while True:
+            n = lib.ck_fring_take_created(self.handle, buf, TAKE)
+            for j in range(n):
+                c = buf[j]
+                out.append((c.parent, ffi.unpack(c.name, c.namelen), c.ino, c.fh, c.mode,
+                            c.uid, c.gid, c.flags, c.pid, c.now_ns))
+            if n < TAKE:
+                return out
 
     def writable(self, fh: int, on: bool) -> None:
         """Handle fh takes writes (its WRITEs that land whole are answered by the queue

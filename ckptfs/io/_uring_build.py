@@ -70,7 +70,19 @@ int ck_fring_pending(struct ck_fring *f);
 int ck_fring_landed(struct ck_fring *f);
 int ck_fring_released(struct ck_fring *f);
 int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max);
-void ck_fring_release_here(struct ck_fring *f, int on);
+void ck_fring_defer_here(struct ck_fring *f, int on);
+struct ck_fring_created {
+    uint64_t parent, ino, fh;
+    int64_t now_ns;
+    uint32_t mode, uid, gid, flags, pid, namelen;
+    char name[256];
+};
+void ck_fring_create_setup(struct ck_fring *f, int direct_writes, uint64_t entry_valid,
+                           uint32_t entry_valid_ns);
+void ck_fring_reserve(struct ck_fring *f, uint64_t ino, uint64_t fh, uint32_t n);
+int ck_fring_reserve_left(struct ck_fring *f);
+int ck_fring_created(struct ck_fring *f);
+int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *out, int max);
 int ck_fring_sleep(struct ck_fring *f, int sleeping);
 void ck_fring_answer(struct ck_fring *f, int id);
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2);
@@ -329,7 +341,17 @@ int ck_fring_landed(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_released(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_take_released(struct ck_fring *f, uint64_t *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
-void ck_fring_release_here(struct ck_fring *f, int on) { (void)f; (void)on; }
+void ck_fring_defer_here(struct ck_fring *f, int on) { (void)f; (void)on; }
+struct ck_fring_created { uint64_t parent, ino, fh; int64_t now_ns;
+                          uint32_t mode, uid, gid, flags, pid, namelen; char name[256]; };
+void ck_fring_create_setup(struct ck_fring *f, int d, uint64_t e, uint32_t n)
+{ (void)f; (void)d; (void)e; (void)n; }
+void ck_fring_reserve(struct ck_fring *f, uint64_t i, uint64_t h, uint32_t n)
+{ (void)f; (void)i; (void)h; (void)n; }
+int ck_fring_reserve_left(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_created(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *o, int m)
+{ (void)f; (void)o; (void)m; return 0; }
 int ck_fring_sleep(struct ck_fring *f, int s) { (void)f; (void)s; return 0; }
 void ck_fring_answer(struct ck_fring *f, int id) { (void)f; (void)id; }
 void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_t n2)
