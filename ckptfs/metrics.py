@@ -89,6 +89,7 @@ def status(ops) -> dict:
         "last_error": st.last_error,
         "current_error": str(ops.flusher.error) if ops.flusher.error else "",
         "inodes": ninodes,
+        "open_handles": len(ops.handles),
         "file_bytes": user_bytes,
         "read_disk_bytes": ops.reader.disk_bytes,
         "read_cache_bytes": ops.reader.cached,
@@ -147,6 +148,7 @@ METRICS = {
     "errors": ("flush_errors_total", "counter",
                "Writes the backing store refused (ENOSPC, EIO, ...); retried"),
     "inodes": ("inodes", "gauge", "Inodes in the tree"),
+    "open_handles": ("open_handles", "gauge", "Files open on the mount"),
     "file_bytes": ("file_bytes", "gauge", "Sum of the sizes of the files in the tree"),
     "read_disk_bytes": ("read_disk_bytes_total", "counter", "Bytes read from data logs"),
     "read_cache_bytes": ("read_cache_bytes", "gauge", "Data log bytes in the read cache"),
@@ -200,6 +202,11 @@ METRICS = {
     "ring_absent_answered_in_c": ("ring_absent_answered_in_c_total", "counter",
                                   "LOOKUPs of absent names the io_uring queue threads answered "
                                   "from their name filters"),
+    "ring_creates_answered_in_c": ("ring_creates_answered_in_c_total", "counter",
+                                   "CREATEs the io_uring queue threads answered (the daemon makes "
+                                   "the files after)"),
+    "ring_writable_handles": ("ring_writable_handles", "gauge",
+                              "Handles whose WRITEs the io_uring queue threads answer"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",
                           "FUSE io_uring queue entries whose command the kernel refused"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),

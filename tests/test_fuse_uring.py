@@ -6,6 +6,7 @@ CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -212,6 +213,55 @@ def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
             assert f.read() == bytes([i]) * (100 + i)
 
 
+def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
+    """More files created, written and closed on the rings than the queue threads' writable
+    set holds: every one is made, written (its WRITEs answered by the queue threads to the
+    end) and let go (no handle left open, none left writable), and reads back the same."""
+    n = 2500  # (the writable set holds 2048 handles)
+    with uring_switch("Y"):
+        m = mounts.mount(fuse_uring=True, refresh=30)
+        d = os.path.join(m.mountpoint, "d")
+        os.mkdir(d)
+        for i in range(n):
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                f.write(i.to_bytes(4, "little") * 100)
+        st = m.status()
+        assert st["ring_creates_answered_in_c"] >= n - 10, st
+        assert (st["open_handles"], st["ring_writable_handles"]) == (0, 0), st
+        last = st["ring_answered_in_c"]
+        for i in range(100):  # (still answered by the queue threads: none of them leaked)
+            with open(os.path.join(d, f"g{i}"), "wb") as f:
+                f.write(b"x" * 1000)
+        assert m.status()["ring_answered_in_c"] - last >= 100 * 6
+        m.stop()
+    m2 = mounts.mount(m.backing, fuse_uring=False)
+    d2 = os.path.join(m2.mountpoint, "d")
+    assert len(os.listdir(d2)) == n + 100
+    for i in range(0, n, 7):
+        with open(os.path.join(d2, f"f{i}"), "rb") as f:
+            assert f.read() == i.to_bytes(4, "little") * 100
+
+
+def test_a_read_only_mount_creates_nothing_on_the_rings(mounts):
+    """A read-only mount (every entry another writer's) gives the queue threads no numbers:
+    every CREATE fails with EROFS, as through /dev/fuse."""
+    backing = mounts.backing()
+    m = mounts.mount(backing)
+    os.mkdir(os.path.join(m.mountpoint, "d"))
+    m.stop()
+    with uring_switch("Y"):
+        m = mounts.mount(backing, fuse_uring=True, ro=True, refresh=30)
+        d = os.path.join(m.mountpoint, "d")
+        for i in range(20):
+            assert not os.path.exists(os.path.join(d, f"f{i}"))
+            with pytest.raises(OSError) as e:
+                open(os.path.join(d, f"f{i}"), "wb")
+            assert e.value.errno == errno.EROFS
+        st = m.status()
+        assert st["ring_creates_answered_in_c"] == 0, st
+        assert os.listdir(d) == []
+
+
 def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
     """A name another writer made durable is found within --refresh, also when the queue
     threads answered the lookups of it absent before: they answer only while no look at the
@@ -235,6 +285,10 @@ def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
             time.sleep(0.01)
         with open(os.path.join(a.mountpoint, "x"), "rb") as f:
             assert f.read() == b"from b"
+        # (the names the queue threads held before the look went with it)
+        assert not os.path.exists(os.path.join(a.mountpoint, "y"))
+        drop_dentries()
+        assert os.path.exists(os.path.join(a.mountpoint, "x"))
 
 
 def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):

@@ -638,7 +638,8 @@ class FastPath(RequestWait):
         if ring.has_names(nodeid):
             return
         d = ops.inode(nodeid)
-        if d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d):
+        if (d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d)
+                or len(d.children) > fring.NAMES_MAX):
             return
         names = d.children.keys()
         ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names)
@@ -787,10 +788,12 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        # (the releases first: the create of every file they release was noted before)
+        released = ring.take_released() if ring.released() else None
         if ring.created():
             self.make_created(ring.take_created())
-        if ring.released():
-            self.hold_releases(ring.take_released())
+        if released:
+            self.hold_releases(released)
         if self.zone_live and not ring.landed():
             return
         self.claim_landed()
@@ -799,9 +802,10 @@ class FastPath(RequestWait):
     def make_created(self, created: list[tuple]) -> None:
         """Make the files the queue threads created (fuse/ring.c), in order, as the CREATE
         would have made them here, with their numbers and time: the INODE record, the open
-        handle. The queue threads have the directory's names and attributes as they are after
-        it already (the watch is not told)."""
-        ops = self.ops
+        handle (the queue threads put it in the writable set themselves; it may be released
+        already). The queue threads have the directory's names and attributes as they are
+        after it already (the watch is not told)."""
+        ops, ring = self.ops, self.ring
         self.making_created = True
         try:
             for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
@@ -810,9 +814,8 @@ class FastPath(RequestWait):
                                     now)
                 except Exception:  # (a defect: the kernel has the file open already)
                     log.exception("a file created by a queue thread cannot be made "
-                                  "(%r in directory %d)", name, parent)
-                    continue
-                self.takes_writes(fh, flags)
+                                  "(%r in directory %d): its writes fail", name, parent)
+                    ring.writable(fh, False)  # (its next WRITEs come here: EBADF)
         finally:
             self.making_created = False
         ring = self.ring
@@ -829,8 +832,8 @@ class FastPath(RequestWait):
             self.ring.name_added(parent, name)
 
     def view_changed(self) -> None:
-        self.settle_ring()  # (the files the queue threads created are in the tree first)
-        self.ring.view_changed()
+        self.ring.view_changed()  # (no more creates there from here)
+        self.settle_ring()  # (the files they created are in the tree before others' names)
 
     def stop_ring(self) -> None:
         ring, self.ring = self.ring, None

@@ -316,63 +316,70 @@ class Refresher:
             self._release()
             if found:  # (a look that found nothing changes nothing)
                 self._view_changed()
-            t0 = time.perf_counter()
-            for item in found:
-                kind = item[0]
-                if kind == "tail":
-                    _, layer, scan, ident = item
-                    if layer not in view.trees:
-                        continue
-                    for group, when in zip(scan.groups, scan.group_times):
-                        runs = view.apply_group(layer, group, when)
-                        self._drop_cached(layer, runs)
-                        self.groups += 1
-                        self.records += len(group)
-                        if time.perf_counter() - t0 > PAUSE_S:
-                            self._account(t0)
-                            await trio.lowlevel.checkpoint()
-                            t0 = time.perf_counter()
-                    view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
-                    view.index_ids[layer] = ident
-                elif kind == "new":
-                    _, wdir, scan, ident = item
-                    if os.path.basename(wdir) in view.union.layers:
-                        continue
-                    view.add_tree(wdir, scan, ident)
-                    self.writers_added += 1
-                    log.info("writer %s joined the view", os.path.basename(wdir))
-                elif kind == "unread":
-                    wdir = item[1]
-                    if os.path.basename(wdir) not in view.union.layers:
-                        view.add_writer(wdir)
-                        self.writers_added += 1
-                elif kind == "read":
-                    _, layer, wdir, scan, ident = item
-                    wid = os.path.basename(wdir)
-                    if layer in view.trees or view.union.layers.get(wid) != layer:
-                        continue
-                    view.add_tree(wdir, scan, ident, layer)
-                    log.info("writer %s: its index read, it joins the view", wid)
-                elif kind == "replaced":
-                    _, layer, wdir, scan, ident = item
-                    view.drop_tree(layer)
-                    self._forget(layer, self.reader.logs_of(layer))
-                    view.add_tree(wdir, scan, ident)
-                    self.writers_reloaded += 1
-                    log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
-                elif kind == "gone":
-                    view.drop_tree(item[1])
-                    self._forget(item[1], self.reader.logs_of(item[1]))
-                    log.info("writer %s left the backing directory",
-                             view.union.writer_ids.get(item[1]))
-            self._account(t0)
-            if found:
-                self._view_changed()  # (and what was answered while it paused)
+            try:
+                await self._apply_found(found)
+            finally:
+                if found:
+                    self._view_changed()  # (and what was answered while it paused)
             for w in view.union.warnings[self._warned:]:
                 log.warning("%s", w)
             self._warned = len(view.union.warnings)
             if view.max_stamp > self.journal.seen_ns:
                 self.journal.seen_ns = view.max_stamp
+
+    async def _apply_found(self, found: list[tuple]) -> None:
+        """The changes a look found, into the view (see _apply)."""
+        view = self.view
+        t0 = time.perf_counter()
+        for item in found:
+            kind = item[0]
+            if kind == "tail":
+                _, layer, scan, ident = item
+                if layer not in view.trees:
+                    continue
+                for group, when in zip(scan.groups, scan.group_times):
+                    runs = view.apply_group(layer, group, when)
+                    self._drop_cached(layer, runs)
+                    self.groups += 1
+                    self.records += len(group)
+                    if time.perf_counter() - t0 > PAUSE_S:
+                        self._account(t0)
+                        await trio.lowlevel.checkpoint()
+                        t0 = time.perf_counter()
+                view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
+                view.index_ids[layer] = ident
+            elif kind == "new":
+                _, wdir, scan, ident = item
+                if os.path.basename(wdir) in view.union.layers:
+                    continue
+                view.add_tree(wdir, scan, ident)
+                self.writers_added += 1
+                log.info("writer %s joined the view", os.path.basename(wdir))
+            elif kind == "unread":
+                wdir = item[1]
+                if os.path.basename(wdir) not in view.union.layers:
+                    view.add_writer(wdir)
+                    self.writers_added += 1
+            elif kind == "read":
+                _, layer, wdir, scan, ident = item
+                wid = os.path.basename(wdir)
+                if layer in view.trees or view.union.layers.get(wid) != layer:
+                    continue
+                view.add_tree(wdir, scan, ident, layer)
+                log.info("writer %s: its index read, it joins the view", wid)
+            elif kind == "replaced":
+                _, layer, wdir, scan, ident = item
+                view.drop_tree(layer)
+                self._forget(layer, self.reader.logs_of(layer))
+                view.add_tree(wdir, scan, ident)
+                self.writers_reloaded += 1
+                log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
+            elif kind == "gone":
+                view.drop_tree(item[1])
+                self._forget(item[1], self.reader.logs_of(item[1]))
+                log.info("writer %s left the backing directory",
+                         view.union.writer_ids.get(item[1]))
+        self._account(t0)
 
     def _view_changed(self) -> None:
         """Directories may change: what was left with the ring's queue threads goes."""

@@ -105,7 +105,8 @@
 #define NAME_HASHES 4  /* bits set per name */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
-#define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 256 Ki names has none */
+#define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 128 Ki names has none
+                                   * (a filter is made with room for twice its names) */
 
 struct fr_in_header { uint32_t len, opcode; uint64_t unique, nodeid; uint32_t uid, gid, pid;
                       uint16_t total_extlen, padding; };
@@ -360,13 +361,6 @@ static int fr_names_bits(struct fr_names *d, const char *name, uint32_t len, int
         }
     }
     return all;
-}
-
-static void fr_names_drop(struct fr_names *d)
-{
-    free(d->bits);
-    d->bits = NULL;
-    d->gen = 0;
 }
 
 /* Whether LOOKUP of name in directory nodeid is answered absent here: the directory has a
@@ -1008,6 +1002,15 @@ static int fr_creating_in(struct ck_fring *f, uint64_t nodeid)
         if (f->created[i % CREATED_MAX].parent == nodeid)
             return 1;
     return 0;
+}
+
+/* Handles in the writable set. */
+int ck_fring_writable_count(struct ck_fring *f)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = f->nfhs;
+    pthread_mutex_unlock(&f->lock);
+    return n;
 }
 
 /* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no

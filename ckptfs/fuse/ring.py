@@ -64,6 +64,9 @@ TAKE = 16
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
                 "ring_queues_pinned")
+# The most names a directory's filter holds (fuse/ring.c, NAME_BITS_MAX / 32): a larger
+# directory's LOOKUPs are all served here.
+NAMES_MAX = 128 << 10
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
@@ -271,7 +274,9 @@ class Ring:
                 for j in range(k):
                     sums[j] += out[j]
         return {"ring_queues": self.nqueues, "ring_depth": self.depth,
-                **dict(zip(QUEUE_COUNTS, sums)), "ring_error": os.strerror(err) if err else ""}
+                **dict(zip(QUEUE_COUNTS, sums)), "ring_error": os.strerror(err) if err else "",
+                "ring_writable_handles": lib.ck_fring_writable_count(self.handle)
+                if self.handle is not None else 0}
 
     def attr_put(self, nodeid: int, attr_out: bytes) -> None:
         """GETATTR of directory `nodeid` is answered by the queue threads with `attr_out` (a

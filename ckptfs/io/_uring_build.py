@@ -89,6 +89,7 @@ void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_
 int ck_fring_revoke(struct ck_fring *f);
 int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max);
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on);
+int ck_fring_writable_count(struct ck_fring *f);
 void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
@@ -363,6 +364,7 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 { (void)f; (void)fh; (void)on; return -ENOSYS; }
+int ck_fring_writable_count(struct ck_fring *f) { (void)f; return 0; }
 void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
