@@ -484,6 +484,7 @@ def main(argv: list[str]) -> int:
     w = Workload(specs, a.seed)
     print(f"profile: {len(w.names)} tensors, {w.payload_bytes / 1e9:.3f} GB; profiler "
           f"{a.profiler}; {a.rounds} round(s) of {len(variants)} variant(s)", flush=True)
+    os.makedirs(a.dir, exist_ok=True)  # (as `bench e2e` does)
     keep = a.keep or tempfile.mkdtemp(prefix="ckptfs-profile-out-", dir=a.dir)
     os.makedirs(keep, exist_ok=True)
     runs: list[dict] = []
