@@ -379,7 +379,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             nursery.cancel_scope.cancel()
     finally:
         if ops.request_wait is not None:
-            ops.request_wait.quiesce()  # (what it held back goes into the last commit)
+            try:
+                ops.request_wait.quiesce()  # (what it held back goes into the last commit)
+            except Exception:  # (the last commit still comes)
+                log.exception("unmount: holding back requests' work")
         try:
             with trio.CancelScope(shield=True):
                 await flusher.stop()

@@ -148,7 +148,7 @@ METRICS = {
     "errors": ("flush_errors_total", "counter",
                "Writes the backing store refused (ENOSPC, EIO, ...); retried"),
     "inodes": ("inodes", "gauge", "Inodes in the tree"),
-    "open_handles": ("open_handles", "gauge", "Files open on the mount"),
+    "open_handles": ("open_handles", "gauge", "Files and directories open on the mount"),
     "file_bytes": ("file_bytes", "gauge", "Sum of the sizes of the files in the tree"),
     "read_disk_bytes": ("read_disk_bytes_total", "counter", "Bytes read from data logs"),
     "read_cache_bytes": ("read_cache_bytes", "gauge", "Data log bytes in the read cache"),
@@ -205,6 +205,9 @@ METRICS = {
     "ring_creates_answered_in_c": ("ring_creates_answered_in_c_total", "counter",
                                    "CREATEs the io_uring queue threads answered (the daemon makes "
                                    "the files after)"),
+    "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
+                              "Files the io_uring queue threads created that the daemon could "
+                              "not make (a defect: their writes fail)"),
     "ring_writable_handles": ("ring_writable_handles", "gauge",
                               "Handles whose WRITEs the io_uring queue threads answer"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",

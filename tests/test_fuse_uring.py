@@ -6,7 +6,6 @@ CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import sys
@@ -225,9 +224,12 @@ def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
         for i in range(n):
             with open(os.path.join(d, f"f{i}"), "wb") as f:
                 f.write(i.to_bytes(4, "little") * 100)
-        st = m.status()
+        t0 = time.monotonic()  # (the kernel sends the last RELEASE after close() returned)
+        while (st := m.status())["open_handles"] or st["ring_writable_handles"]:
+            assert time.monotonic() - t0 < 5, st
+            time.sleep(0.05)
         assert st["ring_creates_answered_in_c"] >= n - 10, st
-        assert (st["open_handles"], st["ring_writable_handles"]) == (0, 0), st
+        assert st["ring_creates_not_made"] == 0
         last = st["ring_answered_in_c"]
         for i in range(100):  # (still answered by the queue threads: none of them leaked)
             with open(os.path.join(d, f"g{i}"), "wb") as f:
@@ -240,26 +242,6 @@ def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
     for i in range(0, n, 7):
         with open(os.path.join(d2, f"f{i}"), "rb") as f:
             assert f.read() == i.to_bytes(4, "little") * 100
-
-
-def test_a_read_only_mount_creates_nothing_on_the_rings(mounts):
-    """A read-only mount (every entry another writer's) gives the queue threads no numbers:
-    every CREATE fails with EROFS, as through /dev/fuse."""
-    backing = mounts.backing()
-    m = mounts.mount(backing)
-    os.mkdir(os.path.join(m.mountpoint, "d"))
-    m.stop()
-    with uring_switch("Y"):
-        m = mounts.mount(backing, fuse_uring=True, ro=True, refresh=30)
-        d = os.path.join(m.mountpoint, "d")
-        for i in range(20):
-            assert not os.path.exists(os.path.join(d, f"f{i}"))
-            with pytest.raises(OSError) as e:
-                open(os.path.join(d, f"f{i}"), "wb")
-            assert e.value.errno == errno.EROFS
-        st = m.status()
-        assert st["ring_creates_answered_in_c"] == 0, st
-        assert os.listdir(d) == []
 
 
 def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):

@@ -207,6 +207,8 @@ class FastPath(RequestWait):
         self.zone_live = False  # staging's tails offered to the queue threads
         self.ring_landed: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
         self.making_created = False  # (the queue threads know what those changes did)
+        self.creates_not_made = 0  # files the queue threads created that could not be made
+        self.names_refused: set[int] = set()  # directories too large for a name filter
         self.transport = "/dev/fuse"
         if uring:
             # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
@@ -255,7 +257,7 @@ class FastPath(RequestWait):
                  requests_interrupted=self.interrupts.count, transport=self.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         if self.ring is not None:
-            c.update(self.ring.counts())
+            c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made)
         return c
 
     def close(self) -> None:
@@ -635,14 +637,14 @@ class FastPath(RequestWait):
         writer's records)."""
         ring, ops = self.ring, self.ops
         ring.absent_until(ops.fresh_until())
-        if ring.has_names(nodeid):
+        if nodeid in self.names_refused or ring.has_names(nodeid):
             return
         d = ops.inode(nodeid)
-        if (d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d)
-                or len(d.children) > fring.NAMES_MAX):
+        if d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d):
             return
         names = d.children.keys()
-        ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names)
+        if not ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names):
+            self.names_refused.add(nodeid)  # (too large: not built again at every LOOKUP)
 
     def takes_writes(self, fh: int, flags: int) -> None:
         """With the ring: a handle opened for writing whose writes ops would take (write_target)
@@ -815,7 +817,9 @@ class FastPath(RequestWait):
                 except Exception:  # (a defect: the kernel has the file open already)
                     log.exception("a file created by a queue thread cannot be made "
                                   "(%r in directory %d): its writes fail", name, parent)
+                    self.creates_not_made += 1
                     ring.writable(fh, False)  # (its next WRITEs come here: EBADF)
+                    ring.dirs_changed()  # (the directory's attributes as the tree has them)
         finally:
             self.making_created = False
         ring = self.ring
@@ -832,6 +836,7 @@ class FastPath(RequestWait):
             self.ring.name_added(parent, name)
 
     def view_changed(self) -> None:
+        self.names_refused.clear()
         self.ring.view_changed()  # (no more creates there from here)
         self.settle_ring()  # (the files they created are in the tree before others' names)
 

@@ -64,9 +64,6 @@ TAKE = 16
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
                 "ring_queues_pinned")
-# The most names a directory's filter holds (fuse/ring.c, NAME_BITS_MAX / 32): a larger
-# directory's LOOKUPs are all served here.
-NAMES_MAX = 128 << 10
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
