@@ -552,3 +552,34 @@ def test_compaction_keeps_what_other_writers_removed_removed(mounts):
             mounts.mount(backing, writer_id="w1").stop()
             verify_ok(backing)
     assert os.listdir(os.path.join(backing, "writers")) == ["merged"]
+
+
+@pytest.mark.timeout(90)
+def test_no_new_name_in_a_directory_another_writer_removed(mounts):
+    """A directory this mount still holds open (a working directory, say) that another
+    writer's change removed takes no new names: ENOENT, as in a directory removed here, and
+    nothing a remount would have to skip."""
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0", refresh=0.5)
+    d = os.path.join(a.mountpoint, "D")
+    os.mkdir(d)
+    open(os.path.join(d, "x"), "wb").close()
+    a.sync()
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        b = mounts.mount(backing, writer_id="w1")
+        os.unlink(os.path.join(b.mountpoint, "D", "x"))
+        os.rmdir(os.path.join(b.mountpoint, "D"))
+        b.sync()
+        wait_for(lambda: not os.path.exists(d), 0.5 + SLACK_S)
+        with pytest.raises(FileNotFoundError):
+            os.open("new", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd)
+        with pytest.raises(FileNotFoundError):
+            os.mkdir("sub", dir_fd=fd)
+    finally:
+        os.close(fd)
+    a.sync()
+    a.stop()
+    a2 = mounts.mount(backing, writer_id="w0")
+    assert "D" not in os.listdir(a2.mountpoint)
+    assert "record skipped" not in mounts.log(a2)

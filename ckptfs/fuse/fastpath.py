@@ -640,7 +640,8 @@ class FastPath(RequestWait):
         if nodeid in self.names_refused or ring.has_names(nodeid):
             return
         d = ops.inode(nodeid)
-        if d.layer != 0 or d.ino != nodeid or d.children is None or ops.merged(d):
+        if (d.layer != 0 or d.ino != nodeid or d.children is None or d.nlink <= 0
+                or ops.merged(d)):
             return
         names = d.children.keys()
         if not ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names):

@@ -236,6 +236,14 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.ENOTDIR)
         return x
 
+    def _live_dir(self, ino: int) -> Inode:
+        """A directory to put a new name in: ENOENT once it was removed (the kernel may still
+        hold it, as a working directory, say, when another writer's change removed it)."""
+        d = self._dir(ino)
+        if d.nlink <= 0:
+            raise _err(errno.ENOENT)
+        return d
+
     def _writable(self, x: Inode) -> Inode:
         """Entries of other writers (and everything in a read-only mount) cannot change."""
         if self.settings.readonly or x.layer != 0:
@@ -356,7 +364,7 @@ class CkptOperations(pyfuse3.Operations):
 
     def _new(self, parent_ino: int, name: bytes, mode: int, ctx, rdev: int = 0,
              target: bytes = b"", ino: int | None = None, now: int | None = None) -> Inode:
-        parent = self._dir(parent_ino)
+        parent = self._live_dir(parent_ino)
         self._check_name(name)
         if name in parent.children or (name == CTL_NAME and parent.ino == ROOT_INO):
             raise _err(errno.EEXIST)
@@ -554,7 +562,7 @@ class CkptOperations(pyfuse3.Operations):
         x = self._writable(x)
         if x.is_dir:
             raise _err(errno.EPERM)
-        parent = self._dir(new_parent_inode)
+        parent = self._live_dir(new_parent_inode)
         self._check_name(new_name)
         if new_name in parent.children:
             raise _err(errno.EEXIST)
