@@ -297,22 +297,17 @@ static unsigned fr_attr_slot(uint64_t nodeid)
     return (unsigned)((nodeid * 0x9E3779B97F4A7C15ull) >> 56);  /* ATTR_SLOTS = 2^8 */
 }
 
+static struct fr_attr *fr_attr_of(struct ck_fring *f, uint64_t nodeid);
+
 /* Copy the cached GETATTR answer of nodeid into out; 1 if there was one. */
 static int fr_attr_get(struct ck_fring *f, uint64_t nodeid, char *out)
 {
-    int found = 0;
     pthread_mutex_lock(&f->lock);
-    for (unsigned i = fr_attr_slot(nodeid), n = 0; n < ATTR_PROBE;
-         i = (i + 1) % ATTR_SLOTS, n++) {
-        struct fr_attr *a = &f->attrs[i];
-        if (a->gen == f->attr_gen && a->nodeid == nodeid) {
-            memcpy(out, a->out, ATTR_OUT_SIZE);
-            found = 1;
-            break;
-        }
-    }
+    struct fr_attr *a = fr_attr_of(f, nodeid);
+    if (a)
+        memcpy(out, a->out, ATTR_OUT_SIZE);
     pthread_mutex_unlock(&f->lock);
-    return found;
+    return a != NULL;
 }
 
 static unsigned fr_names_slot(uint64_t nodeid)
@@ -377,6 +372,7 @@ static int fr_absent(struct ck_fring *f, uint64_t nodeid, const char *name, uint
     return absent;
 }
 
+/* The cached GETATTR answer of directory nodeid, or NULL. (under lock) */
 static struct fr_attr *fr_attr_of(struct ck_fring *f, uint64_t nodeid)
 {
     for (unsigned i = fr_attr_slot(nodeid), n = 0; n < ATTR_PROBE;

@@ -301,7 +301,8 @@ class Ring:
         if self.handle is not None:
             lib.ck_fring_absent_until(self.handle, t)
 
-    # namespace.Watch: what the queue threads answer from goes when the tree changes
+    # what the queue threads answer from goes when the tree changes (FastPath, the
+    # namespace's watch, calls these)
     def dirs_changed(self) -> None:
         """Every GETATTR of a directory goes to this side again until attr_put."""
         if self.handle is not None:
