@@ -217,6 +217,45 @@ def test_spin_backs_off_after_misses_and_resets_on_a_catch():
         os.close(w)
 
 
+def test_work_held_back_is_done_by_a_task_that_parks_behind_the_sleeper():
+    """Work held for later (FastPath's answered RELEASEs) is done before the loop sleeps.
+    The task asleep on the fd did that before the work was held, and another task may take
+    the request that made the fd readable without waking it: so the task that held the work
+    and finds no request does it before it parks behind the sleeper. (Left until the next
+    request, an idle mount's closed files stayed open: it kept looking at other writers.)"""
+    import trio
+    import trio.testing
+
+    from ckptfs.fuse.loop import RequestWait
+
+    class Holding(RequestWait):
+        held = 0
+
+        def sleep_work(self) -> None:
+            self.held = 0
+
+    r, w = os.pipe()
+
+    async def main() -> None:
+        wait = Holding(r, spin_s=0.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)  # the sleeper: in wait_readable(r)
+            await trio.testing.wait_all_tasks_blocked()
+            assert wait.busy
+            wait.held = 1  # a request taken and answered by another task, its work held
+            nursery.start_soon(wait)  # that task finds no request: parks behind the sleeper
+            await trio.testing.wait_all_tasks_blocked()
+            assert wait.held == 0
+            os.write(w, b"x")  # (both return: the sleeper finds it, the other one after)
+        assert wait.slow == 2
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
     """More clients blocked in fsync at once than the loop has tasks (loop.MAX_TASKS):
     the others queue, nothing deadlocks, everything is durable and intact."""

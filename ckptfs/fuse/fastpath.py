@@ -613,6 +613,13 @@ class FastPath(RequestWait):
         if self.releases and time.perf_counter() - self.released_at >= RELEASE_GRACE_S:
             self.run_releases(self.probe)
 
+    def sleep_work(self) -> None:
+        """Before a task sleeps: the releases held (until the next request they would keep
+        their files open: an idle mount would go on looking at other writers, and hold
+        their logs)."""
+        if self.releases:
+            self.run_releases()
+
     def park(self, sleeping: bool) -> bool:
         if sleeping and self.releases:  # (not left until the next request)
             self.run_releases()

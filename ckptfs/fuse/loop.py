@@ -174,6 +174,10 @@ class RequestWait:
         """Work done between polls while the loop spins (a few tens of microseconds at most
         at a time; see FastPath.spin_work); none here."""
 
+    def sleep_work(self) -> None:
+        """Work held back that must not wait for the next request: done before a task sleeps,
+        in epoll or behind the task that does (see FastPath.sleep_work); none here."""
+
     def detach(self) -> None:
         """Undo what install() changed besides the hook (nothing here; see FastPath)."""
 
@@ -199,6 +203,9 @@ class RequestWait:
             return True
         self.streak = 0
         self.slow += 1
+        # (the task sleeping on wait_fd did its park(True) before this task held anything
+        # back, and may not wake: another task may take the request that made it readable)
+        self.sleep_work()
         while self.busy:
             await self.lot.park()
             if self.closed:
