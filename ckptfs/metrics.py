@@ -208,6 +208,10 @@ METRICS = {
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
                               "Files the io_uring queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),
+    "ring_name_filters_built": ("ring_name_filters_built_total", "counter",
+                                "Directories whose names the daemon left with the io_uring "
+                                "queue threads (again after a look at other writers merged "
+                                "into them)"),
     "ring_writable_handles": ("ring_writable_handles", "gauge",
                               "Handles whose WRITEs the io_uring queue threads answer"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",

@@ -273,6 +273,72 @@ def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
         assert os.path.exists(os.path.join(a.mountpoint, "x"))
 
 
+def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(mounts):
+    """A look that brings other writers' changes drops the names the queue threads hold only
+    of directories another writer's directory is merged into (the others' names change only
+    by this writer's records): they are built again there, not in this writer's own ones.
+    A directory that a look merges into loses them, so a name another writer made there is
+    found, also right after a lookup answered from the names of the other directories."""
+    with uring_switch("Y"):
+        backing = mounts.backing()
+        a = mounts.mount(backing, writer_id="w0", refresh=0.3, fuse_uring=True)
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False)
+        am, bm = a.mountpoint, b.mountpoint
+        os.mkdir(os.path.join(bm, "shared"))
+        b.sync()
+        os.makedirs(os.path.join(am, "shared"), exist_ok=True)
+        os.mkdir(os.path.join(am, "own"))
+
+        def make(d: str, n: int, tag: str) -> None:
+            for i in range(n):
+                open(os.path.join(am, d, f"{tag}{i}"), "wb").close()
+
+        make("own", 20, "a")
+        make("shared", 20, "a")  # (merged: w1 has it too)
+        s0 = a.status()
+        assert s0["ring_creates_answered_in_c"] >= 30, s0
+        with open(os.path.join(bm, "shared", "from_b"), "wb") as f:
+            f.write(b"b")
+        os.mkdir(os.path.join(bm, "elsewhere"))
+        b.sync()
+        t0 = time.monotonic()
+        while not os.path.exists(os.path.join(am, "shared", "from_b")):
+            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's file never showed"
+            time.sleep(0.02)
+        built = a.status()["ring_name_filters_built"]
+        make("own", 20, "b")  # (own's names outlived the look)
+        s1 = a.status()
+        assert s1["ring_name_filters_built"] == built, (built, s1)
+        assert s1["ring_creates_answered_in_c"] - s0["ring_creates_answered_in_c"] >= 15, s1
+        make("shared", 20, "b")  # (shared's went with it: built once more)
+        assert a.status()["ring_name_filters_built"] == built + 1
+        # another writer's directory merges into own: its names go with the look that
+        # brings it, though a lookup answered from the other directories' names comes first
+        intruder = os.path.join(am, "own", "intruder")
+        assert not os.path.exists(intruder)
+        os.mkdir(os.path.join(bm, "own"))
+        with open(os.path.join(bm, "own", "intruder"), "wb") as f:
+            f.write(b"b")
+        b.sync()
+        t0, i = time.monotonic(), 0
+        while True:
+            i += 1
+            assert not os.path.exists(os.path.join(am, "shared", f"probe{i}"))
+            if os.path.exists(intruder):
+                break
+            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's file never showed"
+            time.sleep(0.02)
+        with open(intruder, "rb") as f:
+            assert f.read() == b"b"
+        drop_dentries()
+        names = {f"{t}{i}" for t in "ab" for i in range(20)}
+        assert set(os.listdir(os.path.join(am, "own"))) == names | {"intruder"}
+        assert set(os.listdir(os.path.join(am, "shared"))) == names | {"from_b"}
+        assert all(os.path.exists(os.path.join(am, d, n)) for d in ("own", "shared")
+                   for n in names)
+        assert a.status()["ring_creates_not_made"] == 0
+
+
 def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):
     """GETATTR of a directory is answered by the queue threads from what the Python side left
     with them (after a CREATE in it, after a GETATTR it answered); every change of a directory

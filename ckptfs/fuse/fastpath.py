@@ -209,6 +209,7 @@ class FastPath(RequestWait):
         self.making_created = False  # (the queue threads know what those changes did)
         self.creates_not_made = 0  # files the queue threads created that could not be made
         self.names_refused: set[int] = set()  # directories too large for a name filter
+        self.name_filters_built = 0  # directories' names left with the queue threads
         self.transport = "/dev/fuse"
         if uring:
             # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
@@ -257,7 +258,8 @@ class FastPath(RequestWait):
                  requests_interrupted=self.interrupts.count, transport=self.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         if self.ring is not None:
-            c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made)
+            c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
+                     ring_name_filters_built=self.name_filters_built)
         return c
 
     def close(self) -> None:
@@ -639,20 +641,35 @@ class FastPath(RequestWait):
         """With the ring, after a LOOKUP of a name not in directory `nodeid`: the queue threads
         answer the next ones (a new file's open(O_CREAT) asks for its name first) from its
         names (they learn those it gains: Namespace.watch), until a look at other writers is
-        due. Only this writer's own directories, under the number the kernel knows them by,
-        with no other writer's directory merged into them (their names change only by this
-        writer's records)."""
+        due. Only this writer's own directories, under the number the kernel knows them by;
+        one with another writer's directory merged into it loses them at every look that
+        brings changes (view_changed), the others keep them."""
         ring, ops = self.ring, self.ops
         ring.absent_until(ops.fresh_until())
         if nodeid in self.names_refused or ring.has_names(nodeid):
             return
         d = ops.inode(nodeid)
-        if (d.layer != 0 or d.ino != nodeid or d.children is None or d.nlink <= 0
-                or ops.merged(d)):
+        if not self._own_dir(d, nodeid):
             return
+        self.name_filters_built += 1
         names = d.children.keys()
         if not ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names):
             self.names_refused.add(nodeid)  # (too large: not built again at every LOOKUP)
+
+    @staticmethod
+    def _own_dir(d, nodeid: int) -> bool:
+        """Whether d is one of this writer's own live directories, known to the kernel as
+        `nodeid`."""
+        return d.layer == 0 and d.ino == nodeid and d.children is not None and d.nlink > 0
+
+    def keeps_names(self, nodeid: int) -> bool:
+        """Whether the names the queue threads hold of directory `nodeid` are all it has
+        whatever other writers changed: one of this writer's own live directories with no
+        other writer's directory merged into it (its names come only by this writer's
+        records). Asked as a look that brings changes starts and once it is applied, when
+        what it merged in shows; meanwhile no LOOKUP is answered absent (ring.view_changed)."""
+        d = self.ops.ns.inodes.get(nodeid)
+        return d is not None and self._own_dir(d, nodeid) and not self.ops.merged(d)
 
     def takes_writes(self, fh: int, flags: int) -> None:
         """With the ring: a handle opened for writing whose writes ops would take (write_target)
@@ -845,7 +862,7 @@ class FastPath(RequestWait):
 
     def view_changed(self) -> None:
         self.names_refused.clear()
-        self.ring.view_changed()  # (no more creates there from here)
+        self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
         self.settle_ring()  # (the files they created are in the tree before others' names)
 
     def stop_ring(self) -> None:

@@ -129,8 +129,8 @@ struct fr_attr {
 /* The names of a directory as the Python side gave them, and those added since: a Bloom
  * filter (valid while gen is current; dropped when it holds more than cap names). */
 struct fr_names {
-    uint64_t nodeid, gen;
-    uint64_t *bits;
+    uint64_t nodeid;
+    uint64_t *bits;  /* NULL: a free slot */
     uint32_t mask;  /* bits - 1 */
     uint32_t count, cap;
 };
@@ -219,7 +219,6 @@ struct ck_fring {
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
     uint64_t attr_gen;  /* 0: never valid; a clear moves it on (under lock) */
     struct fr_names names[NAME_DIRS];  /* (under lock) */
-    uint64_t names_gen;  /* as attr_gen */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
     _Atomic int py_sleeping;
     _Atomic int stop;
@@ -333,7 +332,7 @@ static struct fr_names *fr_names_of(struct ck_fring *f, uint64_t nodeid)
     for (unsigned i = fr_names_slot(nodeid), n = 0; n < NAME_PROBE;
          i = (i + 1) % NAME_DIRS, n++) {
         struct fr_names *d = &f->names[i];
-        if (d->gen == f->names_gen && d->bits && d->nodeid == nodeid)
+        if (d->bits && d->nodeid == nodeid)
             return d;
     }
     return NULL;
@@ -420,7 +419,6 @@ static int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *na
         if (++d->count > d->cap) {
             drop = d->bits;
             d->bits = NULL;
-            d->gen = 0;
         }
         fr_put64(a->out, 48, (uint64_t)rt.tv_sec);  /* the directory's mtime and ctime */
         fr_put64(a->out, 56, (uint64_t)rt.tv_sec);
@@ -825,7 +823,6 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->wake_fd = wake_fd;
     f->spin_s = spin_s;
     f->attr_gen = 1;
-    f->names_gen = 1;
     f->defer_here = 1;
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
@@ -1117,7 +1114,7 @@ void ck_fring_attr_clear(struct ck_fring *f)
 
 /* LOOKUP of a name in directory nodeid that is none of `names` (count of them, each
  * NUL-terminated, len bytes in all) is answered absent here until the next
- * ck_fring_names_clear, while ck_fring_absent_until allows; names added later come with
+ * ck_fring_names_drop, while ck_fring_absent_until allows; names added later come with
  * ck_fring_name_add. Returns 0, -E2BIG for a directory too large to hold, -ENOMEM. */
 int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, uint32_t len,
                        uint32_t count)
@@ -1140,15 +1137,19 @@ int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, u
         at += n + 1;
     }
     pthread_mutex_lock(&f->lock);
-    d.gen = f->names_gen;
-    unsigned home = fr_names_slot(nodeid), at = home;
+    /* (its own slot if it has one, else the first free one within the probe) */
+    unsigned home = fr_names_slot(nodeid), at = home, free_at = NAME_DIRS;
     for (unsigned i = home, n = 0; n < NAME_PROBE; i = (i + 1) % NAME_DIRS, n++) {
         struct fr_names *o = &f->names[i];
-        if (o->gen != f->names_gen || !o->bits || o->nodeid == nodeid) {
-            at = i;
+        if (o->bits && o->nodeid == nodeid) {
+            free_at = i;
             break;
         }
+        if (free_at == NAME_DIRS && !o->bits)
+            free_at = i;
     }
+    if (free_at != NAME_DIRS)
+        at = free_at;
     /* (no free slot within the probe: the home slot's directory is asked of Python again) */
     uint64_t *old = f->names[at].bits;
     f->names[at] = d;
@@ -1175,7 +1176,6 @@ void ck_fring_name_add(struct ck_fring *f, uint64_t nodeid, const char *name, ui
         if (++d->count > d->cap) {  /* (too full to answer well: built again, larger) */
             old = d->bits;
             d->bits = NULL;
-            d->gen = 0;
         }
     }
     pthread_mutex_unlock(&f->lock);
@@ -1191,20 +1191,32 @@ int ck_fring_names_has(struct ck_fring *f, uint64_t nodeid)
     return has;
 }
 
-/* Forget every directory's filter (names may have come by other ways: other writers). */
-void ck_fring_names_clear(struct ck_fring *f)
+/* The directories that have a filter here (into out, at most max of them); their count. */
+uint32_t ck_fring_names_held(struct ck_fring *f, uint64_t *out, uint32_t max)
 {
-    uint64_t *old[NAME_DIRS];
+    uint32_t n = 0;
     pthread_mutex_lock(&f->lock);
-    f->names_gen++;
-    for (int i = 0; i < NAME_DIRS; i++) {
-        old[i] = f->names[i].bits;
-        f->names[i].bits = NULL;
-        f->names[i].gen = 0;
+    for (int i = 0; i < NAME_DIRS && n < max; i++) {
+        struct fr_names *d = &f->names[i];
+        if (d->bits)
+            out[n++] = d->nodeid;
     }
     pthread_mutex_unlock(&f->lock);
-    for (int i = 0; i < NAME_DIRS; i++)
-        free(old[i]);
+    return n;
+}
+
+/* Forget directory nodeid's filter (names may have come to it by other ways: other writers). */
+void ck_fring_names_drop(struct ck_fring *f, uint64_t nodeid)
+{
+    uint64_t *old = NULL;
+    pthread_mutex_lock(&f->lock);
+    struct fr_names *d = fr_names_of(f, nodeid);
+    if (d) {
+        old = d->bits;
+        d->bits = NULL;
+    }
+    pthread_mutex_unlock(&f->lock);
+    free(old);
 }
 
 /* LOOKUP is answered absent here only before `until` (CLOCK_MONOTONIC seconds): then a look

@@ -67,6 +67,8 @@ QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
+# Directories whose names the queue threads hold at most (ring.c's NAME_DIRS).
+NAME_DIRS = 32
 
 
 def enabled() -> str | None:
@@ -313,12 +315,19 @@ class Ring:
         if self.handle is not None:
             lib.ck_fring_name_add(self.handle, parent, name, len(name))
 
-    def view_changed(self) -> None:
-        """Other writers' changes came in: the attributes and names the queue threads hold
-        go (this side gives them again as it answers)."""
-        if self.handle is not None:
-            lib.ck_fring_attr_clear(self.handle)
-            lib.ck_fring_names_clear(self.handle)
+    def view_changed(self, keeps) -> None:
+        """Other writers' changes come in: no LOOKUP is answered absent (and no CREATE) until
+        absent_until says so again; the attributes the queue threads hold go, and so do the
+        names of every directory `keeps(nodeid)` does not keep (this side gives them again as
+        it answers)."""
+        if self.handle is None:
+            return
+        lib.ck_fring_absent_until(self.handle, 0.0)
+        lib.ck_fring_attr_clear(self.handle)
+        held = ffi.new("uint64_t[]", NAME_DIRS)
+        for i in range(lib.ck_fring_names_held(self.handle, held, NAME_DIRS)):
+            if not keeps(held[i]):
+                lib.ck_fring_names_drop(self.handle, held[i])
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""

@@ -100,7 +100,8 @@ int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, u
                        uint32_t count);
 void ck_fring_name_add(struct ck_fring *f, uint64_t nodeid, const char *name, uint32_t len);
 int ck_fring_names_has(struct ck_fring *f, uint64_t nodeid);
-void ck_fring_names_clear(struct ck_fring *f);
+uint32_t ck_fring_names_held(struct ck_fring *f, uint64_t *out, uint32_t max);
+void ck_fring_names_drop(struct ck_fring *f, uint64_t nodeid);
 void ck_fring_absent_until(struct ck_fring *f, double until);
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n);
 int ck_fring_stop(struct ck_fring *f);
@@ -377,7 +378,9 @@ int ck_fring_names_put(struct ck_fring *f, uint64_t n, const char *s, uint32_t l
 void ck_fring_name_add(struct ck_fring *f, uint64_t n, const char *s, uint32_t l)
 { (void)f; (void)n; (void)s; (void)l; }
 int ck_fring_names_has(struct ck_fring *f, uint64_t n) { (void)f; (void)n; return 0; }
-void ck_fring_names_clear(struct ck_fring *f) { (void)f; }
+uint32_t ck_fring_names_held(struct ck_fring *f, uint64_t *o, uint32_t m)
+{ (void)f; (void)o; (void)m; return 0; }
+void ck_fring_names_drop(struct ck_fring *f, uint64_t n) { (void)f; (void)n; }
 void ck_fring_absent_until(struct ck_fring *f, double u) { (void)f; (void)u; }
 int ck_fring_queue_counts(struct ck_fring *f, int q, long *o, int n)
 { (void)f; (void)q; (void)o; (void)n; return 0; }
