@@ -77,6 +77,8 @@ def _check_config(self) -> None:
         raise ValueError("--request-spin must be between 0 and 100000 microseconds")
     if self.fuse_uring and not self.fast_path:
         raise ValueError("--fuse-uring needs the fast path (drop --no-fast-path)")
+    if self.queue_threads and not self.fast_path:
+        raise ValueError("--queue-threads needs the fast path (drop --no-fast-path)")
     if not 1 <= self.data_logs <= 256:
         raise ValueError("--data-logs must be between 1 and 256")
     if not 0 <= self.clean_below <= 1:
@@ -342,8 +344,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # A cheaper wait for the next request than pyfuse3's (loop.py); CKPTFS_PYFUSE3_WAIT=1
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
-        attach = (lambda fd, spin_s: FastPath.attach(fd, ops, spin_s, interrupts,
-                                                     cfg.fuse_uring)) \
+        attach = (lambda fd, spin_s: FastPath.attach(
+            fd, ops, spin_s, interrupts, cfg.fuse_uring, cfg.queue_threads is not False)) \
             if cfg.fast_path else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
         if ops.request_wait is not None:

@@ -137,6 +137,10 @@ OPTIONS: tuple[Option, ...] = (
            "the daemon reads requests itself: WRITE payloads land straight in the staging "
            "segment; READ, WRITE, FLUSH, RELEASE, LOOKUP, GETATTR, OPEN and CREATE skip "
            "pyfuse3 (off: pyfuse3 serves every request)"),
+    Option("queue-threads", "queue_threads", "switch", None,
+           "C threads, one per CPU (8 at most), read /dev/fuse and answer a small file's "
+           "requests and the WRITEs from the caller's CPU, handing the others to the daemon "
+           "(fewer wake-ups between CPUs). Automatic: on with the fast path; needs it"),
     Option("fuse-uring", "fuse_uring", "switch", False,
            "requests on FUSE's per-CPU io_uring queues, each served from its caller's CPU "
            "(fewer wake-ups between CPUs; Linux 6.14+ with /sys/module/fuse/parameters/"

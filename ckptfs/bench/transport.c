@@ -196,6 +196,8 @@ static size_t op_size(uint32_t opcode) {
     }
 }
 
+static int dev_pollers;  /* /dev/fuse served by a thread per CPU: each polls, then reads */
+
 static void *serve_dev(void *spin) {
     char *buf = aligned_alloc(4096, BUF_BYTES), out[4096];
     struct pollfd p = { fuse_fd, POLLIN, 0 };
@@ -204,6 +206,10 @@ static void *serve_dev(void *spin) {
             double end = now() + spin_s;
             while (poll(&p, 1, 0) == 0 && now() < end) {}
         }
+        /* (every thread in poll is woken by a request, not one: the one on the caller's CPU
+         * reads it, the descriptor being non-blocking) */
+        if (dev_pollers)
+            poll(&p, 1, -1);
         ssize_t n = read(fuse_fd, buf, BUF_BYTES);
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOENT)
@@ -395,6 +401,16 @@ static void *serve_queue(void *arg) {
     return NULL;
 }
 
+static void *serve_dev_on(void *arg) {
+    if (pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET((int)(intptr_t)arg, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    return serve_dev(NULL);
+}
+
 static int serve(int argc, char **argv) {
     if (argc < 7) {
         fprintf(stderr, "usage: transport serve MNT dev|uring SPIN_US THREADS PIN\n");
@@ -449,6 +465,17 @@ static int serve(int argc, char **argv) {
     }
     printf("ready\n");
     fflush(stdout);
+    if (!uring && threads) {  /* a thread per CPU, pinned if asked, polling /dev/fuse */
+        dev_pollers = 1;
+        fcntl(fuse_fd, F_SETFL, fcntl(fuse_fd, F_GETFL) | O_NONBLOCK);
+        int ncpu = (int)sysconf(_SC_NPROCESSORS_CONF);
+        pthread_t q[256];
+        for (int i = 0; i < ncpu && i < 256; i++)
+            pthread_create(&q[i], NULL, serve_dev_on, (void *)(intptr_t)i);
+        for (int i = 0; i < ncpu && i < 256; i++)
+            pthread_join(q[i], NULL);
+        return 0;
+    }
     if (!uring) {
         serve_dev((void *)1);
         return 0;

@@ -57,6 +57,7 @@ VARIANTS = {
     "dev": ("dev", 0, ALL, ALL, 0, 0, 0),
     "dev-spin": ("dev", 250, ALL, ALL, 0, 0, 0),
     "dev-same": ("dev", 0, {0}, {0}, 0, 0, 0),
+    "dev-percpu": ("dev", 0, ALL, ALL, 1, 1, 0),
     "uring": ("uring", 0, ALL, ALL, 0, 0, 0),
     "uring-percpu": ("uring", 0, ALL, ALL, 1, 1, 0),
     "uring-percpu-handoff": ("uring", 250, ALL, ALL, 1, 1, 1),

@@ -64,6 +64,7 @@ log = logging.getLogger("ckptfs")
 
 # linux/fuse.h (protocol 7.12 and later)
 FUSE_LOOKUP = 1
+FUSE_FORGET = 2
 FUSE_GETATTR = 3
 FUSE_OPEN = 14
 FUSE_READ = 15
@@ -77,6 +78,7 @@ FUSE_FSYNCDIR = 30
 FUSE_CREATE = 35
 FUSE_INTERRUPT = 36
 FUSE_IOCTL = 39
+FUSE_BATCH_FORGET = 42
 FUSE_WRITE_CACHE = 1 << 0  # write_flags: the kernel's writeback of page-cache pages
 FUSE_WRITE_KILL_SUIDGID = 1 << 2  # write_flags: the writer lacks CAP_FSETID (direct writes)
 FOPEN_DIRECT_IO = 1 << 0
@@ -89,6 +91,8 @@ IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid 
 RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
 FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
 INTERRUPT_IN = struct.Struct("<Q")  # the unique of the interrupted request
+# Requests that get no answer (the queue threads read them from /dev/fuse like any other)
+NO_REPLY = frozenset((FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT))
 # Requests that do not depend on a RELEASE before them (a lookup, a new file, attributes): a
 # RELEASE's work (its journal record) may wait until they are answered (FastPath.run_releases).
 PAST_RELEASES = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_CREATE, FUSE_INTERRUPT))
@@ -171,7 +175,8 @@ class FastPath(RequestWait):
     returns True (pyfuse3 then reads it)."""
 
     def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float,
-                 interrupts: Interrupts, uring: bool = False) -> None:
+                 interrupts: Interrupts, uring: bool = False,
+                 queue_threads: bool = False) -> None:
         super().__init__(fuse_fd, spin_s)
         self.lib_fd = lib_fd  # libfuse's descriptor number (now our socket's other end)
         self.sock = sock
@@ -198,9 +203,13 @@ class FastPath(RequestWait):
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
-        # FUSE over io_uring (fuse/ring.py): wanted, then running once INIT is answered
+        # The queue threads (fuse/ring.py): on FUSE over io_uring (--fuse-uring) where the
+        # kernel offers it, else on /dev/fuse (--queue-threads); wanted, then running once INIT
+        # is answered (ring_payload: their payload buffers' size, ring_dev: on /dev/fuse)
         self.uring_wanted = uring
-        self.uring_offered = False
+        self.threads_wanted = queue_threads
+        self.ring_payload = 0
+        self.ring_dev = False
         self.ring: fring.Ring | None = None
         self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
         self.ring_turn = 0
@@ -211,15 +220,17 @@ class FastPath(RequestWait):
         self.names_refused: set[int] = set()  # directories too large for a name filter
         self.name_filters_built = 0  # directories' names left with the queue threads
         self.transport = "/dev/fuse"
-        if uring:
-            # the slow path sleeps on /dev/fuse and on the ring's eventfd at once
+        self.epoll = None
+        if uring or queue_threads:
+            # the slow path sleeps on /dev/fuse and on the queue threads' eventfd at once (on
+            # the eventfd only once they read /dev/fuse themselves)
             self.epoll = select.epoll()
             self.epoll.register(fuse_fd, select.EPOLLIN)
             self.wait_fd = self.epoll.fileno()
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts,
-               uring: bool = False) -> "FastPath":
+               uring: bool = False, queue_threads: bool = False) -> "FastPath":
         """Move libfuse's descriptor `lib_fd` onto a socket and keep /dev/fuse for us."""
         fuse_fd = os.dup(lib_fd)  # the session's /dev/fuse, under a new number
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -232,7 +243,7 @@ class FastPath(RequestWait):
         os.dup2(theirs.fileno(), lib_fd, inheritable=False)
         theirs.close()
         os.set_blocking(fuse_fd, False)
-        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts, uring)
+        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts, uring, queue_threads)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""
@@ -243,7 +254,7 @@ class FastPath(RequestWait):
         self.interrupts.stop()  # (the fd goes)
         self.run_releases()
         self.stop_ring()
-        if self.uring_wanted:
+        if self.epoll is not None:
             self.epoll.close()
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
@@ -275,6 +286,8 @@ class FastPath(RequestWait):
                 return True
             if not self.zone_live:
                 self.offer_zone()
+            if ring.dev:  # (they read /dev/fuse; serve_one closes the loop once it is gone)
+                return ring.gone()
         return bool(self.poller.poll(timeout))
 
     async def __call__(self) -> bool:
@@ -298,12 +311,16 @@ class FastPath(RequestWait):
         if ring is not None and ring.pending():
             # (/dev/fuse is looked at every few ring requests: INTERRUPTs come there)
             self.ring_turn += 1
-            if self.ring_turn & 7 or not self.poller.poll(0):
+            if ring.dev or self.ring_turn & 7 or not self.poller.poll(0):
                 i = ring.take()
                 if i >= 0:
                     return await self.serve_ring(i)
                 self.settle_ring()  # (only WRITEs the queue threads answered: record them)
                 return False
+        if ring is not None and ring.dev:  # (the queue threads read every request)
+            if ring.gone():
+                self.close()  # unmounted, or the connection was aborted
+            return False
         head = self.head
         if self.overflow is None:
             self.overflow = bytearray(self.request_max)
@@ -380,6 +397,18 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return False
         op = fring.OP_IN
+        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads: its slot is free)
+            del self.ring_uniques[unique]
+            try:
+                if opcode == FUSE_INTERRUPT:
+                    if opsize >= INTERRUPT_IN.size:
+                        self.interrupts.interrupt(INTERRUPT_IN.unpack_from(h, op)[0])
+                    return False
+                head = bytearray(h[:IN_HEADER.size])
+                self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
+                return True
+            finally:
+                ring.answered(i)
         if not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE:
@@ -706,6 +735,11 @@ class FastPath(RequestWait):
         reply to a request that came on the ring goes into its entry."""
         if self.ring_uniques:
             i = self.ring_uniques.pop(OUT_HEADER.unpack_from(header)[2], None)
+            if i is not None and self.ring.dev:  # (written here: then the slot is free)
+                try:
+                    return self._write(header, data)
+                finally:
+                    self.ring.answered(i)
             if i is not None:
                 if self.ring.answer(i, header, data):
                     return True
@@ -714,6 +748,9 @@ class FastPath(RequestWait):
                 self.ring.answer(i, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO,
                                                     OUT_HEADER.unpack_from(header)[2]), ())
                 return True
+        return self._write(header, data)
+
+    def _write(self, header: bytes, data) -> bool:
         try:
             if not data:
                 os.write(self.fd, header)
@@ -728,15 +765,20 @@ class FastPath(RequestWait):
 
     # ------------------------------------------------------------ FUSE over io_uring
     def start_ring(self) -> None:
-        """Register the per-CPU queues (right after the INIT reply went to the kernel)."""
-        payload, self.uring_offered = self.uring_offered, False
+        """Start the queue threads (right after the INIT reply went to the kernel): register
+        the per-CPU queues of FUSE over io_uring, or read /dev/fuse."""
+        payload, self.ring_payload = self.ring_payload, 0
+        dev = self.ring_dev
         try:
-            ring = fring.Ring(self.fd, payload, self.spin_s)
+            ring = fring.Ring(self.fd, payload, self.spin_s, dev)
         except OSError as exc:
             # (the kernel then keeps every request on /dev/fuse: its queues never got ready)
-            log.warning("--fuse-uring: requests stay on /dev/fuse: %s", exc.strerror)
+            log.warning("%s: %s", "queue threads: requests are served by the daemon's loop"
+                        if dev else "--fuse-uring: requests stay on /dev/fuse", exc.strerror)
             return
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
+        if dev:  # (a request wakes the queue threads, not this side)
+            self.epoll.unregister(self.fd)
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
         ops = self.ops
@@ -748,11 +790,11 @@ class FastPath(RequestWait):
         flusher = self.ops.flusher
         flusher.error_hook = ring.flush_fails
         ring.flush_fails(flusher.error is not None)
-        self.transport = "io_uring"
+        self.transport = "/dev/fuse, queue threads" if dev else "io_uring"
         ring.sleep(self.busy)  # (a task may already sleep in the slow path)
-        log.info("FUSE over io_uring: %d queues of %d entries (%d KiB each), %d of them "
-                 "served from their own CPU", ring.nqueues, ring.depth, payload >> 10,
-                 ring.counts()["ring_queues_pinned"])
+        log.info("%s: %d queues of %d entries (%d KiB each), %d of them served from their own "
+                 "CPU", "queue threads on /dev/fuse" if dev else "FUSE over io_uring",
+                 ring.nqueues, ring.depth, payload >> 10, ring.counts()["ring_queues_pinned"])
 
     def offer_zone(self) -> None:
         """Offer the staging's tails to the queue threads for the next WRITE payloads (once
@@ -877,7 +919,7 @@ class FastPath(RequestWait):
         try:
             ring.stop()
         except OSError as exc:
-            log.error("FUSE over io_uring: %s", exc.strerror)
+            log.error("queue threads: %s", exc.strerror)
 
     # ------------------------------------------------------------ libfuse's side
     @staticmethod
@@ -925,7 +967,7 @@ class FastPath(RequestWait):
                     self.init_unique = -1
                     self.negotiated(msg, err)
                     self.send(msg)
-                    if self.uring_offered:  # (the queues register once INIT is answered)
+                    if self.ring_payload:  # (the queues register once INIT is answered)
                         self.start_ring()
                     continue
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
@@ -956,6 +998,18 @@ class FastPath(RequestWait):
                 more |= fring.FUSE_OVER_IO_URING
             else:
                 log.warning("--fuse-uring: requests stay on /dev/fuse: %s", reason)
+        # (the queue threads' payload buffers: the kernel's least read buffer, max_write,
+        # max_pages pages, FUSE_MIN_READ_BUFFER)
+        pages = (INIT_OUT_MAX_PAGES.unpack_from(msg, OUT_HEADER.size + 28)[0]
+                 if flags & FUSE_MAX_PAGES else 32)
+        payload = (max(8192, max_write, pages * 4096) + 4095) & ~4095
+        if self.threads_wanted and not more & fring.FUSE_OVER_IO_URING:
+            reason = fring.dev_unavailable()
+            if reason is None:
+                self.ring_payload, self.ring_dev = payload, True
+            else:
+                log.warning("queue threads: requests are served by the daemon's loop: %s",
+                            reason)
         if more and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4:
             at = OUT_HEADER.size + INIT_OUT_FLAGS2
             flags2 = struct.unpack_from("<I", msg, at)[0] if flags & FUSE_INIT_EXT else 0
@@ -967,11 +1021,7 @@ class FastPath(RequestWait):
                 log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
                          "on" if self.ops.negotiated.direct_reads else "off")
             if more & fring.FUSE_OVER_IO_URING:
-                pages = (INIT_OUT_MAX_PAGES.unpack_from(msg, OUT_HEADER.size + 28)[0]
-                         if flags & FUSE_MAX_PAGES else 32)
-                # (the kernel's least: max_write, max_pages pages, FUSE_MIN_READ_BUFFER)
-                payload = max(8192, max_write, pages * 4096)
-                self.uring_offered = (payload + 4095) & ~4095
+                self.ring_payload, self.ring_dev = payload, False
         self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
         if len(self.overflow or b"") < self.request_max:
             self.overflow = bytearray(self.request_max)

@@ -56,6 +56,7 @@
 #define _GNU_SOURCE  /* CPU_SET, pthread_setaffinity_np, pthread_timedjoin_np */
 #endif
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -63,6 +64,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 #include <liburing.h>
@@ -184,6 +186,7 @@ struct fr_queue {
 
 struct ck_fring {
     int fuse_fd, nqueues, depth;
+    int dev;  /* the requests are read from /dev/fuse (not FUSE over io_uring) */
     uint32_t payload;
     double spin_s;
     struct fr_slot *slots;
@@ -223,6 +226,7 @@ struct ck_fring {
     _Atomic int py_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
+    _Atomic int gone;  /* /dev/fuse: the connection ended (unmounted or aborted) */
     _Atomic int flush_fails;  /* the flusher has an error: FLUSH goes to the Python side */
     _Atomic int registered;  /* queues whose entries are registered */
     _Atomic int failed;      /* queues that could not register */
@@ -626,10 +630,72 @@ static int fr_commit_answers(struct fr_queue *q)
         if (s->waited)
             q->waited_with_python--;
         atomic_store(&s->state, AT_KERNEL);
-        if (fr_queue_cmd(q, i, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) == 0)
+        if (f->dev)  /* (written on /dev/fuse by the Python side: the slot is free again) */
+            n++;
+        else if (fr_queue_cmd(q, i, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) == 0)
             n++;
     }
     return n;
+}
+
+/* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
+ * Python side (0). */
+static int fr_dispatch(struct fr_queue *q, int idx)
+{
+    struct ck_fring *f = q->f;
+    struct fr_slot *s = &f->slots[idx];
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    const uint32_t *write_size = (const void *)(s->hdr->op_in + 16);
+    const uint32_t *write_flags = (const void *)(s->hdr->op_in + 20);
+    uint32_t size = h->opcode == FR_OP_WRITE && *write_size == s->hdr->ent.payload_sz
+        ? *write_size : 0;
+    atomic_fetch_add(&q->served, 1);
+    atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
+    s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
+                  || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
+    int here = 0;
+    char attr[ATTR_OUT_SIZE];
+    char created[ENTRY_OUT_SIZE + OPEN_OUT_SIZE];
+    uint32_t name_len;
+    if (h->opcode == FR_OP_GETATTR && fr_attr_get(f, h->nodeid, attr)) {
+        fr_answer(s, 0, attr, ATTR_OUT_SIZE);
+        atomic_fetch_add(&q->attrs_here, 1);
+        here = 1;
+    } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_request_name(s, 0))
+               && fr_absent(f, h->nodeid, s->payload, name_len)) {
+        fr_answer(s, -ENOENT, NULL, 0);
+        atomic_fetch_add(&q->absent_here, 1);
+        here = 1;
+    } else if (h->opcode == FR_OP_CREATE
+               && (name_len = fr_request_name(s, CREATE_IN_SIZE))
+               && fr_create(f, s, s->payload, name_len, created)) {
+        fr_answer(s, 0, created, ENTRY_OUT_SIZE + OPEN_OUT_SIZE);
+        atomic_fetch_add(&q->creates_here, 1);
+        here = 1;
+    } else if (h->opcode == FR_OP_RELEASE
+               && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
+        fr_answer(s, 0, NULL, 0);
+        here = 1;
+    } else if (h->opcode == FR_OP_IOCTL) {
+        fr_answer(s, -ENOTTY, NULL, 0);
+        here = 1;
+    } else if (h->opcode == FR_OP_FLUSH && !atomic_load(&f->flush_fails)) {
+        fr_answer(s, 0, NULL, 0);
+        here = 1;
+    } else {
+        q->with_python++;
+        if (s->waited)
+            q->waited_with_python++;
+        if (fr_hand_over(f, idx, size)) {
+            q->with_python--;
+            if (s->waited)
+                q->waited_with_python--;
+            uint32_t out[2] = { size, 0 };  /* fuse_write_out */
+            fr_answer(s, 0, out, sizeof out);
+            here = 1;
+        }
+    }
+    return here;
 }
 
 /* Requests the kernel delivered: to the Python side. Returns how many CQEs were seen, or
@@ -659,59 +725,8 @@ static int fr_reap(struct fr_queue *q)
             atomic_fetch_add(&q->lost, 1);
             continue;
         }
-        struct fr_slot *s = &f->slots[tag];
-        const struct fr_in_header *h = (const void *)s->hdr->in_out;
-        const uint32_t *write_size = (const void *)(s->hdr->op_in + 16);
-        const uint32_t *write_flags = (const void *)(s->hdr->op_in + 20);
-        uint32_t size = h->opcode == FR_OP_WRITE && *write_size == s->hdr->ent.payload_sz
-            ? *write_size : 0;
-        atomic_fetch_add(&q->served, 1);
-        atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
-        s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
-                      || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
-        int here = 0;
-        char attr[ATTR_OUT_SIZE];
-        char created[ENTRY_OUT_SIZE + OPEN_OUT_SIZE];
-        uint32_t name_len;
-        if (h->opcode == FR_OP_GETATTR && fr_attr_get(f, h->nodeid, attr)) {
-            fr_answer(s, 0, attr, ATTR_OUT_SIZE);
-            atomic_fetch_add(&q->attrs_here, 1);
-            here = 1;
-        } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_request_name(s, 0))
-                   && fr_absent(f, h->nodeid, s->payload, name_len)) {
-            fr_answer(s, -ENOENT, NULL, 0);
-            atomic_fetch_add(&q->absent_here, 1);
-            here = 1;
-        } else if (h->opcode == FR_OP_CREATE
-                   && (name_len = fr_request_name(s, CREATE_IN_SIZE))
-                   && fr_create(f, s, s->payload, name_len, created)) {
-            fr_answer(s, 0, created, ENTRY_OUT_SIZE + OPEN_OUT_SIZE);
-            atomic_fetch_add(&q->creates_here, 1);
-            here = 1;
-        } else if (h->opcode == FR_OP_RELEASE
-                   && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
-            fr_answer(s, 0, NULL, 0);
-            here = 1;
-        } else if (h->opcode == FR_OP_IOCTL) {
-            fr_answer(s, -ENOTTY, NULL, 0);
-            here = 1;
-        } else if (h->opcode == FR_OP_FLUSH && !atomic_load(&f->flush_fails)) {
-            fr_answer(s, 0, NULL, 0);
-            here = 1;
-        } else {
-            q->with_python++;
-            if (s->waited)
-                q->waited_with_python++;
-            if (fr_hand_over(f, (int)tag, size)) {
-                q->with_python--;
-                if (s->waited)
-                    q->waited_with_python--;
-                uint32_t out[2] = { size, 0 };  /* fuse_write_out */
-                fr_answer(s, 0, out, sizeof out);
-                here = 1;
-            }
-        }
-        if (here) {
+        if (fr_dispatch(q, (int)tag)) {
+            struct fr_slot *s = &f->slots[tag];
             atomic_fetch_add(&q->answered_here, 1);
             atomic_store(&s->state, AT_KERNEL);
             if (fr_queue_cmd(q, (int)tag, FR_COMMIT_AND_FETCH, s->hdr->ent.commit_id) < 0)
@@ -721,16 +736,21 @@ static int fr_reap(struct fr_queue *q)
     return n;
 }
 
-static void *fr_serve(void *arg)
+static void fr_pin(struct fr_queue *q)
 {
-    struct fr_queue *q = arg;
-    struct ck_fring *f = q->f;
-    int err = 0;
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(q->qid, &set);
     /* (a CPU this process may not use: served from wherever the scheduler runs the thread) */
     q->pinned = pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+}
+
+static void *fr_serve(void *arg)
+{
+    struct fr_queue *q = arg;
+    struct ck_fring *f = q->f;
+    int err = 0;
+    fr_pin(q);
     for (int i = q->first_slot; i < q->first_slot + f->depth && !err; i++)
         err = fr_queue_cmd(q, i, FR_REGISTER, 0);
     if (!err)
@@ -799,6 +819,151 @@ static void *fr_serve(void *arg)
     return NULL;
 }
 
+/* ------------------------------------------------------------------ /dev/fuse
+ * The same queue threads over /dev/fuse, where the kernel does not offer FUSE over io_uring:
+ * a thread per CPU, pinned to it, each polling the (non-blocking) descriptor. A request
+ * wakes every poller; the one on the caller's CPU, which the caller leaves as it waits, is
+ * the first to read it, so the round trip stays on that CPU as on a ring ("What the FUSE
+ * transport costs", dev-percpu). A request is read into a free slot laid out as a ring
+ * entry's (the op's fixed part in op_in, the rest in the payload buffer), served by the same
+ * code, and its answer written on /dev/fuse: by the queue thread for what it answers, by the
+ * Python side (ck_fring_answer after it wrote) for what it was handed. */
+
+/* A free slot of q, or -1. */
+static int fr_dev_free_slot(struct fr_queue *q)
+{
+    struct ck_fring *f = q->f;
+    for (int i = q->first_slot; i < q->first_slot + f->depth; i++)
+        if (atomic_load_explicit(&f->slots[i].state, memory_order_acquire) == AT_KERNEL)
+            return i;
+    return -1;
+}
+
+/* Read a request into slot idx: 1, 0 when there was none (another thread took it), -errno
+ * when the connection is gone (-ENODEV) or reading fails. */
+static int fr_dev_read(struct ck_fring *f, int idx)
+{
+    struct fr_slot *s = &f->slots[idx];
+    struct iovec iov[3] = { { s->hdr->in_out, 40 }, { s->hdr->op_in, 40 },
+                            { s->payload, f->payload } };
+    ssize_t n = readv(f->fuse_fd, iov, 3);
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR || errno == ENOENT ? 0 : -errno;
+    if (n < 40)
+        return 0;
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    /* The op's fixed part as a ring entry has it: LOOKUP has none (the name is the payload),
+     * CREATE's is struct fuse_create_in; for the others 40 bytes at most (WRITE and READ:
+     * struct fuse_write_in / fuse_read_in), the split of a request the Python side hands to
+     * libfuse being of no matter (it is sent whole). */
+    uint32_t rest = (uint32_t)n - 40, k = rest < 40 ? rest : 40, psz = rest - k, opsize = k;
+    if (h->opcode == FR_OP_LOOKUP)
+        opsize = 0;
+    else if (h->opcode == FR_OP_CREATE && k >= CREATE_IN_SIZE)
+        opsize = CREATE_IN_SIZE;
+    if (opsize < k) {
+        uint32_t moved = k - opsize;
+        if (psz + moved > f->payload)
+            return -EPROTO;
+        memmove(s->payload + moved, s->payload, psz);
+        memcpy(s->payload, s->hdr->op_in + opsize, moved);
+        psz += moved;
+    }
+    s->hdr->ent.payload_sz = psz;
+    return 1;
+}
+
+/* Write slot s's answer (fr_answer's) on /dev/fuse; -errno if the kernel refused it. */
+static int fr_dev_reply(struct ck_fring *f, struct fr_slot *s)
+{
+    uint32_t psz = s->hdr->ent.payload_sz;
+    struct iovec iov[2] = { { s->hdr->in_out, 16 }, { s->payload, psz } };
+    if (writev(f->fuse_fd, iov, psz ? 2 : 1) < 0 && errno != ENOENT)
+        return -errno;  /* (ENOENT: the request was interrupted and is gone) */
+    return 0;
+}
+
+static void *fr_serve_dev(void *arg)
+{
+    struct fr_queue *q = arg;
+    struct ck_fring *f = q->f;
+    fr_pin(q);
+    atomic_fetch_add(&f->registered, 1);
+    struct pollfd p[2] = { { f->fuse_fd, POLLIN, 0 }, { q->efd, POLLIN, 0 } };
+    int err = 0;
+    while (!atomic_load(&f->stop)) {
+        fr_commit_answers(q);  /* (the slots the Python side answered are free again) */
+        int idx = fr_dev_free_slot(q);
+        if (idx >= 0) {
+            int r = fr_dev_read(f, idx);
+            if (r < 0) {
+                err = -r;
+                break;
+            }
+            if (r > 0) {
+                if (fr_dispatch(q, idx)) {
+                    struct fr_slot *s = &f->slots[idx];
+                    atomic_fetch_add(&q->answered_here, 1);
+                    r = fr_dev_reply(f, s);
+                    atomic_store(&s->state, AT_KERNEL);
+                    if (r < 0) {
+                        err = -r;
+                        break;
+                    }
+                }
+                continue;
+            }
+        }
+        if (q->waited_with_python > 0 && f->spin_s > 0) {
+            /* A caller on this CPU waits for the Python side's answer: poll, so that this
+             * CPU does not halt (the answer's wake-up is then cheap), and take the next
+             * request at once. */
+            double end = fr_now() + f->spin_s;
+            int found = 0;
+            while (!atomic_load(&f->stop) && fr_now() < end) {
+                if (atomic_load(&q->answered) || (idx >= 0 && poll(p, 1, 0) > 0)) {
+                    found = 1;
+                    break;
+                }
+                sched_yield();
+            }
+            if (found)
+                continue;
+        }
+        atomic_store(&q->sleeping, 1);
+        if (atomic_load(&q->answered) || atomic_load(&f->stop)) {
+            atomic_store(&q->sleeping, 0);
+            continue;
+        }
+        p[0].fd = idx >= 0 ? f->fuse_fd : -1;  /* (no free slot: wait for an answer only) */
+        int k = poll(p, 2, -1);
+        atomic_store(&q->sleeping, 0);
+        if (k < 0 && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        if (p[1].revents & POLLIN) {
+            uint64_t v;
+            if (read(q->efd, &v, sizeof v) < 0) {}
+        }
+        if (p[0].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+            err = ENODEV;
+            break;
+        }
+    }
+    if (err == ENODEV) {
+        atomic_store(&f->gone, 1);
+    } else if (err) {
+        int zero = 0;
+        atomic_compare_exchange_strong(&f->error, &zero, err);
+    }
+    if (err) {  /* (the Python side learns it even while it sleeps) */
+        uint64_t one = 1;
+        if (write(f->wake_fd, &one, sizeof one) < 0) {}
+    }
+    return NULL;
+}
+
 static void fr_wake(struct fr_queue *q)
 {
     uint64_t one = 1;
@@ -810,13 +975,14 @@ void ck_fring_free(struct ck_fring *f);
 /* Start nqueues queue threads with depth entries each; the Python side's eventfd is wake_fd.
  * Waits until every queue has registered its entries (or one failed: NULL, *err set). */
 struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
-                                int wake_fd, double spin_s, int *err)
+                                int wake_fd, double spin_s, int dev, int *err)
 {
     struct ck_fring *f = calloc(1, sizeof *f);
     *err = ENOMEM;
     if (!f)
         return NULL;
     f->fuse_fd = fuse_fd;
+    f->dev = dev;
     f->nqueues = nqueues;
     f->depth = depth;
     f->payload = payload;
@@ -857,6 +1023,8 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
             *err = errno;
             goto fail;
         }
+        if (dev)
+            continue;
         struct io_uring_params par = { .flags = IORING_SETUP_SQE128 };
         int r = io_uring_queue_init_params(4 * depth + 8, &q->ring, &par);
         if (r < 0) {
@@ -867,7 +1035,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     }
     for (int i = 0; i < nqueues; i++) {
         struct fr_queue *q = &f->queues[i];
-        int r = pthread_create(&q->thread, NULL, fr_serve, q);
+        int r = pthread_create(&q->thread, NULL, dev ? fr_serve_dev : fr_serve, q);
         if (r) {
             *err = r;
             atomic_store(&f->stop, 1);
@@ -1027,7 +1195,8 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping)
 }
 
 /* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
- * the payload buffer, its length in payload_sz): the queue thread commits it. */
+ * the payload buffer, its length in payload_sz): the queue thread commits it. (/dev/fuse:
+ * it wrote the answer there itself, or the request needs none: the slot is free again.) */
 void ck_fring_answer(struct ck_fring *f, int id)
 {
     struct fr_slot *s = &f->slots[id];
@@ -1075,6 +1244,7 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
 void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
 void *ck_fring_payload(struct ck_fring *f, int id) { return f->slots[id].payload; }
 int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
+int ck_fring_gone(struct ck_fring *f) { return atomic_load(&f->gone); }
 
 /* GETATTR of directory nodeid is answered here with `out` (a struct fuse_attr_out of len
  * bytes) until the next ck_fring_attr_clear. Returns 0, or -EINVAL for a wrong length. */

@@ -69,6 +69,9 @@ QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c
 RESERVE = 256
 # Directories whose names the queue threads hold at most (ring.c's NAME_DIRS).
 NAME_DIRS = 32
+# Queue threads on /dev/fuse at most (on CPUs 0 .. DEV_QUEUES - 1): every request wakes each
+# of them (a thread in poll(2)), so many would cost every request a wake-up per CPU.
+DEV_QUEUES = 8
 
 
 def enabled() -> str | None:
@@ -80,6 +83,15 @@ def enabled() -> str | None:
         return "this kernel has no FUSE over io_uring (Linux 6.14+)"
     if on != "Y":
         return f"{ENABLE_URING} is {on} (root can turn it on: docs/tuning.md)"
+    if lib is None:
+        return uring.uring_unavailable_reason() or "ckptfs.io._uring_cffi is not built"
+    if not lib.ck_have_uring():
+        return ffi.string(lib.ck_build_info()).decode()
+    return None
+
+
+def dev_unavailable() -> str | None:
+    """None when the queue threads can serve /dev/fuse here, else why not."""
     if lib is None:
         return uring.uring_unavailable_reason() or "ckptfs.io._uring_cffi is not built"
     if not lib.ck_have_uring():
@@ -104,17 +116,19 @@ class RingError(OSError):
 class Ring:
     """The queue threads of one mount and the entries they hand over."""
 
-    def __init__(self, fuse_fd: int, payload: int, spin_s: float) -> None:
-        self.nqueues = queues()
+    def __init__(self, fuse_fd: int, payload: int, spin_s: float, dev: bool = False) -> None:
+        self.dev = dev  # the requests are read from /dev/fuse (ring.c, "/dev/fuse")
+        self.nqueues = min(queues(), DEV_QUEUES) if dev else queues()
         self.depth = max(1, min(QUEUE_DEPTH, RING_MEMORY // (self.nqueues * payload)))
         self.payload = payload
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         err = ffi.new("int *")
         self.handle = lib.ck_fring_start(fuse_fd, self.nqueues, self.depth, payload,
-                                         self.wake_fd, spin_s, err)
+                                         self.wake_fd, spin_s, 1 if dev else 0, err)
         if self.handle == ffi.NULL:
             os.close(self.wake_fd)
-            raise RingError(err[0], "FUSE over io_uring: cannot register the queues: "
+            raise RingError(err[0], ("cannot start the queue threads: " if dev else
+                                     "FUSE over io_uring: cannot register the queues: ")
                             + os.strerror(err[0]))
         n = self.nqueues * self.depth
         self.headers = [memoryview(ffi.buffer(lib.ck_fring_header(self.handle, i), 4096))
@@ -262,6 +276,15 @@ class Ring:
         struct.pack_into("<I", h, PAYLOAD_SZ, body)
         lib.ck_fring_answer(self.handle, i)
         return True
+
+    def answered(self, i: int) -> None:
+        """/dev/fuse: entry i's answer was written there (or its request needs none): the
+        entry is free again."""
+        lib.ck_fring_answer(self.handle, i)
+
+    def gone(self) -> bool:
+        """/dev/fuse: the queue threads found the connection ended (unmounted, aborted)."""
+        return self.handle is not None and bool(lib.ck_fring_gone(self.handle))
 
     def counts(self) -> dict:
         err = self.error()
