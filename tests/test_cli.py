@@ -339,7 +339,8 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
              "index_snapshot_ratio": 4.0, "index_snapshot_min": "1M", "data_logs": 3,
              "stripe_size": "1M", "io_chunk": "4M",
              "read_cache": "32M", "prefetch": "16M", "readahead": "1M", "idle_flush": 0.25,
-             "refresh": 0.5, "request_spin": 10, "fast_path": False, "fuse_uring": True,
+             "refresh": 0.5, "request_spin": 10, "fast_path": False, "queue_threads": False,
+             "fuse_uring": True,
              "writeback_cache": True,
              "direct_writes": False, "direct_reads": True, "allow_other": True,
              "prometheus": "/tmp/p.prom", "ro": True, "no_populate": True, "debug": True}

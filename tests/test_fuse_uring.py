@@ -58,23 +58,31 @@ def test_requests_are_served_on_the_rings_bit_exact(mounts):
         # the queue threads
         assert st["ring_answered_in_c"] > 0
         m.stop()
-    m2 = mounts.mount(m.backing, fuse_uring=False)  # (through /dev/fuse: the same bytes)
+    # (through /dev/fuse, every request read by the daemon's loop: the same bytes)
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     assert m2.status()["transport"] == "/dev/fuse"
     check_files(files, m.mountpoint, m2.mountpoint)
     back = torch.load(path.replace(m.mountpoint, m2.mountpoint))
     assert all(torch.equal(back[k], state[k]) for k in state)
 
 
-def test_without_the_kernels_switch_requests_stay_on_dev_fuse(mounts):
+@pytest.mark.parametrize("queue_threads", [True, False])
+def test_without_the_kernels_switch_requests_stay_on_dev_fuse(mounts, queue_threads):
+    """Without the switch a --fuse-uring mount serves /dev/fuse and says why: with the queue
+    threads reading it (the default), or the daemon's loop (--no-queue-threads)."""
     with uring_switch("N"):
-        m = mounts.mount(fuse_uring=True)
+        m = mounts.mount(fuse_uring=True, queue_threads=queue_threads)
         with open(os.path.join(m.mountpoint, "f"), "wb") as f:
             f.write(b"x" * 5000)
         with open(os.path.join(m.mountpoint, "f"), "rb") as f:
             assert f.read() == b"x" * 5000
         st = m.status()
-        assert st["transport"] == "/dev/fuse"
-        assert "ring_requests" not in st
+        if queue_threads:
+            assert st["transport"] == "/dev/fuse, queue threads"
+            assert st["ring_requests"] > 0
+        else:
+            assert st["transport"] == "/dev/fuse"
+            assert "ring_requests" not in st
         log = mounts.log(m)
         assert "--fuse-uring: requests stay on /dev/fuse" in log
         assert "enable_uring is N" in log

@@ -1,4 +1,6 @@
 /* FUSE over io_uring: the queue threads of the daemon's request transport (fuse/ring.py).
+ * (Where FUSE over io_uring is not used, the same threads read /dev/fuse: "/dev/fuse" below;
+ * everything but how a request arrives and how its answer leaves is shared.)
  *
  * Compiled into ckptfs.io._uring_cffi (io/_uring_build.py): the one C module that links
  * liburing. With FUSE_OVER_IO_URING negotiated in INIT, the kernel keeps one request queue

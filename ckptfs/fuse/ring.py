@@ -1,5 +1,5 @@
-"""FUSE over io_uring (`--fuse-uring`): requests arrive on per-CPU queues, answered from the
-caller's CPU.
+"""The queue threads: requests served from their caller's CPU, on FUSE over io_uring
+(`--fuse-uring`: per-CPU queues) or on /dev/fuse (`--queue-threads`, the default).
 
 On /dev/fuse every request goes through one file: the daemon's request thread on one vCPU
 reads it, the caller on the other vCPU halts while it waits, and the reply has to wake it
@@ -35,6 +35,16 @@ FORGET, INTERRUPT, and the daemon's notifications; the fast path keeps serving i
 
 The switch is root's and machine-wide: without it (or on an older kernel) the kernel does
 not offer FUSE over io_uring in INIT, the mount serves /dev/fuse alone and logs why.
+
+On /dev/fuse (`dev`: where FUSE over io_uring is not asked for or not offered) the same
+queue threads, one per CPU (DEV_QUEUES at most), each pinned to its CPU, poll the descriptor:
+a request wakes all of them, and the one on the caller's CPU, which the caller leaves as it
+waits, reads it first, so its round trip stays on that CPU as on a ring ("What the FUSE
+transport costs", dev-percpu). A request read there sits in an entry laid out as a ring
+entry's and is served by the same code; an answer this side gives is written on /dev/fuse
+right away (answered() then frees the entry), and every request comes to this side through
+the queue threads (FORGET and INTERRUPT too: this side does not read /dev/fuse then; gone()
+says when the connection ended).
 """
 
 from __future__ import annotations
