@@ -188,34 +188,36 @@ METRICS = {
     "requests_interrupted": ("requests_interrupted_total", "counter",
                              "Requests answered early because their caller was being killed"),
     "ring_queues": ("ring_queues", "gauge",
-                    "FUSE io_uring queues, one per CPU (--fuse-uring; absent on /dev/fuse)"),
-    "ring_depth": ("ring_queue_entries", "gauge", "Entries of each FUSE io_uring queue"),
+                    "Queue threads, one per CPU (on /dev/fuse 8 at most; absent with "
+                    "--no-queue-threads)"),
+    "ring_depth": ("ring_queue_entries", "gauge", "Entries of each queue thread"),
     "ring_queues_pinned": ("ring_queues_pinned", "gauge",
-                           "FUSE io_uring queue threads running on their own CPU"),
+                           "Queue threads running on their own CPU"),
     "ring_requests": ("ring_requests_total", "counter",
-                      "Requests that came on the FUSE io_uring queues"),
+                      "Requests the queue threads took"),
     "ring_answered_in_c": ("ring_answered_in_c_total", "counter",
-                           "Requests the io_uring queue threads answered themselves"),
+                           "Requests the queue threads answered themselves"),
     "ring_attrs_answered_in_c": ("ring_attrs_answered_in_c_total", "counter",
-                                 "GETATTRs of directories the io_uring queue threads answered "
+                                 "GETATTRs of directories the queue threads answered "
                                  "from their cache"),
     "ring_absent_answered_in_c": ("ring_absent_answered_in_c_total", "counter",
-                                  "LOOKUPs of absent names the io_uring queue threads answered "
+                                  "LOOKUPs of absent names the queue threads answered "
                                   "from their name filters"),
     "ring_creates_answered_in_c": ("ring_creates_answered_in_c_total", "counter",
-                                   "CREATEs the io_uring queue threads answered (the daemon makes "
+                                   "CREATEs the queue threads answered (the daemon makes "
                                    "the files after)"),
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
-                              "Files the io_uring queue threads created that the daemon could "
+                              "Files the queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),
     "ring_name_filters_built": ("ring_name_filters_built_total", "counter",
-                                "Directories whose names the daemon left with the io_uring "
-                                "queue threads (again after a look at other writers merged "
-                                "into them)"),
+                                "Directories whose names the daemon left with the queue "
+                                "threads (again after a look at other writers merged into "
+                                "them)"),
     "ring_writable_handles": ("ring_writable_handles", "gauge",
-                              "Handles whose WRITEs the io_uring queue threads answer"),
+                              "Handles whose WRITEs the queue threads answer"),
     "ring_entries_lost": ("ring_entries_lost_total", "counter",
-                          "FUSE io_uring queue entries whose command the kernel refused"),
+                          "Queue entries whose command the kernel refused (FUSE over "
+                          "io_uring)"),
     "data_logs": ("data_logs", "gauge", "Data logs of this writer"),
     "live_bytes": ("data_log_live_bytes", "gauge", "Data log bytes that files still use"),
     "dead_bytes": ("data_log_dead_bytes", "gauge",

@@ -1,11 +1,14 @@
 """FUSE over io_uring (--fuse-uring, fuse/ring.py): requests on the kernel's per-CPU queues,
 served by the fast path's handlers, answered through the queue threads' ring entries; the same
 bytes as through /dev/fuse; a clear fallback where the kernel does not offer it; a clear error
-for an option it cannot work with. (The data-path tests run on it as a whole with
+for an option it cannot work with. What the queue threads answer themselves (directory
+attributes, absent names, creates) is tested on both their transports, the rings and
+/dev/fuse (test_queue_threads.py: the rest of the /dev/fuse one). (The data-path tests run on it as a whole with
 CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -109,13 +112,23 @@ def drop_dentries() -> None:
         pytest.skip("dropping the kernel's dentries needs root")
 
 
-def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts):
+def on(transport: str):
+    """The queue threads' transport for a test: FUSE over io_uring (the kernel's switch on for
+    it) or /dev/fuse (the default)."""
+    if transport == "uring":
+        return uring_switch("Y"), {"fuse_uring": True}
+    return contextlib.nullcontext(), {"fuse_uring": False}
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts, transport):
     """LOOKUP of a name that is not there is answered by the queue threads from the names of
     the directory the Python side left with them (a new file's open asks for its name first);
     every way a name comes into the directory reaches them before it is answered, so a name
     that exists is never answered absent."""
-    with uring_switch("Y"):
-        m = mounts.mount(fuse_uring=True, refresh=30)  # (no look at other writers falls due)
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(refresh=30, **opts)  # (no look at other writers falls due)
         root = m.mountpoint
         d = os.path.join(root, "d")
         os.mkdir(d)
@@ -153,7 +166,8 @@ def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts):
         m.stop()
 
 
-def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts, transport):
     """CREATE answered by the queue threads: the file has the mode (umask applied), owner and
     group (a set-group-ID directory's) a CREATE served by the Python side gives, its directory
     takes the change at once, and the files, their numbers and times are in the tree (the
@@ -165,8 +179,9 @@ def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
         st = os.fstat(fd)
         return [getattr(st, k) for k in key]
 
-    with uring_switch("Y"):
-        m = mounts.mount(fuse_uring=True, refresh=30)
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(refresh=30, **opts)
         d = os.path.join(m.mountpoint, "d")
         os.mkdir(d)
         os.chown(d, -1, 1234)
@@ -207,7 +222,7 @@ def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
         dst = os.stat(d)
         m.sync()
         m.stop()
-    m2 = mounts.mount(m.backing, fuse_uring=False)
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     d2 = os.path.join(m2.mountpoint, "d")
     again = {n: [getattr(os.stat(os.path.join(d2, n)), k) for k in key] for n in seen}
     # (the ctime of a file written to is its last write's)
@@ -220,13 +235,15 @@ def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts):
             assert f.read() == bytes([i]) * (100 + i)
 
 
-def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_many_files_created_on_the_rings_leave_nothing_open(mounts, transport):
     """More files created, written and closed on the rings than the queue threads' writable
     set holds: every one is made, written (its WRITEs answered by the queue threads to the
     end) and let go (no handle left open, none left writable), and reads back the same."""
     n = 2500  # (the writable set holds 2048 handles)
-    with uring_switch("Y"):
-        m = mounts.mount(fuse_uring=True, refresh=30)
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(refresh=30, **opts)
         d = os.path.join(m.mountpoint, "d")
         os.mkdir(d)
         for i in range(n):
@@ -244,7 +261,7 @@ def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
                 f.write(b"x" * 1000)
         assert m.status()["ring_answered_in_c"] - last >= 100 * 6
         m.stop()
-    m2 = mounts.mount(m.backing, fuse_uring=False)
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     d2 = os.path.join(m2.mountpoint, "d")
     assert len(os.listdir(d2)) == n + 100
     for i in range(0, n, 7):
@@ -252,20 +269,22 @@ def test_many_files_created_on_the_rings_leave_nothing_open(mounts):
             assert f.read() == i.to_bytes(4, "little") * 100
 
 
-def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts, transport):
     """A name another writer made durable is found within --refresh, also when the queue
     threads answered the lookups of it absent before: they answer only while no look at the
     other writers is due. (In the root, whose entry the kernel never asks for again, while the
     mount is idle: no other request makes a look.)"""
-    with uring_switch("Y"):
+    switch, opts = on(transport)
+    with switch:
         backing = mounts.backing()
-        a = mounts.mount(backing, writer_id="w0", refresh=1.0, fuse_uring=True)
+        a = mounts.mount(backing, writer_id="w0", refresh=1.0, **opts)
         for i in range(50):
             open(os.path.join(a.mountpoint, f"f{i}"), "wb").close()
         assert a.status()["ring_absent_answered_in_c"] >= 40
         a.sync()
         time.sleep(2.5)  # (a's background look stops: nothing open, nobody asked)
-        b = mounts.mount(backing, writer_id="w1", fuse_uring=False)
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False)
         with open(os.path.join(b.mountpoint, "x"), "wb") as f:
             f.write(b"from b")
         b.sync()
@@ -281,16 +300,19 @@ def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts):
         assert os.path.exists(os.path.join(a.mountpoint, "x"))
 
 
-def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(mounts):
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(mounts,
+                                                                                 transport):
     """A look that brings other writers' changes drops the names the queue threads hold only
     of directories another writer's directory is merged into (the others' names change only
     by this writer's records): they are built again there, not in this writer's own ones.
     A directory that a look merges into loses them, so a name another writer made there is
     found, also right after a lookup answered from the names of the other directories."""
-    with uring_switch("Y"):
+    switch, opts = on(transport)
+    with switch:
         backing = mounts.backing()
-        a = mounts.mount(backing, writer_id="w0", refresh=0.3, fuse_uring=True)
-        b = mounts.mount(backing, writer_id="w1", fuse_uring=False)
+        a = mounts.mount(backing, writer_id="w0", refresh=0.3, **opts)
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False)
         am, bm = a.mountpoint, b.mountpoint
         os.mkdir(os.path.join(bm, "shared"))
         b.sync()
@@ -347,12 +369,14 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
         assert a.status()["ring_creates_not_made"] == 0
 
 
-def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts, transport):
     """GETATTR of a directory is answered by the queue threads from what the Python side left
     with them (after a CREATE in it, after a GETATTR it answered); every change of a directory
     takes them back, so stat() of a directory shows each change, as through /dev/fuse."""
-    with uring_switch("Y"):
-        m = mounts.mount(fuse_uring=True)
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(**opts)
         d = os.path.join(m.mountpoint, "d")
         os.mkdir(d)
         times = []
@@ -390,7 +414,7 @@ def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts):
         want = {n: os.stat(os.path.join(d, n)).st_size for n in os.listdir(d)}
         dst = os.stat(d)
         m.stop()
-    m2 = mounts.mount(m.backing, fuse_uring=False)
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     d2 = os.path.join(m2.mountpoint, "d")
     assert {n: os.stat(os.path.join(d2, n)).st_size for n in os.listdir(d2)} == want
     assert (os.stat(d2).st_mtime_ns, os.stat(d2).st_nlink) == (dst.st_mtime_ns, dst.st_nlink)

@@ -253,12 +253,13 @@ class FastPath(RequestWait):
         self.closed = True
         self.interrupts.stop()  # (the fd goes)
         self.run_releases()
-        self.stop_ring()
+        stopped = self.stop_ring()
         if self.epoll is not None:
             self.epoll.close()
         os.set_blocking(self.fd, True)
         os.dup2(self.fd, self.lib_fd, inheritable=False)
-        os.close(self.fd)
+        if stopped:  # (else a queue thread that still runs may read or write it)
+            os.close(self.fd)
         self.sock.close()
 
     def counts(self) -> dict:
@@ -792,6 +793,8 @@ class FastPath(RequestWait):
         ring.flush_fails(flusher.error is not None)
         self.transport = "/dev/fuse, queue threads" if dev else "io_uring"
         ring.sleep(self.busy)  # (a task may already sleep in the slow path)
+        if dev:
+            ring.go()  # (set up: they may read /dev/fuse now)
         log.info("%s: %d queues of %d entries (%d KiB each), %d of them served from their own "
                  "CPU", "queue threads on /dev/fuse" if dev else "FUSE over io_uring",
                  ring.nqueues, ring.depth, payload >> 10, ring.counts()["ring_queues_pinned"])
@@ -832,9 +835,10 @@ class FastPath(RequestWait):
                 if answered:  # (a handle said to take writes that does not: a defect)
                     log.error("a WRITE answered by its queue thread cannot be recorded "
                               "(handle %d, pid %d): %s", fh, pid, exc)
-                elif not isinstance(exc, pyfuse3.FUSEError):
-                    log.exception("internal error in write (pid %d)", pid)
-                self.ring_landed[i] = (0, err)
+                else:  # (an answered one's entry is another request's by now)
+                    if not isinstance(exc, pyfuse3.FUSEError):
+                        log.exception("internal error in write (pid %d)", pid)
+                    self.ring_landed[i] = (0, err)
                 record = _dead
             if k1:
                 staging.landed(k1, record)
@@ -907,10 +911,11 @@ class FastPath(RequestWait):
         self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
         self.settle_ring()  # (the files they created are in the tree before others' names)
 
-    def stop_ring(self) -> None:
+    def stop_ring(self) -> bool:
+        """Stop the queue threads; False if some did not stop."""
         ring, self.ring = self.ring, None
         if ring is None:
-            return
+            return True
         self.staging.claim_hook = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
@@ -920,6 +925,8 @@ class FastPath(RequestWait):
             ring.stop()
         except OSError as exc:
             log.error("queue threads: %s", exc.strerror)
+            return False
+        return True
 
     # ------------------------------------------------------------ libfuse's side
     @staticmethod

@@ -75,6 +75,7 @@
 #define FR_REGISTER 1
 #define FR_COMMIT_AND_FETCH 2
 #define FR_OP_LOOKUP 1
+#define FR_OP_FORGET 2
 #define FR_OP_GETATTR 3
 #define FR_OP_RELEASE 18
 #define FR_OP_FLUSH 25
@@ -82,6 +83,8 @@
 #define FR_OP_WRITE 16
 #define FR_OP_RELEASEDIR 29
 #define FR_OP_CREATE 35
+#define FR_OP_INTERRUPT 36
+#define FR_OP_BATCH_FORGET 42
 #define FR_O_ACCMODE 3
 #define FR_O_RDONLY 0
 #define FR_O_WRONLY 1
@@ -168,6 +171,7 @@ struct fr_slot {
 struct fr_queue {
     struct ck_fring *f;
     int qid;
+    int cpu;  /* the CPU it is pinned to (its queue's, with FUSE over io_uring) */
     pthread_t thread;
     int started, pinned;
     struct io_uring ring;
@@ -196,7 +200,7 @@ struct ck_fring {
     /* the FIFO of slots handed to the Python side */
     pthread_mutex_t lock;
     int *fifo;
-    unsigned head, tail;  /* (under lock) */
+    unsigned head, tail;  /* below nqueues * depth + 1: full is not empty (under lock) */
     _Atomic int pending;
     int wake_fd;  /* the Python side's eventfd */
     /* the landing zone and the landed list (under lock) */
@@ -229,6 +233,7 @@ struct ck_fring {
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
     _Atomic int gone;  /* /dev/fuse: the connection ended (unmounted or aborted) */
+    _Atomic int go;  /* /dev/fuse: the threads may read it (ck_fring_go) */
     _Atomic int flush_fails;  /* the flusher has an error: FLUSH goes to the Python side */
     _Atomic int registered;  /* queues whose entries are registered */
     _Atomic int failed;      /* queues that could not register */
@@ -565,7 +570,7 @@ static int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
 {
     struct fr_slot *s = &f->slots[idx];
-    unsigned cap = (unsigned)(f->nqueues * f->depth);
+    unsigned cells = (unsigned)(f->nqueues * f->depth) + 1;
     int answered = 0;
     s->landed[0] = s->landed[1] = 0;
     pthread_mutex_lock(&f->lock);
@@ -593,8 +598,10 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
             atomic_fetch_add(&f->landed_count, 1);
         }
     }
-    if (!answered)
-        f->fifo[f->tail++ % cap] = idx;
+    if (!answered) {
+        f->fifo[f->tail] = idx;
+        f->tail = (f->tail + 1) % cells;
+    }
     pthread_mutex_unlock(&f->lock);
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
@@ -654,6 +661,8 @@ static int fr_dispatch(struct fr_queue *q, int idx)
     atomic_fetch_add(&q->served, 1);
     atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
     s->waited = !(h->opcode == FR_OP_RELEASE || h->opcode == FR_OP_RELEASEDIR
+                  || h->opcode == FR_OP_FORGET || h->opcode == FR_OP_BATCH_FORGET
+                  || h->opcode == FR_OP_INTERRUPT
                   || (h->opcode == FR_OP_WRITE && (*write_flags & FR_WRITE_CACHE)));
     int here = 0;
     char attr[ATTR_OUT_SIZE];
@@ -742,7 +751,7 @@ static void fr_pin(struct fr_queue *q)
 {
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(q->qid, &set);
+    CPU_SET(q->cpu, &set);
     /* (a CPU this process may not use: served from wherever the scheduler runs the thread) */
     q->pinned = pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
 }
@@ -885,6 +894,21 @@ static int fr_dev_reply(struct ck_fring *f, struct fr_slot *s)
     return 0;
 }
 
+/* A request this thread cannot serve (a defect: nothing the kernel sends) is answered EIO. */
+static void fr_dev_refuse(struct ck_fring *f, int idx)
+{
+    struct fr_slot *s = &f->slots[idx];
+    fr_answer(s, -EIO, NULL, 0);
+    fr_dev_reply(f, s);
+}
+
+/* Note an error (the first one stays: ck_fring_error); the thread goes on. */
+static void fr_dev_error(struct ck_fring *f, int err)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&f->error, &zero, err);
+}
+
 static void *fr_serve_dev(void *arg)
 {
     struct fr_queue *q = arg;
@@ -892,15 +916,36 @@ static void *fr_serve_dev(void *arg)
     fr_pin(q);
     atomic_fetch_add(&f->registered, 1);
     struct pollfd p[2] = { { f->fuse_fd, POLLIN, 0 }, { q->efd, POLLIN, 0 } };
-    int err = 0;
+    /* (nothing is read before the Python side said go: until then a failed start loses
+     * nothing, and it sets what answers depend on, e.g. flush_fails, first) */
+    while (!atomic_load(&f->go) && !atomic_load(&f->stop)) {
+        struct pollfd e = { q->efd, POLLIN, 0 };
+        if (poll(&e, 1, -1) > 0) {
+            uint64_t v;
+            if (read(q->efd, &v, sizeof v) < 0) {}
+        }
+    }
+    int gone = 0;
+    /* Only the end of the connection or ck_fring_stop ends the loop: were the threads to stop
+     * on an error, nobody would read /dev/fuse any more (the Python side does not). */
     while (!atomic_load(&f->stop)) {
         fr_commit_answers(q);  /* (the slots the Python side answered are free again) */
         int idx = fr_dev_free_slot(q);
         if (idx >= 0) {
             int r = fr_dev_read(f, idx);
-            if (r < 0) {
-                err = -r;
+            if (r == -ENODEV) {
+                gone = 1;
                 break;
+            }
+            if (r == -EPROTO) {
+                fr_dev_error(f, EPROTO);
+                fr_dev_refuse(f, idx);
+                continue;
+            }
+            if (r < 0) {
+                fr_dev_error(f, -r);
+                usleep(1000);  /* (not in a loop as fast as the error comes) */
+                continue;
             }
             if (r > 0) {
                 if (fr_dispatch(q, idx)) {
@@ -908,14 +953,17 @@ static void *fr_serve_dev(void *arg)
                     atomic_fetch_add(&q->answered_here, 1);
                     r = fr_dev_reply(f, s);
                     atomic_store(&s->state, AT_KERNEL);
-                    if (r < 0) {
-                        err = -r;
+                    if (r == -ENODEV) {
+                        gone = 1;
                         break;
                     }
+                    if (r < 0)
+                        fr_dev_error(f, -r);
                 }
                 continue;
             }
         }
+        p[0].fd = idx >= 0 ? f->fuse_fd : -1;  /* (no free slot: wait for an answer only) */
         if (q->waited_with_python > 0 && f->spin_s > 0) {
             /* A caller on this CPU waits for the Python side's answer: poll, so that this
              * CPU does not halt (the answer's wake-up is then cheap), and take the next
@@ -937,29 +985,26 @@ static void *fr_serve_dev(void *arg)
             atomic_store(&q->sleeping, 0);
             continue;
         }
-        p[0].fd = idx >= 0 ? f->fuse_fd : -1;  /* (no free slot: wait for an answer only) */
         int k = poll(p, 2, -1);
         atomic_store(&q->sleeping, 0);
-        if (k < 0 && errno != EINTR) {
-            err = errno;
-            break;
+        if (k < 0) {
+            if (errno != EINTR) {
+                fr_dev_error(f, errno);
+                usleep(1000);
+            }
+            continue;
         }
         if (p[1].revents & POLLIN) {
             uint64_t v;
             if (read(q->efd, &v, sizeof v) < 0) {}
         }
         if (p[0].revents & (POLLERR | POLLHUP | POLLNVAL)) {
-            err = ENODEV;
+            gone = 1;
             break;
         }
     }
-    if (err == ENODEV) {
+    if (gone) {  /* (the Python side learns it even while it sleeps) */
         atomic_store(&f->gone, 1);
-    } else if (err) {
-        int zero = 0;
-        atomic_compare_exchange_strong(&f->error, &zero, err);
-    }
-    if (err) {  /* (the Python side learns it even while it sleeps) */
         uint64_t one = 1;
         if (write(f->wake_fd, &one, sizeof one) < 0) {}
     }
@@ -975,10 +1020,13 @@ static void fr_wake(struct fr_queue *q)
 void ck_fring_free(struct ck_fring *f);
 
 /* Start nqueues queue threads with depth entries each; the Python side's eventfd is wake_fd.
- * Waits until every queue has registered its entries (or one failed: NULL, *err set). */
+ * cpus NULL: on FUSE over io_uring, queue i on CPU i; waits until every queue has registered
+ * its entries (or one failed: NULL, *err set). Else on /dev/fuse, thread i pinned to cpus[i];
+ * they read nothing before ck_fring_go. */
 struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
-                                int wake_fd, double spin_s, int dev, int *err)
+                                int wake_fd, double spin_s, const int *cpus, int *err)
 {
+    int dev = cpus != NULL;
     struct ck_fring *f = calloc(1, sizeof *f);
     *err = ENOMEM;
     if (!f)
@@ -996,7 +1044,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     int n = nqueues * depth;
     f->slots = calloc(n, sizeof *f->slots);
     f->queues = calloc(nqueues, sizeof *f->queues);
-    f->fifo = calloc(n, sizeof *f->fifo);
+    f->fifo = calloc(n + 1, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
@@ -1019,6 +1067,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
         struct fr_queue *q = &f->queues[i];
         q->f = f;
         q->qid = i;
+        q->cpu = dev ? cpus[i] : i;
         q->first_slot = i * depth;
         q->efd = eventfd(0, EFD_CLOEXEC);
         if (q->efd < 0) {
@@ -1067,9 +1116,11 @@ int ck_fring_take(struct ck_fring *f, int *ids, int max)
         return 0;
     int n = 0;
     pthread_mutex_lock(&f->lock);
-    unsigned cap = (unsigned)(f->nqueues * f->depth);
-    while (n < max && f->head != f->tail)
-        ids[n++] = f->fifo[f->head++ % cap];
+    unsigned cells = (unsigned)(f->nqueues * f->depth) + 1;
+    while (n < max && f->head != f->tail) {
+        ids[n++] = f->fifo[f->head];
+        f->head = (f->head + 1) % cells;
+    }
     pthread_mutex_unlock(&f->lock);
     atomic_fetch_sub(&f->pending, n);
     return n;
@@ -1247,6 +1298,14 @@ void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
 void *ck_fring_payload(struct ck_fring *f, int id) { return f->slots[id].payload; }
 int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
 int ck_fring_gone(struct ck_fring *f) { return atomic_load(&f->gone); }
+
+/* /dev/fuse: the threads start reading it (the Python side has set them up). */
+void ck_fring_go(struct ck_fring *f)
+{
+    atomic_store(&f->go, 1);
+    for (int i = 0; i < f->nqueues; i++)
+        fr_wake(&f->queues[i]);
+}
 
 /* GETATTR of directory nodeid is answered here with `out` (a struct fuse_attr_out of len
  * bytes) until the next ck_fring_attr_clear. Returns 0, or -EINVAL for a wrong length. */

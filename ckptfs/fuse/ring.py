@@ -79,8 +79,9 @@ QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c
 RESERVE = 256
 # Directories whose names the queue threads hold at most (ring.c's NAME_DIRS).
 NAME_DIRS = 32
-# Queue threads on /dev/fuse at most (on CPUs 0 .. DEV_QUEUES - 1): every request wakes each
-# of them (a thread in poll(2)), so many would cost every request a wake-up per CPU.
+# Queue threads on /dev/fuse at most (on the first DEV_QUEUES CPUs this process may use):
+# every request wakes each of them (a thread in poll(2)), so many would cost every request a
+# wake-up per CPU.
 DEV_QUEUES = 8
 
 
@@ -128,13 +129,15 @@ class Ring:
 
     def __init__(self, fuse_fd: int, payload: int, spin_s: float, dev: bool = False) -> None:
         self.dev = dev  # the requests are read from /dev/fuse (ring.c, "/dev/fuse")
-        self.nqueues = min(queues(), DEV_QUEUES) if dev else queues()
+        cpus = sorted(os.sched_getaffinity(0))[:DEV_QUEUES] if dev else None
+        self.nqueues = len(cpus) if dev else queues()
         self.depth = max(1, min(QUEUE_DEPTH, RING_MEMORY // (self.nqueues * payload)))
         self.payload = payload
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         err = ffi.new("int *")
         self.handle = lib.ck_fring_start(fuse_fd, self.nqueues, self.depth, payload,
-                                         self.wake_fd, spin_s, 1 if dev else 0, err)
+                                         self.wake_fd, spin_s,
+                                         ffi.new("int[]", cpus) if dev else ffi.NULL, err)
         if self.handle == ffi.NULL:
             os.close(self.wake_fd)
             raise RingError(err[0], ("cannot start the queue threads: " if dev else
@@ -287,6 +290,10 @@ class Ring:
         lib.ck_fring_answer(self.handle, i)
         return True
 
+    def go(self) -> None:
+        """/dev/fuse: the queue threads start reading it (set up: flush_fails and the rest)."""
+        lib.ck_fring_go(self.handle)
+
     def answered(self, i: int) -> None:
         """/dev/fuse: entry i's answer was written there (or its request needs none): the
         entry is free again."""
@@ -377,6 +384,6 @@ class Ring:
         self.zone = None
         stuck = lib.ck_fring_stop(self.handle)
         self.handle = None
-        os.close(self.wake_fd)
-        if stuck:
+        if stuck:  # (the eventfd stays open: a thread that still runs may write it)
             raise RingError(errno.EBUSY, f"{stuck} FUSE queue threads did not stop")
+        os.close(self.wake_fd)

@@ -64,7 +64,7 @@ struct ck_fring_landed {
     uint64_t fh, off;
 };
 struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
-                                int wake_fd, double spin_s, int dev, int *err);
+                                int wake_fd, double spin_s, const int *cpus, int *err);
 int ck_fring_take(struct ck_fring *f, int *ids, int max);
 int ck_fring_pending(struct ck_fring *f);
 int ck_fring_landed(struct ck_fring *f);
@@ -94,6 +94,7 @@ void *ck_fring_header(struct ck_fring *f, int id);
 void *ck_fring_payload(struct ck_fring *f, int id);
 int ck_fring_error(struct ck_fring *f);
 int ck_fring_gone(struct ck_fring *f);
+void ck_fring_go(struct ck_fring *f);
 void ck_fring_flush_fails(struct ck_fring *f, int on);
 int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint32_t len);
 void ck_fring_attr_clear(struct ck_fring *f);
@@ -336,9 +337,9 @@ int ck_ring_unregister_buffers(struct ck_ring *r) { (void)r; return -ENOSYS; }
 unsigned int ck_ring_sq_space(struct ck_ring *r) { (void)r; return 0; }
 
 struct ck_fring { int unused; };
-struct ck_fring *ck_fring_start(int fd, int nq, int d, uint32_t p, int w, double s, int dev,
-                                int *err)
-{ (void)fd; (void)nq; (void)d; (void)p; (void)w; (void)s; (void)dev; *err = ENOSYS; return NULL; }
+struct ck_fring *ck_fring_start(int fd, int nq, int d, uint32_t p, int w, double s,
+                                const int *cpus, int *err)
+{ (void)fd; (void)nq; (void)d; (void)p; (void)w; (void)s; (void)cpus; *err = ENOSYS; return NULL; }
 int ck_fring_take(struct ck_fring *f, int *i, int m) { (void)f; (void)i; (void)m; return 0; }
 int ck_fring_pending(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_landed(struct ck_fring *f) { (void)f; return 0; }
@@ -372,6 +373,7 @@ void *ck_fring_header(struct ck_fring *f, int id) { (void)f; (void)id; return NU
 void *ck_fring_payload(struct ck_fring *f, int id) { (void)f; (void)id; return NULL; }
 int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
 int ck_fring_gone(struct ck_fring *f) { (void)f; return 0; }
+void ck_fring_go(struct ck_fring *f) { (void)f; }
 void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
 int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
 { (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
