@@ -835,7 +835,10 @@ static void *fr_serve(void *arg)
  * a thread per CPU, pinned to it, each polling the (non-blocking) descriptor. A request
  * wakes every poller; the one on the caller's CPU, which the caller leaves as it waits, is
  * the first to read it, so the round trip stays on that CPU as on a ring ("What the FUSE
- * transport costs", dev-percpu). A request is read into a free slot laid out as a ring
+ * transport costs", dev-percpu). Not always: a thread on a CPU that was awake (the Python
+ * side's) may take it, and its answer must then wake the caller's CPU; so a thread woken for
+ * a request another one took polls for up to spin_s, and that CPU does not halt meanwhile.
+ * A request is read into a free slot laid out as a ring
  * entry's (the op's fixed part in op_in, the rest in the payload buffer), served by the same
  * code, and its answer written on /dev/fuse: by the queue thread for what it answers, by the
  * Python side (ck_fring_answer after it wrote) for what it was handed. */
@@ -925,7 +928,7 @@ static void *fr_serve_dev(void *arg)
             if (read(q->efd, &v, sizeof v) < 0) {}
         }
     }
-    int gone = 0;
+    int gone = 0, woken = 0, lost = 0;
     /* Only the end of the connection or ck_fring_stop ends the loop: were the threads to stop
      * on an error, nobody would read /dev/fuse any more (the Python side does not). */
     while (!atomic_load(&f->stop)) {
@@ -933,6 +936,11 @@ static void *fr_serve_dev(void *arg)
         int idx = fr_dev_free_slot(q);
         if (idx >= 0) {
             int r = fr_dev_read(f, idx);
+            /* (woken for a request another thread took: most likely this CPU's caller's,
+             * served from a CPU that was awake, the Python side's; its answer then wakes the
+             * caller here, cheaply if this CPU did not halt meanwhile) */
+            lost = woken && r == 0;
+            woken = 0;
             if (r == -ENODEV) {
                 gone = 1;
                 break;
@@ -964,10 +972,11 @@ static void *fr_serve_dev(void *arg)
             }
         }
         p[0].fd = idx >= 0 ? f->fuse_fd : -1;  /* (no free slot: wait for an answer only) */
-        if (q->waited_with_python > 0 && f->spin_s > 0) {
-            /* A caller on this CPU waits for the Python side's answer: poll, so that this
-             * CPU does not halt (the answer's wake-up is then cheap), and take the next
-             * request at once. */
+        if ((q->waited_with_python > 0 || lost) && f->spin_s > 0) {
+            lost = 0;
+            /* A caller on this CPU waits for the Python side's answer (or, likely, another
+             * queue thread's): poll, so that this CPU does not halt (the answer's wake-up is
+             * then cheap), and take the next request at once. */
             double end = fr_now() + f->spin_s;
             int found = 0;
             while (!atomic_load(&f->stop) && fr_now() < end) {
@@ -1002,6 +1011,7 @@ static void *fr_serve_dev(void *arg)
             gone = 1;
             break;
         }
+        woken = (p[0].revents & POLLIN) != 0;
     }
     if (gone) {  /* (the Python side learns it even while it sleeps) */
         atomic_store(&f->gone, 1);
