@@ -3,8 +3,8 @@ served by the fast path's handlers, answered through the queue threads' ring ent
 bytes as through /dev/fuse; a clear fallback where the kernel does not offer it; a clear error
 for an option it cannot work with. What the queue threads answer themselves (directory
 attributes, absent names, creates) is tested on both their transports, the rings and
-/dev/fuse (test_queue_threads.py: the rest of the /dev/fuse one). (The data-path tests run on it as a whole with
-CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
+/dev/fuse (test_queue_threads.py: the rest of the /dev/fuse one). (The data-path tests run
+on the rings as a whole with CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
 
 from __future__ import annotations
 
@@ -92,14 +92,15 @@ def test_without_the_kernels_switch_requests_stay_on_dev_fuse(mounts, queue_thre
         m.stop()
 
 
-def test_fuse_uring_without_the_fast_path_is_refused(tmp_path):
+@pytest.mark.parametrize("flag", ["--fuse-uring", "--queue-threads"])
+def test_queue_threads_without_the_fast_path_are_refused(tmp_path, flag):
     os.makedirs(tmp_path / "b")
     os.makedirs(tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "mount", "--fuse-uring",
+    proc = subprocess.run([sys.executable, "-m", "ckptfs", "mount", flag,
                            "--no-fast-path", "--foreground", str(tmp_path / "b"),
                            str(tmp_path / "m")], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "--fuse-uring needs the fast path" in proc.stderr
+    assert f"{flag} needs the fast path" in proc.stderr
     assert not os.listdir(tmp_path / "b")  # (nothing written)
 
 

@@ -1,7 +1,8 @@
 """The queue threads on /dev/fuse (--queue-threads, the default with the fast path;
 fuse/ring.c, "/dev/fuse"): a C thread per CPU reads the requests and serves a small file's
 save and the WRITEs itself, handing the rest to the daemon, which answers on /dev/fuse; the
-same bytes as the daemon's own loop (--no-queue-threads); requests that get no answer
+same bytes as the daemon's own loop (--no-queue-threads; --no-fast-path with them is refused:
+test_fuse_uring.py); requests that get no answer
 (FORGET, INTERRUPT) do not use up their entries; an unmount from outside ends the daemon
 with everything durable. (The whole suite runs on them: they are the default.)"""
 
@@ -55,17 +56,6 @@ def test_a_save_is_served_by_the_queue_threads_bit_exact(mounts):
     check_files(files, m.mountpoint, m2.mountpoint)
     for k, v in state.items():
         assert torch.equal(torch.load(os.path.join(m2.mountpoint, "step", f"{k}.pt")), v)
-
-
-def test_queue_threads_need_the_fast_path(tmp_path):
-    os.makedirs(tmp_path / "b")
-    os.makedirs(tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "mount", "--queue-threads",
-                           "--no-fast-path", "--foreground", str(tmp_path / "b"),
-                           str(tmp_path / "m")], capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
-    assert "--queue-threads needs the fast path" in proc.stderr
-    assert not api.is_mounted(str(tmp_path / "m"))
 
 
 def test_requests_without_an_answer_do_not_use_up_the_entries(mounts):

@@ -747,6 +747,46 @@ static int fr_reap(struct fr_queue *q)
     return n;
 }
 
+/* Poll for up to spin_s, yielding the CPU, until the Python side answered something or
+ * `ready` says a request came: 1 if one of them did. */
+static int fr_spin(struct fr_queue *q, int (*ready)(struct fr_queue *, void *), void *arg)
+{
+    struct ck_fring *f = q->f;
+    double end = fr_now() + f->spin_s;
+    while (!atomic_load(&f->stop) && fr_now() < end) {
+        if (atomic_load(&q->answered) || ready(q, arg))
+            return 1;
+        sched_yield();
+    }
+    return 0;
+}
+
+/* About to sleep: 0 when an answer or the stop came meanwhile (then it must not). */
+static int fr_may_sleep(struct fr_queue *q)
+{
+    atomic_store(&q->sleeping, 1);
+    if (atomic_load(&q->answered) || atomic_load(&q->f->stop)) {
+        atomic_store(&q->sleeping, 0);
+        return 0;
+    }
+    return 1;
+}
+
+static int fr_cqe_ready(struct fr_queue *q, void *arg)
+{
+    (void)arg;
+    struct io_uring_cqe *cqe;
+    return io_uring_peek_cqe(&q->ring, &cqe) == 0;
+}
+
+/* (arg: the pollfd of /dev/fuse, fd -1 while no slot is free) */
+static int fr_dev_ready(struct fr_queue *q, void *arg)
+{
+    (void)q;
+    struct pollfd *p = arg;
+    return p->fd >= 0 && poll(p, 1, 0) > 0;
+}
+
 static void fr_pin(struct fr_queue *q)
 {
     cpu_set_t set;
@@ -801,24 +841,11 @@ static void *fr_serve(void *arg)
             /* A caller on this CPU waits for the Python side's answer: poll for it, so that
              * this CPU does not halt and the answer does not pay a wake-up. */
             io_uring_submit(&q->ring);
-            double end = fr_now() + f->spin_s;
-            struct io_uring_cqe *cqe;
-            int found = 0;
-            while (!atomic_load(&f->stop) && fr_now() < end) {
-                if (atomic_load(&q->answered) || io_uring_peek_cqe(&q->ring, &cqe) == 0) {
-                    found = 1;
-                    break;
-                }
-                sched_yield();
-            }
-            if (found)
+            if (fr_spin(q, fr_cqe_ready, NULL))
                 continue;
         }
-        atomic_store(&q->sleeping, 1);
-        if (atomic_load(&q->answered) || atomic_load(&f->stop)) {
-            atomic_store(&q->sleeping, 0);
+        if (!fr_may_sleep(q))
             continue;
-        }
         int k = io_uring_submit_and_wait(&q->ring, 1);
         atomic_store(&q->sleeping, 0);
         if (k < 0 && k != -EINTR && k != -EAGAIN && k != -EBUSY) {
@@ -977,23 +1004,11 @@ static void *fr_serve_dev(void *arg)
             /* A caller on this CPU waits for the Python side's answer (or, likely, another
              * queue thread's): poll, so that this CPU does not halt (the answer's wake-up is
              * then cheap), and take the next request at once. */
-            double end = fr_now() + f->spin_s;
-            int found = 0;
-            while (!atomic_load(&f->stop) && fr_now() < end) {
-                if (atomic_load(&q->answered) || (idx >= 0 && poll(p, 1, 0) > 0)) {
-                    found = 1;
-                    break;
-                }
-                sched_yield();
-            }
-            if (found)
+            if (fr_spin(q, fr_dev_ready, p))
                 continue;
         }
-        atomic_store(&q->sleeping, 1);
-        if (atomic_load(&q->answered) || atomic_load(&f->stop)) {
-            atomic_store(&q->sleeping, 0);
+        if (!fr_may_sleep(q))
             continue;
-        }
         int k = poll(p, 2, -1);
         atomic_store(&q->sleeping, 0);
         if (k < 0) {
