@@ -37,6 +37,12 @@ a buffer is free, as pyfuse3's path would (that buffer then stays with the waiti
 the next read gets a new one). libfuse's `debug` output does not
 show the requests answered here.
 
+Once INIT is answered the queue threads (fuse/ring.py, ring.c) take over the reading: C
+threads, one per CPU, on /dev/fuse (the default) or on FUSE's io_uring queues
+(`--fuse-uring`). They answer a small file's requests and land WRITE payloads themselves and
+hand every other request to this loop (`serve_ring`), which serves it with the handlers above;
+on /dev/fuse it then reads nothing itself. `--no-queue-threads` leaves the reading here.
+
 `--no-fast-path` turns it off (pyfuse3 reads every request; docs/tuning.md).
 """
 
