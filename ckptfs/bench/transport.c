@@ -389,25 +389,35 @@ static void serve_ring(int first, int count) {
 
 static int pin;
 
+/* The calling thread on CPU `cpu` when the threads are pinned. */
+static void pin_to(int cpu) {
+    if (!pin)
+        return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
 static void *serve_queue(void *arg) {
     int q = (int)(intptr_t)arg;
-    if (pin) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(q, &set);
-        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-    }
+    pin_to(q);
     serve_ring(q, 1);
     return NULL;
 }
 
+/* fn(cpu) in a thread for every CPU (256 at most); returns when they all ended. */
+static void per_cpu(void *(*fn)(void *)) {
+    int ncpu = (int)sysconf(_SC_NPROCESSORS_CONF);
+    pthread_t q[256];
+    for (int i = 0; i < ncpu && i < 256; i++)
+        pthread_create(&q[i], NULL, fn, (void *)(intptr_t)i);
+    for (int i = 0; i < ncpu && i < 256; i++)
+        pthread_join(q[i], NULL);
+}
+
 static void *serve_dev_on(void *arg) {
-    if (pin) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET((int)(intptr_t)arg, &set);
-        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-    }
+    pin_to((int)(intptr_t)arg);
     return serve_dev(NULL);
 }
 
@@ -468,12 +478,7 @@ static int serve(int argc, char **argv) {
     if (!uring && threads) {  /* a thread per CPU, pinned if asked, polling /dev/fuse */
         dev_pollers = 1;
         fcntl(fuse_fd, F_SETFL, fcntl(fuse_fd, F_GETFL) | O_NONBLOCK);
-        int ncpu = (int)sysconf(_SC_NPROCESSORS_CONF);
-        pthread_t q[256];
-        for (int i = 0; i < ncpu && i < 256; i++)
-            pthread_create(&q[i], NULL, serve_dev_on, (void *)(intptr_t)i);
-        for (int i = 0; i < ncpu && i < 256; i++)
-            pthread_join(q[i], NULL);
+        per_cpu(serve_dev_on);
         return 0;
     }
     if (!uring) {
@@ -499,11 +504,7 @@ static int serve(int argc, char **argv) {
         serve_ring(0, ncpu);
         return 0;
     }
-    pthread_t q[256];
-    for (int i = 0; i < ncpu && i < 256; i++)
-        pthread_create(&q[i], NULL, serve_queue, (void *)(intptr_t)i);
-    for (int i = 0; i < ncpu && i < 256; i++)
-        pthread_join(q[i], NULL);
+    per_cpu(serve_queue);
     return 0;
 }
 

@@ -404,18 +404,15 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return False
         op = fring.OP_IN
-        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads: its slot is free)
+        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads)
             del self.ring_uniques[unique]
-            try:
-                if opcode == FUSE_INTERRUPT:
+            if opcode == FUSE_INTERRUPT:
+                try:
                     if opsize >= INTERRUPT_IN.size:
                         self.interrupts.interrupt(INTERRUPT_IN.unpack_from(h, op)[0])
-                    return False
-                head = bytearray(h[:IN_HEADER.size])
-                self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
-                return True
-            finally:
-                ring.answered(i)
+                finally:
+                    ring.answered(i)  # (no answer: its entry is free now)
+                return False
         if not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE:
@@ -447,7 +444,11 @@ class FastPath(RequestWait):
             self.answered -= 1
         head = bytearray(h[:IN_HEADER.size])
         struct.pack_into("<I", head, 0, IN_HEADER.size + opsize + psz)
-        self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
+        try:
+            self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
+        finally:
+            if opcode in NO_REPLY:  # (FORGET: no answer; its bytes are sent: the entry is free)
+                ring.answered(i)
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
@@ -660,7 +661,7 @@ class FastPath(RequestWait):
 
     def park(self, sleeping: bool) -> bool:
         if sleeping and self.releases:  # (not left until the next request)
-            self.run_releases()
+            self.sleep_work()
             return True
         ring = self.ring
         return ring.sleep(sleeping) if ring is not None else False
@@ -1017,7 +1018,7 @@ class FastPath(RequestWait):
                  if flags & FUSE_MAX_PAGES else 32)
         payload = (max(8192, max_write, pages * 4096) + 4095) & ~4095
         if self.threads_wanted and not more & fring.FUSE_OVER_IO_URING:
-            reason = fring.dev_unavailable()
+            reason = fring.threads_unavailable()
             if reason is None:
                 self.ring_payload, self.ring_dev = payload, True
             else:

@@ -134,10 +134,10 @@ struct fr_attr {
 };
 
 /* The names of a directory as the Python side gave them, and those added since: a Bloom
- * filter (valid while gen is current; dropped when it holds more than cap names). */
+ * filter (bits NULL: a free slot; dropped when it holds more than cap names). */
 struct fr_names {
     uint64_t nodeid;
-    uint64_t *bits;  /* NULL: a free slot */
+    uint64_t *bits;
     uint32_t mask;  /* bits - 1 */
     uint32_t count, cap;
 };
@@ -241,6 +241,13 @@ struct ck_fring {
 
 static int fr_fh_set(struct ck_fring *f, uint64_t fh, int on);
 static void fr_wake_python(struct ck_fring *f);
+
+/* Note an error (errno; the first one stays: ck_fring_error). */
+static void fr_note_error(struct ck_fring *f, int err)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&f->error, &zero, err);
+}
 
 static double fr_now(void)
 {
@@ -731,8 +738,7 @@ static int fr_reap(struct fr_queue *q)
         if (res < 0) {
             /* (the kernel refused this entry's command, e.g. an answer it could not take: the
              * caller got an error; the entry is lost to the queue, the others go on) */
-            int zero = 0;
-            atomic_compare_exchange_strong(&f->error, &zero, -res);
+            fr_note_error(f, -res);
             atomic_fetch_add(&q->lost, 1);
             continue;
         }
@@ -819,8 +825,7 @@ static void *fr_serve(void *arg)
             err = cqe->res;
     }
     if (err) {
-        int zero = 0;
-        atomic_compare_exchange_strong(&f->error, &zero, -err);
+        fr_note_error(f, -err);
         atomic_fetch_add(&f->failed, 1);
         return NULL;
     }
@@ -830,8 +835,7 @@ static void *fr_serve(void *arg)
         int r = fr_reap(q);
         if (r < 0) {
             if (r != -ENOTCONN && r != -ECANCELED && r != -ENODEV) {
-                int zero = 0;
-                atomic_compare_exchange_strong(&f->error, &zero, -r);
+                fr_note_error(f, -r);
             }
             break;
         }
@@ -849,8 +853,7 @@ static void *fr_serve(void *arg)
         int k = io_uring_submit_and_wait(&q->ring, 1);
         atomic_store(&q->sleeping, 0);
         if (k < 0 && k != -EINTR && k != -EAGAIN && k != -EBUSY) {
-            int zero = 0;
-            atomic_compare_exchange_strong(&f->error, &zero, -k);
+            fr_note_error(f, -k);
             break;
         }
     }
@@ -932,13 +935,6 @@ static void fr_dev_refuse(struct ck_fring *f, int idx)
     fr_dev_reply(f, s);
 }
 
-/* Note an error (the first one stays: ck_fring_error); the thread goes on. */
-static void fr_dev_error(struct ck_fring *f, int err)
-{
-    int zero = 0;
-    atomic_compare_exchange_strong(&f->error, &zero, err);
-}
-
 static void *fr_serve_dev(void *arg)
 {
     struct fr_queue *q = arg;
@@ -973,12 +969,12 @@ static void *fr_serve_dev(void *arg)
                 break;
             }
             if (r == -EPROTO) {
-                fr_dev_error(f, EPROTO);
+                fr_note_error(f, EPROTO);
                 fr_dev_refuse(f, idx);
                 continue;
             }
             if (r < 0) {
-                fr_dev_error(f, -r);
+                fr_note_error(f, -r);
                 usleep(1000);  /* (not in a loop as fast as the error comes) */
                 continue;
             }
@@ -993,7 +989,7 @@ static void *fr_serve_dev(void *arg)
                         break;
                     }
                     if (r < 0)
-                        fr_dev_error(f, -r);
+                        fr_note_error(f, -r);
                 }
                 continue;
             }
@@ -1013,7 +1009,7 @@ static void *fr_serve_dev(void *arg)
         atomic_store(&q->sleeping, 0);
         if (k < 0) {
             if (errno != EINTR) {
-                fr_dev_error(f, errno);
+                fr_note_error(f, errno);
                 usleep(1000);
             }
             continue;

@@ -94,15 +94,12 @@ def enabled() -> str | None:
         return "this kernel has no FUSE over io_uring (Linux 6.14+)"
     if on != "Y":
         return f"{ENABLE_URING} is {on} (root can turn it on: docs/tuning.md)"
-    if lib is None:
-        return uring.uring_unavailable_reason() or "ckptfs.io._uring_cffi is not built"
-    if not lib.ck_have_uring():
-        return ffi.string(lib.ck_build_info()).decode()
-    return None
+    return threads_unavailable()
 
 
-def dev_unavailable() -> str | None:
-    """None when the queue threads can serve /dev/fuse here, else why not."""
+def threads_unavailable() -> str | None:
+    """None when the queue threads can run here (ckptfs's C module, built with liburing),
+    else why not."""
     if lib is None:
         return uring.uring_unavailable_reason() or "ckptfs.io._uring_cffi is not built"
     if not lib.ck_have_uring():
