@@ -206,6 +206,9 @@ METRICS = {
     "ring_creates_answered_in_c": ("ring_creates_answered_in_c_total", "counter",
                                    "CREATEs the queue threads answered (the daemon makes "
                                    "the files after)"),
+    "ring_writes_read_in_place": ("ring_writes_read_in_place_total", "counter",
+                                  "WRITEs the queue threads read from /dev/fuse straight "
+                                  "into segments"),
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
                               "Files the queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),

@@ -187,6 +187,7 @@ struct fr_queue {
     _Atomic long attrs_here;  /* (of those: GETATTR of a directory from the cache) */
     _Atomic long absent_here;  /* (and LOOKUP of an absent name) */
     _Atomic long creates_here;  /* (and CREATE) */
+    _Atomic long read_in_place;  /* /dev/fuse: WRITEs read straight into the zone */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -207,6 +208,7 @@ struct ck_fring {
     char *zone[2];
     uint32_t room[2];
     int zone_on;
+    _Atomic int zone_ready;  /* zone_on, read without the lock (/dev/fuse: read in place) */
     struct ck_fring_landed *landed;
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
@@ -572,44 +574,48 @@ static int fr_fh_writable(struct ck_fring *f, uint64_t fh)
     return 0;
 }
 
-/* Hand entry idx over; a WRITE (write_size > 0) lands in the zone first. Returns 1 when the
- * WRITE was answered here (the entry is not handed over). */
-static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size)
+/* Hand entry idx over; a WRITE (write_size > 0) lands in the zone first, unless it was read
+ * there (in_zone: the lock held since, s->landed says how far, fr_dev_read_zone). Returns 1
+ * when the WRITE was answered here (the entry is not handed over). */
+static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in_zone)
 {
     struct fr_slot *s = &f->slots[idx];
     unsigned cells = (unsigned)(f->nqueues * f->depth) + 1;
     int answered = 0;
-    s->landed[0] = s->landed[1] = 0;
-    pthread_mutex_lock(&f->lock);
-    if (write_size && f->zone_on && f->ltail - f->lhead < LANDED_MAX) {
-        /* (the second part only once the first is full: staging opens it then) */
-        s->landed[0] = fr_land(f, 0, s->payload, write_size);
-        if (s->landed[0] < write_size && !f->room[0])
-            s->landed[1] = fr_land(f, 1, s->payload + s->landed[0],
-                                   write_size - s->landed[0]);
-        if (s->landed[0] || s->landed[1]) {
-            const struct fr_in_header *h = (const void *)s->hdr->in_out;
-            const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
-            const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
-            struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
-            r->id = idx;
-            r->k1 = s->landed[0];
-            r->k2 = s->landed[1];
-            r->fh = w[0];
-            r->off = w[1];
-            r->size = w32[0];
-            r->flags = w32[1];
-            r->pid = h->pid;
-            answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
-            r->answered = answered;
-            atomic_fetch_add(&f->landed_count, 1);
+    if (!in_zone) {
+        s->landed[0] = s->landed[1] = 0;
+        pthread_mutex_lock(&f->lock);
+        if (write_size && f->zone_on && f->ltail - f->lhead < LANDED_MAX) {
+            /* (the second part only once the first is full: staging opens it then) */
+            s->landed[0] = fr_land(f, 0, s->payload, write_size);
+            if (s->landed[0] < write_size && !f->room[0])
+                s->landed[1] = fr_land(f, 1, s->payload + s->landed[0],
+                                       write_size - s->landed[0]);
         }
+    }
+    if (s->landed[0] || s->landed[1]) {
+        const struct fr_in_header *h = (const void *)s->hdr->in_out;
+        const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
+        const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
+        struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
+        r->id = idx;
+        r->k1 = s->landed[0];
+        r->k2 = s->landed[1];
+        r->fh = w[0];
+        r->off = w[1];
+        r->size = w32[0];
+        r->flags = w32[1];
+        r->pid = h->pid;
+        answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
+        r->answered = answered;
+        atomic_fetch_add(&f->landed_count, 1);
     }
     if (!answered) {
         f->fifo[f->tail] = idx;
         f->tail = (f->tail + 1) % cells;
     }
-    pthread_mutex_unlock(&f->lock);
+    if (!in_zone)
+        pthread_mutex_unlock(&f->lock);
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
     fr_wake_python(f);
@@ -655,8 +661,8 @@ static int fr_commit_answers(struct fr_queue *q)
 }
 
 /* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
- * Python side (0). */
-static int fr_dispatch(struct fr_queue *q, int idx)
+ * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read_zone). */
+static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
 {
     struct ck_fring *f = q->f;
     struct fr_slot *s = &f->slots[idx];
@@ -704,7 +710,7 @@ static int fr_dispatch(struct fr_queue *q, int idx)
         q->with_python++;
         if (s->waited)
             q->waited_with_python++;
-        if (fr_hand_over(f, idx, size)) {
+        if (fr_hand_over(f, idx, size, in_zone)) {
             q->with_python--;
             if (s->waited)
                 q->waited_with_python--;
@@ -742,7 +748,7 @@ static int fr_reap(struct fr_queue *q)
             atomic_fetch_add(&q->lost, 1);
             continue;
         }
-        if (fr_dispatch(q, (int)tag)) {
+        if (fr_dispatch(q, (int)tag, 0)) {
             struct fr_slot *s = &f->slots[tag];
             atomic_fetch_add(&q->answered_here, 1);
             atomic_store(&s->state, AT_KERNEL);
@@ -883,24 +889,71 @@ static int fr_dev_free_slot(struct fr_queue *q)
     return -1;
 }
 
-/* Read a request into slot idx: 1, 0 when there was none (another thread took it), -errno
- * when the connection is gone (-ENODEV) or reading fails. */
+/* Read a request into slot idx: 1, 2 for a WRITE read into the zone (the lock then held:
+ * fr_dispatch with in_zone, then unlock), 0 when there was none (another thread took it),
+ * -errno when the connection is gone (-ENODEV) or reading fails. */
 static int fr_dev_read(struct ck_fring *f, int idx)
 {
     struct fr_slot *s = &f->slots[idx];
-    struct iovec iov[3] = { { s->hdr->in_out, 40 }, { s->hdr->op_in, 40 },
+    /* A WRITE's payload is read straight into the zone when no one else holds it: [header |
+     * op | the zone's two parts | the slot's payload buffer (what does not fit)], as the
+     * Python side's own loop reads into staging's tails; so the kernel's copy is the only
+     * one. (Another thread holding it reads into its slot and lands the payload after: the
+     * lock orders the landings; the read does not block, the descriptor being non-blocking.) */
+    int zone = atomic_load_explicit(&f->zone_ready, memory_order_relaxed)
+        && pthread_mutex_trylock(&f->lock) == 0;
+    if (zone && !(f->zone_on && f->ltail - f->lhead < LANDED_MAX)) {
+        pthread_mutex_unlock(&f->lock);
+        zone = 0;
+    }
+    uint32_t r0 = zone ? f->room[0] : 0, r1 = zone ? f->room[1] : 0;
+    struct iovec iov[5] = { { s->hdr->in_out, 40 }, { s->hdr->op_in, 40 },
+                            { f->zone[0], r0 }, { f->zone[1], r1 },
                             { s->payload, f->payload } };
-    ssize_t n = readv(f->fuse_fd, iov, 3);
-    if (n < 0)
-        return errno == EAGAIN || errno == EINTR || errno == ENOENT ? 0 : -errno;
-    if (n < 40)
-        return 0;
+    ssize_t n = zone ? readv(f->fuse_fd, iov, 5)
+        : readv(f->fuse_fd, (struct iovec[3]){ iov[0], iov[1], iov[4] }, 3);
+    int err = n < 0 ? errno : 0;
+    s->landed[0] = s->landed[1] = 0;
+    if (n < 80 || !zone) {
+        if (zone)
+            pthread_mutex_unlock(&f->lock);
+        if (n < 0)
+            return err == EAGAIN || err == EINTR || err == ENOENT ? 0 : -err;
+        if (n < 40)
+            return 0;
+    }
     const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    uint32_t rest = n >= 80 ? (uint32_t)n - 80 : 0;  /* (past the op's 40 bytes) */
+    if (zone && n >= 80) {
+        uint32_t k0 = rest < r0 ? rest : r0, k1 = rest - k0 < r1 ? rest - k0 : r1;
+        uint32_t over = rest - k0 - k1;  /* (at the payload buffer's start) */
+        const uint32_t *size = (const void *)(s->hdr->op_in + 16);
+        if (rest > f->payload) {
+            pthread_mutex_unlock(&f->lock);
+            return -EPROTO;
+        }
+        if (over)  /* (where the rest of the request goes in the payload buffer) */
+            memmove(s->payload + k0 + k1, s->payload, over);
+        if (h->opcode == FR_OP_WRITE && *size == rest && k0) {
+            f->zone[0] += k0;
+            f->room[0] -= k0;
+            f->zone[1] += k1;
+            f->room[1] -= k1;
+            s->landed[0] = k0;
+            s->landed[1] = k1;
+            s->hdr->ent.payload_sz = rest;
+            return 2;
+        }
+        /* (not a WRITE: its bytes are the request's, not file data) */
+        memcpy(s->payload, f->zone[0], k0);
+        memcpy(s->payload + k0, f->zone[1], k1);
+        pthread_mutex_unlock(&f->lock);
+    }
     /* The op's fixed part as a ring entry has it: LOOKUP has none (the name is the payload),
      * CREATE's is struct fuse_create_in; for the others 40 bytes at most (WRITE and READ:
      * struct fuse_write_in / fuse_read_in), the split of a request the Python side hands to
      * libfuse being of no matter (it is sent whole). */
-    uint32_t rest = (uint32_t)n - 40, k = rest < 40 ? rest : 40, psz = rest - k, opsize = k;
+    uint32_t all = (uint32_t)n - 40, k = all < 40 ? all : 40, psz = all - k, opsize = k;
     if (h->opcode == FR_OP_LOOKUP)
         opsize = 0;
     else if (h->opcode == FR_OP_CREATE && k >= CREATE_IN_SIZE)
@@ -979,7 +1032,12 @@ static void *fr_serve_dev(void *arg)
                 continue;
             }
             if (r > 0) {
-                if (fr_dispatch(q, idx)) {
+                int here = fr_dispatch(q, idx, r == 2);
+                if (r == 2) {
+                    pthread_mutex_unlock(&f->lock);
+                    atomic_fetch_add(&q->read_in_place, 1);
+                }
+                if (here) {
                     struct fr_slot *s = &f->slots[idx];
                     atomic_fetch_add(&q->answered_here, 1);
                     r = fr_dev_reply(f, s);
@@ -1290,6 +1348,7 @@ void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_
     f->zone[1] = p2;
     f->room[1] = p2 ? n2 : 0;
     f->zone_on = f->room[0] > 0;
+    atomic_store(&f->zone_ready, f->zone_on);
     pthread_mutex_unlock(&f->lock);
 }
 
@@ -1298,6 +1357,7 @@ int ck_fring_revoke(struct ck_fring *f)
 {
     pthread_mutex_lock(&f->lock);
     f->zone_on = 0;
+    atomic_store(&f->zone_ready, 0);
     int n = (int)(f->ltail - f->lhead);
     pthread_mutex_unlock(&f->lock);
     return n;
@@ -1485,7 +1545,7 @@ void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_f
 
 /* Queue qid's figures into out[0..n): requests served, answered here, of those GETATTRs of
  * a directory, LOOKUPs of an absent name and CREATEs, entries lost, pinned to its CPU (1 or
- * 0). Returns how many were written. */
+ * 0), WRITEs read into the zone. Returns how many were written. */
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
 {
     if (qid < 0 || qid >= f->nqueues)
@@ -1493,7 +1553,8 @@ int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
     struct fr_queue *q = &f->queues[qid];
     long all[] = { atomic_load(&q->served), atomic_load(&q->answered_here),
                    atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
-                   atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned };
+                   atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned,
+                   atomic_load(&q->read_in_place) };
     int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
     memcpy(out, all, k * sizeof *out);
     return k;

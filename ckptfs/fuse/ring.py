@@ -73,7 +73,7 @@ TAKE = 16
 # The queue threads' figures (ck_fring_queue_counts, in its order), summed over the queues.
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
-                "ring_queues_pinned")
+                "ring_queues_pinned", "ring_writes_read_in_place")
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
