@@ -209,6 +209,9 @@ METRICS = {
     "ring_writes_read_in_place": ("ring_writes_read_in_place_total", "counter",
                                   "WRITEs the queue threads read from /dev/fuse straight "
                                   "into segments"),
+    "ring_reads_answered_in_c": ("ring_reads_answered_in_c_total", "counter",
+                                 "READs the queue threads answered from the read cache "
+                                 "(read windows)"),
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
                               "Files the queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),

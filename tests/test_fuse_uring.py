@@ -419,3 +419,63 @@ def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts, 
     d2 = os.path.join(m2.mountpoint, "d")
     assert {n: os.stat(os.path.join(d2, n)).st_size for n in os.listdir(d2)} == want
     assert (os.stat(d2).st_mtime_ns, os.stat(d2).st_nlink) == (dst.st_mtime_ns, dst.st_nlink)
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_reads_answered_from_read_windows_follow_every_change_of_the_file(mounts, transport):
+    """A handle that reads a file alone gets its READs answered by the queue threads from the
+    read cache (its read window); a handle that can write, a write, a truncate take the window
+    back before anything changes, so no READ sees bytes the file no longer has."""
+    torch = pytest.importorskip("torch")
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(**opts)
+        p = os.path.join(m.mountpoint, "big")
+        data = bytearray(os.urandom(24 * MiB))  # (more than one window: opened again on)
+        with open(p, "wb") as f:
+            f.write(data)
+        state = {f"t{i}": torch.rand(1 + 997 * i) for i in range(50)}
+        for k, v in state.items():
+            torch.save(v, os.path.join(m.mountpoint, f"{k}.pt"))
+        m.sync()
+        m.stop()
+        m = mounts.mount(m.backing, **opts)  # (an empty read cache: read from the logs)
+        p = os.path.join(m.mountpoint, "big")
+
+        def in_c() -> int:
+            return m.status()["ring_reads_answered_in_c"]
+
+        for k, v in state.items():
+            assert torch.equal(torch.load(os.path.join(m.mountpoint, f"{k}.pt")), v)
+        assert in_c() >= 40
+        with open(p, "rb") as f:
+            assert f.read() == data
+        assert in_c() >= 50
+        with open(p, "rb", buffering=0) as fa:
+            assert fa.read(MiB) == data[:MiB]
+            n = in_c()
+            assert fa.read(MiB) == data[MiB:2 * MiB]
+            assert in_c() > n  # (from the window)
+            with open(p, "r+b") as fb:  # (a handle that can write: the window is taken back)
+                fb.seek(4 * MiB)
+                fb.write(b"N" * 4096)
+            data[4 * MiB:4 * MiB + 4096] = b"N" * 4096
+            fa.seek(4 * MiB)
+            assert fa.read(8192) == data[4 * MiB:4 * MiB + 8192]
+            fa.seek(0)
+            assert fa.read(MiB) == data[:MiB]
+            n = in_c()
+            assert fa.read(MiB) == data[MiB:2 * MiB]
+            assert in_c() > n  # (a window again)
+            os.truncate(p, 3 * MiB)  # (down and up again: zeros from 3 MiB on)
+            os.truncate(p, 24 * MiB)
+            data[3 * MiB:] = bytes(21 * MiB)
+            fa.seek(2 * MiB)
+            assert fa.read(4 * MiB) == data[2 * MiB:6 * MiB]
+            fa.seek(0)
+            assert fa.read() == data
+        st = m.status()
+        assert st["ring_error"] == "", st
+        m.stop()
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
+    check_files({p: bytes(data)}, m.mountpoint, m2.mountpoint)

@@ -258,6 +258,68 @@ class Reader:
             self._readahead((key,), ahead)
         return self._served(key, ch, lo % CHUNK_BYTES, n)
 
+    def read_window(self, emap: ExtentMap, start: int, file_size: int, limit: int,
+                    max_parts: int, max_chunks: int):
+        """The file's bytes from `start` on, as far as they lie in checked runs in cached chunks
+        (up to `limit` bytes, `max_parts` views, `max_chunks` chunks): (the views, end to end,
+        the chunks' keys, whether they reach the file's end), the chunks pinned (unpin them
+        once the views are no longer used: the chunks are neither reused nor dropped before);
+        None when not one byte is there. A read window of the queue threads (fuse/ring.c),
+        which answer a handle's next READs from it."""
+        hi = min(file_size, start + limit)
+        parts: list = []
+        keys: dict[tuple[int, int, int], None] = {}
+        pos = start
+        for s, n, run, roff in emap.find(start, hi):
+            if (s != pos or not run.verified or run.log < 0 or run.memory() is not None
+                    or run in self.bad):
+                break  # (a hole, a run not checked yet, or bytes still in staging)
+            lo = run.loff + roff
+            while n > 0 and len(parts) < max_parts:
+                key = (run.layer, run.log, lo // CHUNK_BYTES)
+                ch = self.chunks.get(key)
+                a = lo % CHUNK_BYTES
+                k = min(n, CHUNK_BYTES - a)
+                if ch is None or a + k > ch.length or (key not in keys
+                                                       and len(keys) >= max_chunks):
+                    break
+                parts.append(ch.view[a:a + k])
+                keys[key] = None
+                pos, lo, n = pos + k, lo + k, n - k
+            if n > 0:
+                break
+        if pos == start:
+            return None
+        self._pin(keys)
+        return parts, list(keys), pos == file_size
+
+    def unpin(self, keys) -> None:
+        """The views of a read_window() over these chunks are no longer used."""
+        self._unpin(keys)
+
+    def window_served(self, emap: ExtentMap, off: int, hi: int, ahead: int | None,
+                      seen: list | None) -> None:
+        """Bytes [off, hi) of a file were served from a read_window() (fuse/ring.c): what read()
+        does besides the bytes (the chunks become the most recently used, readahead as
+        `ahead` says, the handle's `seen` for recycling)."""
+        window = self.window
+        ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
+        keys: dict[tuple[int, int, int], None] = {}
+        for _, n, run, roff in emap.find(off, hi):
+            if run.log < 0 or run.memory() is not None:
+                continue
+            lo = run.loff + roff
+            for idx in range(lo // CHUNK_BYTES, (lo + n - 1) // CHUNK_BYTES + 1):
+                keys[(run.layer, run.log, idx)] = None
+        for key in keys:
+            ch = self.chunks.get(key)
+            if ch is not None:
+                self._served(key, ch, 0, 0)
+        if ahead and keys:
+            self._readahead(keys, ahead)
+        if seen is not None:
+            self._account(emap, off, hi, seen)
+
     def _served(self, key: tuple[int, int, int], ch: _Chunk, a: int, n: int) -> memoryview:
         """Bytes [a, a+n) of cached chunk `key`, about to be served: it becomes the most
         recently used, and if it had been consumed, the last consumed one to be reused."""

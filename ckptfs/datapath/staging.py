@@ -106,16 +106,27 @@ class ExtentMap:
 
     `ExtentMap.on_dead(run, n)`, when set (the daemon sets it once its tree is replayed:
     cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
-    overwrite or truncate clips them, a forgotten inode drops its map."""
+    overwrite or truncate clips them, a forgotten inode drops its map.
 
-    __slots__ = ("pieces", "stored")
+    `ExtentMap.on_change(emap)`, when set (the fast path: its read windows), hears of the first
+    change of a map whose `watched` is set (and clears it): a write, truncate or drop."""
+
+    __slots__ = ("pieces", "stored", "watched")
     on_dead: Callable[[Run, int], None] | None = None
+    on_change: Callable[[ExtentMap], None] | None = None
 
     def __init__(self) -> None:
         self.pieces: list[Piece] = []
         # The bytes the pieces hold (st_blocks, asked for on every stat: kept up to date
         # instead of summed; see also `grow`).
         self.stored = 0
+        self.watched = False
+
+    def _changed(self) -> None:
+        self.watched = False
+        hook = ExtentMap.on_change
+        if hook is not None:
+            hook(self)
 
     def end(self) -> int:
         if not self.pieces:
@@ -125,6 +136,8 @@ class ExtentMap:
 
     def insert(self, start: int, length: int, run: Run, roff: int) -> None:
         """Newest wins: clip whatever older pieces overlap [start, start+length)."""
+        if self.watched:
+            self._changed()
         self.stored += length
         pieces = self.pieces
         if not pieces or start >= pieces[-1].start + pieces[-1].length:
@@ -137,12 +150,16 @@ class ExtentMap:
     def grow(self, m: int) -> None:
         """The last piece goes on for `m` more bytes of its run (a write that continues the
         file where its last write ended, landing right after it in the same run)."""
+        if self.watched:
+            self._changed()
         p = self.pieces[-1]
         self.pieces[-1] = Piece(p.start, p.length + m, p.run, p.roff)
         self.stored += m
 
     def punch(self, lo: int, hi: int) -> None:
         """Remove the bytes [lo, hi) from the map (the range reads as zeros afterwards)."""
+        if self.watched:
+            self._changed()
         pieces = self.pieces
         i = bisect.bisect_right(pieces, lo, key=_START) - 1
         if i < 0:
@@ -169,6 +186,8 @@ class ExtentMap:
 
     def drop(self) -> None:
         """Forget every piece (the file is gone)."""
+        if self.watched:
+            self._changed()
         dead = ExtentMap.on_dead
         if dead is not None:
             for p in self.pieces:
@@ -177,6 +196,8 @@ class ExtentMap:
         self.stored = 0
 
     def truncate(self, size: int) -> None:
+        if self.watched:  # (also a truncate up: the file's end moves)
+            self._changed()
         end = self.end()
         if size < end:
             self.punch(size, end)
@@ -215,6 +236,8 @@ class ExtentMap:
     def share(self, other: "ExtentMap") -> None:
         """Point at `other`'s pieces (a view of another writer's file: replay.View); the stored
         bytes are copied, not shared."""
+        if self.watched:
+            self._changed()
         self.pieces = other.pieces
         self.stored = other.stored
 

@@ -60,10 +60,11 @@ from collections import deque
 import pyfuse3
 import trio
 
+from ckptfs.datapath.staging import ExtentMap
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import ATTR_TIMEOUT_S, CTL_NAME, SETID_BITS
+from ckptfs.fuse.ops import ATTR_TIMEOUT_S, CONTROL_LAYER, CTL_NAME, SETID_BITS
 from ckptfs.namespace import ROOT_INO
 
 log = logging.getLogger("ckptfs")
@@ -125,6 +126,10 @@ ENTRY_OUT = struct.Struct("<QQQQII" + ATTR)  # nodeid generation entry/attr vali
 ATTR_OUT = struct.Struct("<QII" + ATTR)  # attr_valid attr_valid_nsec dummy, attr
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 HEAD = IN_HEADER.size + RW_IN.size  # 80
+# A read window (the queue threads answer a handle's next READs from the read cache): at most
+# this many bytes of the file, and all windows together pin at most this share of the cache.
+WINDOW_BYTES = 16 << 20
+WINDOW_CACHE_SHARE = 4  # (a quarter)
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
@@ -225,6 +230,9 @@ class FastPath(RequestWait):
         self.creates_not_made = 0  # files the queue threads created that could not be made
         self.names_refused: set[int] = set()  # directories too large for a name filter
         self.name_filters_built = 0  # directories' names left with the queue threads
+        # handle -> its read window: (inode, extent map, start, end, pinned chunks)
+        self.windows: dict[int, tuple] = {}
+        self.window_chunks = 0  # chunks the windows pin
         self.transport = "/dev/fuse"
         self.epoll = None
         if uring or queue_threads:
@@ -545,6 +553,8 @@ class FastPath(RequestWait):
         n = sum(map(len, parts))
         if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
             self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
+        elif self.ring is not None and n == size:
+            self.open_window(fh, off)
 
     entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
 
@@ -579,6 +589,8 @@ class FastPath(RequestWait):
                 fi = await ops.open(nodeid, flags, ctx)
                 out = OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
                 self.takes_writes(fi.fh, flags)
+                if self.ring is not None and flags & os.O_ACCMODE == os.O_RDONLY:
+                    self.open_window(fi.fh, 0)  # (readahead may have brought the file in)
             else:
                 flags, mode, umask, _ = CREATE_IN.unpack_from(body)
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
@@ -611,6 +623,7 @@ class FastPath(RequestWait):
         done while the caller serialises its next tensor."""
         if self.ring is not None:
             self.ring.writable(fh, False)
+            self.drop_window(fh)
         self.hold_releases((fh,))
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
@@ -713,6 +726,11 @@ class FastPath(RequestWait):
         gets its WRITEs answered by the queue threads when they land whole."""
         if self.ring is None or flags & os.O_ACCMODE == os.O_RDONLY:
             return
+        if self.windows:  # (the file may change now: READs come here again)
+            x = self.ops.handles[fh].inode
+            for other, w in list(self.windows.items()):
+                if w[0] is x:
+                    self.drop_window(other)
         try:
             self.ops.write_target(fh)
         except pyfuse3.FUSEError:
@@ -789,6 +807,7 @@ class FastPath(RequestWait):
             self.epoll.unregister(self.fd)
         self.ring = ring
         self.staging.claim_hook = self.claim_landed
+        ExtentMap.on_change = self.emap_changed
         ops = self.ops
         ops.ns.watch = self
         if not ops.settings.readonly:
@@ -868,11 +887,16 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        if ring.reads():  # (before the releases: a handle's READs came before its RELEASE)
+            self.reads_served(ring.take_reads())
         # (the releases first: the create of every file they release was noted before)
         released = ring.take_released() if ring.released() else None
         if ring.created():
             self.make_created(ring.take_created())
         if released:
+            if self.windows:
+                for fh in released:
+                    self.drop_window(fh)
             self.hold_releases(released)
         if self.zone_live and not ring.landed():
             return
@@ -914,9 +938,83 @@ class FastPath(RequestWait):
             self.ring.name_added(parent, name)
 
     def view_changed(self) -> None:
+        for fh in list(self.windows):  # (other writers' files may have changed)
+            self.drop_window(fh)
         self.names_refused.clear()
         self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
         self.settle_ring()  # (the files they created are in the tree before others' names)
+
+    # read windows: the queue threads answer a handle's READs from the read cache
+    def open_window(self, fh: int, off: int) -> None:
+        """After a READ of handle fh at `off` answered here: the queue threads answer its next
+        READs of the bytes from there (from 0 for a file that fits in one window) that are
+        in the read cache, checked, from the cache's buffers (fuse/ring.c, fr_read), until the
+        window runs out (the READ past it comes here and opens the next), the handle is
+        released, or the file may change (a write, a truncate, a handle that can write, a look
+        at other writers that brings changes). Only for a handle that reads alone: the only
+        open one of its file, read-only (so no WRITE the queue threads answered can be
+        behind what it reads)."""
+        ops = self.ops
+        h = ops.handles.get(fh)
+        if h is None:
+            return
+        x = h.inode
+        if (x.opens != 1 or h.flags & os.O_ACCMODE != os.O_RDONLY or x.emap is None
+                or x.layer == CONTROL_LAYER):
+            self.drop_window(fh)
+            return
+        start = 0 if x.size <= WINDOW_BYTES else off
+        old = self.windows.get(fh)
+        reader = ops.reader
+        budget = (reader.max_chunks // WINDOW_CACHE_SHARE - self.window_chunks
+                  + (len(old[4]) if old else 0))
+        got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
+                                 budget) if budget > 0 and start < x.size else None
+        if got is None:
+            self.drop_window(fh)
+            return
+        parts, keys, eof = got
+        ok = self.ring.window(fh, start, eof, parts)  # (replaces the old one: unused now)
+        if old is not None:
+            del self.windows[fh]
+            self.window_chunks -= len(old[4])
+            reader.unpin(old[4])
+        if not ok:
+            reader.unpin(keys)
+            return
+        self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
+        self.window_chunks += len(keys)
+        x.emap.watched = True
+
+    def drop_window(self, fh: int, ring=None) -> None:
+        """Handle fh's READs come here again; its window's chunks are let go."""
+        w = self.windows.pop(fh, None)
+        if w is None:
+            return
+        (ring or self.ring).window_drop(fh)
+        self.window_chunks -= len(w[4])
+        self.ops.reader.unpin(w[4])
+
+    def emap_changed(self, emap) -> None:
+        """ExtentMap.on_change: a file with read windows changed."""
+        for fh, w in list(self.windows.items()):
+            if w[1] is emap:
+                self.drop_window(fh)
+
+    def reads_served(self, reads: list) -> None:
+        """The READs the queue threads answered from windows, accounted for as if answered
+        here (ops.read_served); a window read past its middle is opened anew from where
+        its reader got to (the readahead those READs started may have brought more)."""
+        ops = self.ops
+        self.reads_direct += len(reads)
+        last: dict[int, int] = {}
+        for fh, off, size, n in reads:
+            ops.read_served(fh, off, size, n)
+            last[fh] = off + n
+        for fh, end in last.items():
+            w = self.windows.get(fh)
+            if w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size:
+                self.open_window(fh, end)
 
     def stop_ring(self) -> bool:
         """Stop the queue threads; False if some did not stop."""
@@ -924,6 +1022,9 @@ class FastPath(RequestWait):
         if ring is None:
             return True
         self.staging.claim_hook = None
+        for fh in list(self.windows):
+            self.drop_window(fh, ring)
+        ExtentMap.on_change = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
         self.zone_live = False

@@ -748,6 +748,18 @@ class CkptOperations(pyfuse3.Operations):
         # item, evicting what it reads next (a 1 GB DCP restore read 2.75 GB from disk, now
         # 2.2). A READ at offset 0 starts a file: the full window, which covers the next files
         # in the logs (a restore reads files in about the order they were written).
+        ahead = self._ahead(h, off, size)
+        try:
+            out = await self.reader.read(x.emap, off, size, x.size, ahead, self._seen(h, x),
+                                         gather)
+        except OSError as exc:
+            raise _err(exc.errno or errno.EIO) from None
+        self.bytes_read += max(0, min(size, x.size - off))  # what the reader returned
+        return out
+
+    @staticmethod
+    def _ahead(h: _Handle, off: int, size: int) -> int | None:
+        """The readahead a READ of handle h gets (Reader.read's `ahead`)."""
         if off == 0:
             h.streak, ahead, h.next_off = size, None, size
         elif h.next_off <= off <= h.next_off + SEQUENTIAL_SLACK_BYTES:
@@ -755,17 +767,29 @@ class CkptOperations(pyfuse3.Operations):
             ahead, h.next_off = h.streak, max(h.next_off, off + size)
         else:
             h.streak, ahead, h.next_off = 0, 0, off + size
-        try:
-            # Consumption is counted for a file read by one handle only (several readers of one
-            # file must not recycle each other's chunks) and up to 64 separate ranges per handle.
-            seen = h.seen if x.opens == 1 else None
-            if seen is not None and len(seen) > SEEN_RANGES_MAX:
-                seen = h.seen = None
-            out = await self.reader.read(x.emap, off, size, x.size, ahead, seen, gather)
-        except OSError as exc:
-            raise _err(exc.errno or errno.EIO) from None
-        self.bytes_read += max(0, min(size, x.size - off))  # what the reader returned
-        return out
+        return ahead
+
+    @staticmethod
+    def _seen(h: _Handle, x: Inode) -> list | None:
+        """Consumption is counted for a file read by one handle only (several readers of one
+        file must not recycle each other's chunks) and up to 64 separate ranges per handle."""
+        seen = h.seen if x.opens == 1 else None
+        if seen is not None and len(seen) > SEEN_RANGES_MAX:
+            seen = h.seen = None
+        return seen
+
+    def read_served(self, fh: int, off: int, size: int, n: int) -> None:
+        """A READ the queue threads answered from the handle's read window (fuse/ring.c): what
+        read() does besides the bytes (its counts, readahead, the read cache's use)."""
+        h = self.handles.get(fh)
+        if h is None:
+            return
+        x = h.inode
+        self.read_requests += 1
+        self.bytes_read += n
+        if x.emap is not None and n:
+            self.reader.window_served(x.emap, off, off + n, self._ahead(h, off, size),
+                                      self._seen(h, x))
 
     async def write(self, fh, off, buf):
         h, x = self.write_target(fh)

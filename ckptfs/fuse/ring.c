@@ -77,6 +77,7 @@
 #define FR_OP_LOOKUP 1
 #define FR_OP_FORGET 2
 #define FR_OP_GETATTR 3
+#define FR_OP_READ 15
 #define FR_OP_RELEASE 18
 #define FR_OP_FLUSH 25
 #define FR_OP_IOCTL 39
@@ -110,6 +111,9 @@
 #define NAME_PROBE 4
 #define NAME_MAX_LEN 255
 #define NAME_HASHES 4  /* bits set per name */
+#define WINDOWS 64  /* handles with a read window */
+#define WINDOW_PARTS 4  /* buffers per window */
+#define READS_MAX 4096  /* READs answered here not yet accounted for by the Python side */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
 #define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 128 Ki names has none
@@ -158,6 +162,24 @@ struct ck_fring_landed {
     uint64_t fh, off;
 };
 
+/* A read window: bytes [start, end) of the file open as handle fh - 1 (0: a free window), in
+ * the Python side's buffers (parts, in file order, end to end), which it keeps unchanged while
+ * the window stands; eof: the file ends at `end`. busy: READs answered from it right now
+ * (raised under the lock; a window is not reused, nor its buffers given back, before 0). */
+struct fr_window {
+    uint64_t fh, start, end;
+    int eof, nparts;
+    _Atomic int busy;
+    char *part[WINDOW_PARTS];
+    uint32_t len[WINDOW_PARTS];
+};
+
+/* A READ answered here, as the Python side accounts for it (readahead, the read cache's use). */
+struct ck_fring_read {
+    uint64_t fh, off;
+    uint32_t size, n;  /* asked for, answered */
+};
+
 struct fr_slot {
     struct fr_header *hdr;
     char *payload;
@@ -166,6 +188,10 @@ struct fr_slot {
     _Atomic int state;
     int waited;  /* its caller waits for the answer */
     uint32_t landed[2];  /* a WRITE's bytes copied into the zone's two parts */
+    /* /dev/fuse: a READ's answer straight from a window's buffers (held busy until sent) */
+    struct fr_window *win;
+    struct iovec body[WINDOW_PARTS];
+    int nbody;
 };
 
 struct fr_queue {
@@ -188,6 +214,7 @@ struct fr_queue {
     _Atomic long absent_here;  /* (and LOOKUP of an absent name) */
     _Atomic long creates_here;  /* (and CREATE) */
     _Atomic long read_in_place;  /* /dev/fuse: WRITEs read straight into the zone */
+    _Atomic long reads_here;  /* READs answered from a read window */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -230,6 +257,10 @@ struct ck_fring {
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
     uint64_t attr_gen;  /* 0: never valid; a clear moves it on (under lock) */
     struct fr_names names[NAME_DIRS];  /* (under lock) */
+    struct fr_window windows[WINDOWS];  /* (under lock, but busy) */
+    struct ck_fring_read *reads;  /* (under lock) */
+    unsigned dhead, dtail;
+    _Atomic int reads_count;  /* not taken yet */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
     _Atomic int py_sleeping;
     _Atomic int stop;
@@ -660,6 +691,77 @@ static int fr_commit_answers(struct fr_queue *q)
     return n;
 }
 
+/* (under lock) The window of handle fh, or NULL. */
+static struct fr_window *fr_window_of(struct ck_fring *f, uint64_t fh)
+{
+    for (int i = 0; i < WINDOWS; i++)
+        if (f->windows[i].fh == fh + 1)
+            return &f->windows[i];
+    return NULL;
+}
+
+/* READ from the handle's read window, when the window holds what it asks for (to the file's
+ * end, where the window reaches it): the answer's body is the window's buffers, sent from
+ * them on /dev/fuse (the window busy until fr_dev_reply), copied into the entry on a ring.
+ * The READ is noted for the Python side, which accounts for it as for one it served. 1 if
+ * answered here. */
+static int fr_read(struct ck_fring *f, struct fr_slot *s)
+{
+    const uint64_t *r = (const void *)s->hdr->op_in;  /* fh, offset */
+    uint32_t size = fr_get32(s->hdr->op_in, 16);
+    uint64_t off = r[1], hi = off + size;
+    struct fr_window *w = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r[0]))) {
+        if (hi > w->end && w->eof)
+            hi = w->end > off ? w->end : off;
+        if (off < w->start || hi > w->end || (!f->dev && hi - off > f->payload))
+            w = NULL;
+    }
+    if (w) {
+        atomic_fetch_add(&w->busy, 1);
+        struct ck_fring_read *d = &f->reads[f->dtail++ % READS_MAX];
+        d->fh = r[0];
+        d->off = off;
+        d->size = size;
+        d->n = (uint32_t)(hi - off);
+        atomic_fetch_add(&f->reads_count, 1);
+    }
+    pthread_mutex_unlock(&f->lock);
+    if (!w)
+        return 0;
+    /* (the parts, end to end from w->start: the ones [off, hi) spans) */
+    uint64_t at = w->start, pos = off;
+    int k = 0;
+    for (int i = 0; i < w->nparts && pos < hi; i++) {
+        uint64_t end = at + w->len[i];
+        if (pos < end) {
+            uint64_t m = (hi < end ? hi : end) - pos;
+            s->body[k].iov_base = w->part[i] + (pos - at);
+            s->body[k++].iov_len = m;
+            pos += m;
+        }
+        at = end;
+    }
+    uint32_t n = (uint32_t)(hi - off);
+    fr_answer(s, 0, NULL, 0);
+    if (f->dev) {  /* (sent from the window's buffers) */
+        fr_put32(s->hdr->in_out, 0, 16 + n);
+        s->win = w;
+        s->nbody = k;
+    } else {
+        char *p = s->payload;
+        for (int i = 0; i < k; i++) {
+            memcpy(p, s->body[i].iov_base, s->body[i].iov_len);
+            p += s->body[i].iov_len;
+        }
+        fr_put32(s->hdr->in_out, 0, 16 + n);
+        s->hdr->ent.payload_sz = n;
+        atomic_fetch_sub(&w->busy, 1);
+    }
+    return 1;
+}
+
 /* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
  * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read_zone). */
 static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
@@ -699,6 +801,9 @@ static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
     } else if (h->opcode == FR_OP_RELEASE
                && fr_note_release(f, *(const uint64_t *)s->hdr->op_in)) {
         fr_answer(s, 0, NULL, 0);
+        here = 1;
+    } else if (h->opcode == FR_OP_READ && fr_read(f, s)) {
+        atomic_fetch_add(&q->reads_here, 1);
         here = 1;
     } else if (h->opcode == FR_OP_IOCTL) {
         fr_answer(s, -ENOTTY, NULL, 0);
@@ -974,10 +1079,19 @@ static int fr_dev_read(struct ck_fring *f, int idx)
 static int fr_dev_reply(struct ck_fring *f, struct fr_slot *s)
 {
     uint32_t psz = s->hdr->ent.payload_sz;
-    struct iovec iov[2] = { { s->hdr->in_out, 16 }, { s->payload, psz } };
-    if (writev(f->fuse_fd, iov, psz ? 2 : 1) < 0 && errno != ENOENT)
-        return -errno;  /* (ENOENT: the request was interrupted and is gone) */
-    return 0;
+    struct iovec iov[1 + WINDOW_PARTS] = { { s->hdr->in_out, 16 }, { s->payload, psz } };
+    int n = psz ? 2 : 1;
+    if (s->win) {  /* (a READ's body from a read window's buffers) */
+        memcpy(iov + 1, s->body, s->nbody * sizeof *iov);
+        n = 1 + s->nbody;
+    }
+    int err = writev(f->fuse_fd, iov, n) < 0 && errno != ENOENT ? errno : 0;
+    if (s->win) {  /* (ENOENT: the request was interrupted and is gone) */
+        atomic_fetch_sub(&s->win->busy, 1);
+        s->win = NULL;
+        s->nbody = 0;
+    }
+    return -err;
 }
 
 /* A request this thread cannot serve (a defect: nothing the kernel sends) is answered EIO. */
@@ -1125,9 +1239,11 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n + 1, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
+    f->reads = calloc(READS_MAX, sizeof *f->reads);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
-    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->released || !f->created)
+    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->reads || !f->released
+        || !f->created)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -1543,9 +1659,69 @@ void ck_fring_absent_until(struct ck_fring *f, double until)
 /* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
 
+/* Handle fh's read window: bytes [start, start + the parts' lengths) of its file are in the
+ * nparts buffers (end to end), unchanged until the window is dropped; eof: the file ends there.
+ * Replaces the handle's window (once no READ uses the old one). Returns 1, or 0 when every
+ * window is taken (the handle then has none). */
+int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, int nparts,
+                    char **parts, const uint32_t *lens)
+{
+    if (nparts < 1 || nparts > WINDOW_PARTS)
+        return 0;
+    pthread_mutex_lock(&f->lock);
+    struct fr_window *old = fr_window_of(f, fh), *w = NULL;
+    if (old)
+        old->fh = 0;
+    for (int i = 0; i < WINDOWS && !w; i++)
+        if (!f->windows[i].fh && !atomic_load(&f->windows[i].busy))
+            w = &f->windows[i];
+    if (w) {
+        w->start = w->end = start;
+        w->eof = eof;
+        w->nparts = nparts;
+        for (int i = 0; i < nparts; i++) {
+            w->part[i] = parts[i];
+            w->len[i] = lens[i];
+            w->end += lens[i];
+        }
+        w->fh = fh + 1;
+    }
+    pthread_mutex_unlock(&f->lock);
+    while (old && old != w && atomic_load(&old->busy))
+        sched_yield();  /* (a READ being sent from it: tens of microseconds) */
+    return w != NULL;
+}
+
+/* Drop handle fh's window; its buffers are the Python side's again on return. */
+void ck_fring_window_drop(struct ck_fring *f, uint64_t fh)
+{
+    pthread_mutex_lock(&f->lock);
+    struct fr_window *w = fr_window_of(f, fh);
+    if (w)
+        w->fh = 0;
+    pthread_mutex_unlock(&f->lock);
+    while (w && atomic_load(&w->busy))
+        sched_yield();
+}
+
+int ck_fring_reads(struct ck_fring *f) { return atomic_load(&f->reads_count); }
+
+/* Take up to max READs answered from windows, in the order they were answered. */
+int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
+{
+    int n = 0;
+    pthread_mutex_lock(&f->lock);
+    while (n < max && f->dhead != f->dtail)
+        out[n++] = f->reads[f->dhead++ % READS_MAX];
+    atomic_fetch_sub(&f->reads_count, n);
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 /* Queue qid's figures into out[0..n): requests served, answered here, of those GETATTRs of
  * a directory, LOOKUPs of an absent name and CREATEs, entries lost, pinned to its CPU (1 or
- * 0), WRITEs read into the zone. Returns how many were written. */
+ * 0), WRITEs read into the zone, READs answered from a read window. Returns how many were
+ * written. */
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
 {
     if (qid < 0 || qid >= f->nqueues)
@@ -1554,7 +1730,7 @@ int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
     long all[] = { atomic_load(&q->served), atomic_load(&q->answered_here),
                    atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
                    atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned,
-                   atomic_load(&q->read_in_place) };
+                   atomic_load(&q->read_in_place), atomic_load(&q->reads_here) };
     int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
     memcpy(out, all, k * sizeof *out);
     return k;
@@ -1609,6 +1785,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->queues);
     free(f->fifo);
     free(f->landed);
+    free(f->reads);
     free(f->released);
     free(f->created);
     for (int i = 0; i < NAME_DIRS; i++)

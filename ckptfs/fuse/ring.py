@@ -73,10 +73,13 @@ TAKE = 16
 # The queue threads' figures (ck_fring_queue_counts, in its order), summed over the queues.
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
-                "ring_queues_pinned", "ring_writes_read_in_place")
+                "ring_queues_pinned", "ring_writes_read_in_place", "ring_reads_answered_in_c")
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
+# Buffers of a read window at most (ring.c's WINDOW_PARTS); handles with one: WINDOWS.
+WINDOW_PARTS = 4
+WINDOWS = 64
 # Directories whose names the queue threads hold at most (ring.c's NAME_DIRS).
 NAME_DIRS = 32
 # Queue threads on /dev/fuse at most (on the first DEV_QUEUES CPUs this process may use):
@@ -149,6 +152,10 @@ class Ring:
         self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
         self._released = ffi.new("uint64_t[]", TAKE)
         self._created = ffi.new("struct ck_fring_created[]", TAKE)
+        self._reads = ffi.new("struct ck_fring_read[]", TAKE)
+        self._parts = ffi.new("char *[]", WINDOW_PARTS)
+        self._lens = ffi.new("uint32_t[]", WINDOW_PARTS)
+        self.windows: dict[int, list] = {}  # (keeps each window's buffers' cdata alive)
         self.zone = None  # (keeps the offered buffers' cdata alive)
         self.taken: list[int] = []
 
@@ -255,6 +262,42 @@ class Ring:
                 c = buf[j]
                 out.append((c.parent, ffi.unpack(c.name, c.namelen), c.ino, c.fh, c.mode,
                             c.uid, c.gid, c.flags, c.pid, c.now_ns))
+            if n < TAKE:
+                return out
+
+    def window(self, fh: int, start: int, eof: bool, parts: list) -> bool:
+        """Handle fh's READs of bytes [start, start + the parts' lengths) are answered by the
+        queue threads from `parts` (buffers, in file order, end to end, unchanged until
+        window_drop or the next window of fh; at most WINDOW_PARTS); eof: the file ends
+        there. False if no window was free (fh then has none)."""
+        held = [ffi.from_buffer(p) for p in parts]
+        for i, (c, p) in enumerate(zip(held, parts)):
+            self._parts[i] = c
+            self._lens[i] = len(p)
+        ok = bool(lib.ck_fring_window(self.handle, fh, start, 1 if eof else 0, len(parts),
+                                      self._parts, self._lens))
+        if ok:
+            self.windows[fh] = held
+        else:
+            self.windows.pop(fh, None)
+        return ok
+
+    def window_drop(self, fh: int) -> None:
+        """Handle fh's window is gone (its buffers are free to change once this returns)."""
+        lib.ck_fring_window_drop(self.handle, fh)
+        self.windows.pop(fh, None)
+
+    def reads(self) -> int:
+        """READs the queue threads answered from windows, not yet taken (take_reads)."""
+        return lib.ck_fring_reads(self.handle)
+
+    def take_reads(self) -> list[tuple[int, int, int, int]]:
+        """The READs answered from windows since the last call, in order: (fh, offset, size
+        asked for, bytes answered)."""
+        rec, out = self._reads, []
+        while True:
+            n = lib.ck_fring_take_reads(self.handle, rec, TAKE)
+            out.extend((rec[j].fh, rec[j].off, rec[j].size, rec[j].n) for j in range(n))
             if n < TAKE:
                 return out
 
