@@ -479,3 +479,31 @@ def test_reads_answered_from_read_windows_follow_every_change_of_the_file(mounts
         m.stop()
     m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     check_files({p: bytes(data)}, m.mountpoint, m2.mountpoint)
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_read_windows_follow_a_copy_up_of_another_writers_file(mounts, transport):
+    """Another writer's file that this writer truncates is copied up first (a new extent map);
+    a read window over the old one is taken back, so the zeros past the cut are read, not the
+    bytes that were there."""
+    switch, opts = on(transport)
+    with switch:
+        backing = mounts.backing()
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False)
+        data = bytearray(os.urandom(6 * MiB))
+        with open(os.path.join(b.mountpoint, "theirs"), "wb") as f:
+            f.write(data)
+        b.stop()
+        a = mounts.mount(backing, writer_id="w0", **opts)
+        p = os.path.join(a.mountpoint, "theirs")
+        with open(p, "rb", buffering=0) as fa:
+            assert fa.read(MiB) == data[:MiB]
+            n = a.status()["ring_reads_answered_in_c"]
+            assert fa.read(MiB) == data[MiB:2 * MiB]
+            assert a.status()["ring_reads_answered_in_c"] > n  # (from the window)
+            os.truncate(p, 3 * MiB)  # (a copy-up, then down and up again)
+            os.truncate(p, 6 * MiB)
+            data[3 * MiB:] = bytes(3 * MiB)
+            fa.seek(2 * MiB)
+            assert fa.read(4 * MiB) == data[2 * MiB:]
+        a.stop()

@@ -270,12 +270,13 @@ class Reader:
         parts: list = []
         keys: dict[tuple[int, int, int], None] = {}
         pos = start
+        last = None  # (the last part: its chunk and where in it it starts and ends)
         for s, n, run, roff in emap.find(start, hi):
             if (s != pos or not run.verified or run.log < 0 or run.memory() is not None
                     or run in self.bad):
                 break  # (a hole, a run not checked yet, or bytes still in staging)
             lo = run.loff + roff
-            while n > 0 and len(parts) < max_parts:
+            while n > 0:
                 key = (run.layer, run.log, lo // CHUNK_BYTES)
                 ch = self.chunks.get(key)
                 a = lo % CHUNK_BYTES
@@ -283,7 +284,15 @@ class Reader:
                 if ch is None or a + k > ch.length or (key not in keys
                                                        and len(keys) >= max_chunks):
                     break
-                parts.append(ch.view[a:a + k])
+                if last is not None and last[0] == key and last[2] == a:
+                    # (pieces end to end in one chunk, e.g. a file's runs: one part)
+                    last = (key, last[1], a + k)
+                    parts[-1] = ch.view[last[1]:a + k]
+                elif len(parts) < max_parts:
+                    last = (key, a, a + k)
+                    parts.append(ch.view[a:a + k])
+                else:
+                    break
                 keys[key] = None
                 pos, lo, n = pos + k, lo + k, n - k
             if n > 0:

@@ -122,6 +122,11 @@ class ExtentMap:
         self.stored = 0
         self.watched = False
 
+    def replaced(self) -> None:
+        """The file gets another map (a copy-up): whoever watches this one hears of it."""
+        if self.watched:
+            self._changed()
+
     def _changed(self) -> None:
         self.watched = False
         hook = ExtentMap.on_change

@@ -567,6 +567,7 @@ class FastPath(RequestWait):
         requests, and on this path the interpreter runs cold (docs/performance-notes.md), so
         every object and exception per request shows."""
         ops = self.ops
+        window = None  # an OPEN's handle that gets a read window
         try:
             if opcode == FUSE_GETATTR:
                 x = ops.inode(nodeid)
@@ -590,7 +591,7 @@ class FastPath(RequestWait):
                 out = OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
                 self.takes_writes(fi.fh, flags)
                 if self.ring is not None and flags & os.O_ACCMODE == os.O_RDONLY:
-                    self.open_window(fi.fh, 0)  # (readahead may have brought the file in)
+                    window = fi.fh  # (readahead may have brought the file in)
             else:
                 flags, mode, umask, _ = CREATE_IN.unpack_from(body)
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
@@ -611,6 +612,8 @@ class FastPath(RequestWait):
             log.exception("internal error in request %d", opcode)
             self.reply_error(unique, errno.EIO)
             return
+        if window is not None:
+            self.open_window(window, 0)
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
 
     def release(self, unique: int, fh: int) -> None:
@@ -887,10 +890,11 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
-        if ring.reads():  # (before the releases: a handle's READs came before its RELEASE)
-            self.reads_served(ring.take_reads())
-        # (the releases first: the create of every file they release was noted before)
+        # (the releases first: the create of every file they release was noted before, and
+        # so was every READ of a handle they release, accounted for before they run)
         released = ring.take_released() if ring.released() else None
+        if ring.reads():
+            self.reads_served(ring.take_reads())
         if ring.created():
             self.make_created(ring.take_created())
         if released:
@@ -953,7 +957,15 @@ class FastPath(RequestWait):
         released, or the file may change (a write, a truncate, a handle that can write, a look
         at other writers that brings changes). Only for a handle that reads alone: the only
         open one of its file, read-only (so no WRITE the queue threads answered can be
-        behind what it reads)."""
+        behind what it reads; a copy-up, which gives the file a new extent map, tells the
+        old one: ExtentMap.replaced). Never raises (a failure: no window)."""
+        try:
+            self._open_window(fh, off)
+        except Exception:
+            log.exception("read window of handle %d", fh)
+            self.drop_window(fh)
+
+    def _open_window(self, fh: int, off: int) -> None:
         ops = self.ops
         h = ops.handles.get(fh)
         if h is None:
@@ -974,7 +986,11 @@ class FastPath(RequestWait):
             self.drop_window(fh)
             return
         parts, keys, eof = got
-        ok = self.ring.window(fh, start, eof, parts)  # (replaces the old one: unused now)
+        try:
+            ok = self.ring.window(fh, start, eof, parts)  # (replaces the old one: unused now)
+        except BaseException:
+            reader.unpin(keys)
+            raise
         if old is not None:
             del self.windows[fh]
             self.window_chunks -= len(old[4])

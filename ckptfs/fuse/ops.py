@@ -309,6 +309,7 @@ class CkptOperations(pyfuse3.Operations):
         x.ino, x.layer, x.nlink, x.commit_ns = ino, 0, 1, 0
         x.tail_run, x.tail_end = None, -1
         if x.emap is not None:
+            x.emap.replaced()
             x.emap, x.size = ExtentMap(), 0
         self.ns.inodes[ino] = x  # the old number stays an alias of the same inode
         for foff, n, run, roff in pieces:

@@ -21,7 +21,9 @@
  * landed whole, on a handle the Python side said takes writes, is answered here at once:
  * its record carries what the Python side needs of it (the entry goes back to the kernel),
  * and the Python side records it before it serves any request or changes staging, as it
- * records a WRITE read into staging from /dev/fuse before its answer. Two more requests are
+ * records a WRITE read into staging from /dev/fuse before its answer. (On /dev/fuse a queue
+ * thread reads a WRITE straight into the zone when no other thread holds it, so that the
+ * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
  * open() asks isatty() of every file) and FLUSH while the flusher has no error to report
  * (ckptfs's close() does not wait for durability; with an error, FLUSH goes to the Python side,
@@ -40,7 +42,11 @@
  * change at once, the handle takes writes, and the create is noted for the Python side, which
  * makes it in the tree (its INODE record, its handle) before it serves any request, as it
  * does a RELEASE's work. So a small file's save (GETATTR of the directory, LOOKUP, CREATE,
- * WRITEs, FLUSH, RELEASE) need not wait for the Python side at all.
+ * WRITEs, FLUSH, RELEASE) need not wait for the Python side at all. And READ of a handle that
+ * reads its file alone, from the read cache's buffers the Python side left with it (the
+ * handle's read window: checked bytes of pinned chunks; fr_read), noted for the Python side,
+ * which accounts for it (readahead, the cache's use) as for a READ it served; a restore's
+ * READs then need not wait for it either.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -258,6 +264,7 @@ struct ck_fring {
     uint64_t attr_gen;  /* 0: never valid; a clear moves it on (under lock) */
     struct fr_names names[NAME_DIRS];  /* (under lock) */
     struct fr_window windows[WINDOWS];  /* (under lock, but busy) */
+    _Atomic int nwindows;  /* windows standing (read without the lock: none, no lock) */
     struct ck_fring_read *reads;  /* (under lock) */
     unsigned dhead, dtail;
     _Atomic int reads_count;  /* not taken yet */
@@ -606,7 +613,7 @@ static int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 }
 
 /* Hand entry idx over; a WRITE (write_size > 0) lands in the zone first, unless it was read
- * there (in_zone: the lock held since, s->landed says how far, fr_dev_read_zone). Returns 1
+ * there (in_zone: the lock held since, s->landed says how far, fr_dev_read). Returns 1
  * when the WRITE was answered here (the entry is not handed over). */
 static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in_zone)
 {
@@ -649,7 +656,8 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         pthread_mutex_unlock(&f->lock);
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
-    fr_wake_python(f);
+    if (!in_zone)  /* (else the caller wakes it once it let go of the lock) */
+        fr_wake_python(f);
     return answered;
 }
 
@@ -711,6 +719,9 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     uint32_t size = fr_get32(s->hdr->op_in, 16);
     uint64_t off = r[1], hi = off + size;
     struct fr_window *w = NULL;
+    int wake = 0;
+    if (!atomic_load_explicit(&f->nwindows, memory_order_relaxed))
+        return 0;
     pthread_mutex_lock(&f->lock);
     if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r[0]))) {
         if (hi > w->end && w->eof)
@@ -726,10 +737,16 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
         d->size = size;
         d->n = (uint32_t)(hi - off);
         atomic_fetch_add(&f->reads_count, 1);
+        /* (the Python side accounts for them once it wakes: readahead, and the window opened
+         * on, so wake it as a READ passes the window's middle, or the list fills) */
+        uint64_t mid = w->start + (w->end - w->start) / 2;
+        wake = (off <= mid && hi > mid) || f->dtail - f->dhead >= READS_MAX / 2;
     }
     pthread_mutex_unlock(&f->lock);
     if (!w)
         return 0;
+    if (wake)
+        fr_wake_python(f);
     /* (the parts, end to end from w->start: the ones [off, hi) spans) */
     uint64_t at = w->start, pos = off;
     int k = 0;
@@ -763,7 +780,7 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
 }
 
 /* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
- * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read_zone). */
+ * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read). */
 static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
 {
     struct ck_fring *f = q->f;
@@ -1039,7 +1056,8 @@ static int fr_dev_read(struct ck_fring *f, int idx)
         }
         if (over)  /* (where the rest of the request goes in the payload buffer) */
             memmove(s->payload + k0 + k1, s->payload, over);
-        if (h->opcode == FR_OP_WRITE && *size == rest && k0) {
+        /* (the second part only once the first is full, as fr_land) */
+        if (h->opcode == FR_OP_WRITE && *size == rest && (k0 || (!r0 && k1))) {
             f->zone[0] += k0;
             f->room[0] -= k0;
             f->zone[1] += k1;
@@ -1149,6 +1167,7 @@ static void *fr_serve_dev(void *arg)
                 int here = fr_dispatch(q, idx, r == 2);
                 if (r == 2) {
                     pthread_mutex_unlock(&f->lock);
+                    fr_wake_python(f);
                     atomic_fetch_add(&q->read_in_place, 1);
                 }
                 if (here) {
@@ -1327,7 +1346,8 @@ int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); 
 int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_count)
-        + atomic_load(&f->released_count) + atomic_load(&f->created_count);
+        + atomic_load(&f->released_count) + atomic_load(&f->created_count)
+        + atomic_load(&f->reads_count);
 }
 
 /* Handles released here whose release the Python side has not taken yet. */
@@ -1439,7 +1459,7 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
     atomic_store(&f->py_sleeping, sleeping);
     return atomic_load(&f->pending) + atomic_load(&f->released_count)
-        + atomic_load(&f->created_count);
+        + atomic_load(&f->created_count) + atomic_load(&f->reads_count);
 }
 
 /* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
@@ -1670,8 +1690,10 @@ int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, in
         return 0;
     pthread_mutex_lock(&f->lock);
     struct fr_window *old = fr_window_of(f, fh), *w = NULL;
-    if (old)
+    if (old) {
         old->fh = 0;
+        atomic_fetch_sub(&f->nwindows, 1);
+    }
     for (int i = 0; i < WINDOWS && !w; i++)
         if (!f->windows[i].fh && !atomic_load(&f->windows[i].busy))
             w = &f->windows[i];
@@ -1685,6 +1707,7 @@ int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, in
             w->end += lens[i];
         }
         w->fh = fh + 1;
+        atomic_fetch_add(&f->nwindows, 1);
     }
     pthread_mutex_unlock(&f->lock);
     while (old && old != w && atomic_load(&old->busy))
@@ -1697,8 +1720,10 @@ void ck_fring_window_drop(struct ck_fring *f, uint64_t fh)
 {
     pthread_mutex_lock(&f->lock);
     struct fr_window *w = fr_window_of(f, fh);
-    if (w)
+    if (w) {
         w->fh = 0;
+        atomic_fetch_sub(&f->nwindows, 1);
+    }
     pthread_mutex_unlock(&f->lock);
     while (w && atomic_load(&w->busy))
         sched_yield();

@@ -10,11 +10,13 @@ FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the mod
 request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Seven requests are answered by the queue thread itself (a WRITE that
+wake-up is local. Eight requests are answered by the queue thread itself (a WRITE that
 landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
 IOCTL, GETATTR of a directory whose attributes this side left with it, LOOKUP of a name not in
-a directory whose names this side left with it, CREATE of such a name, and RELEASE, whose work
-this side does later, as it makes the created files in the tree: fuse/ring.c); every other one
+a directory whose names this side left with it, CREATE of such a name, READ inside the read
+window this side left for its handle (bytes of the read cache), and RELEASE, whose work this
+side does later, as it makes the created files in the tree and accounts for the READs:
+fuse/ring.c); every other one
 is served here, by the fast path's handlers
 (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
 its answer goes differ:
@@ -44,7 +46,8 @@ transport costs", dev-percpu). A request read there sits in an entry laid out as
 entry's and is served by the same code; an answer this side gives is written on /dev/fuse
 right away (answered() then frees the entry), and every request comes to this side through
 the queue threads (FORGET and INTERRUPT too: this side does not read /dev/fuse then; gone()
-says when the connection ended).
+says when the connection ended). A WRITE is read there straight into staging's tails when no
+other queue thread holds them (the kernel's copy then the only one).
 """
 
 from __future__ import annotations
