@@ -496,6 +496,8 @@ def test_read_windows_follow_a_copy_up_of_another_writers_file(mounts, transport
         b.stop()
         a = mounts.mount(backing, writer_id="w0", **opts)
         p = os.path.join(a.mountpoint, "theirs")
+        with open(p, "rb") as f:  # (every chunk in the read cache: the window spans them)
+            assert f.read() == data
         with open(p, "rb", buffering=0) as fa:
             assert fa.read(MiB) == data[:MiB]
             n = a.status()["ring_reads_answered_in_c"]

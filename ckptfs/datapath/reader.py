@@ -302,6 +302,15 @@ class Reader:
         self._pin(keys)
         return parts, list(keys), pos == file_size
 
+    def has(self, emap: ExtentMap, off: int) -> bool:
+        """Whether byte `off` of a file is in a checked run in a cached chunk (read_window
+        would reach it)."""
+        for _, _, run, roff in emap.find(off, off + 1):
+            if not run.verified or run.log < 0 or run.memory() is not None:
+                return False
+            return (run.layer, run.log, (run.loff + roff) // CHUNK_BYTES) in self.chunks
+        return False
+
     def unpin(self, keys) -> None:
         """The views of a read_window() over these chunks are no longer used."""
         self._unpin(keys)

@@ -109,7 +109,8 @@ class ExtentMap:
     overwrite or truncate clips them, a forgotten inode drops its map.
 
     `ExtentMap.on_change(emap)`, when set (the fast path: its read windows), hears of the first
-    change of a map whose `watched` is set (and clears it): a write, truncate or drop."""
+    change of a map whose `watched` is set (and clears it): a write, truncate or drop, or its
+    file getting another map (`replaced`: a copy-up)."""
 
     __slots__ = ("pieces", "stored", "watched")
     on_dead: Callable[[Run, int], None] | None = None

@@ -893,15 +893,15 @@ class FastPath(RequestWait):
         # (the releases first: the create of every file they release was noted before, and
         # so was every READ of a handle they release, accounted for before they run)
         released = ring.take_released() if ring.released() else None
+        if released:
+            self.hold_releases(released)  # (run later: after the reads are accounted for)
         if ring.reads():
-            self.reads_served(ring.take_reads())
+            self.reads_served(ring.take_reads(), released or ())
         if ring.created():
             self.make_created(ring.take_created())
-        if released:
-            if self.windows:
-                for fh in released:
-                    self.drop_window(fh)
-            self.hold_releases(released)
+        if released and self.windows:
+            for fh in released:
+                self.drop_window(fh)
         if self.zone_live and not ring.landed():
             return
         self.claim_landed()
@@ -964,6 +964,8 @@ class FastPath(RequestWait):
         except Exception:
             log.exception("read window of handle %d", fh)
             self.drop_window(fh)
+            if self.ring is not None:  # (one the queue threads hold unknown to this side)
+                self.ring.window_drop(fh)
 
     def _open_window(self, fh: int, off: int) -> None:
         ops = self.ops
@@ -991,16 +993,17 @@ class FastPath(RequestWait):
         except BaseException:
             reader.unpin(keys)
             raise
-        if old is not None:
+        if ok:
+            self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
+            self.window_chunks += len(keys)
+            x.emap.watched = True
+        elif old is not None:
             del self.windows[fh]
+        if old is not None:
             self.window_chunks -= len(old[4])
             reader.unpin(old[4])
         if not ok:
             reader.unpin(keys)
-            return
-        self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
-        self.window_chunks += len(keys)
-        x.emap.watched = True
 
     def drop_window(self, fh: int, ring=None) -> None:
         """Handle fh's READs come here again; its window's chunks are let go."""
@@ -1017,19 +1020,24 @@ class FastPath(RequestWait):
             if w[1] is emap:
                 self.drop_window(fh)
 
-    def reads_served(self, reads: list) -> None:
+    def reads_served(self, reads: list, released=()) -> None:
         """The READs the queue threads answered from windows, accounted for as if answered
         here (ops.read_served); a window read past its middle is opened anew from where
-        its reader got to (the readahead those READs started may have brought more)."""
+        its reader got to, when the cache holds the bytes past its end by now (the
+        readahead those READs started), unless its handle was released."""
         ops = self.ops
         self.reads_direct += len(reads)
         last: dict[int, int] = {}
         for fh, off, size, n in reads:
-            ops.read_served(fh, off, size, n)
-            last[fh] = off + n
+            try:
+                ops.read_served(fh, off, size, n)
+            except Exception:  # (accounting only: the READ was answered)
+                log.exception("accounting for a READ of handle %d", fh)
+            last[fh] = max(last.get(fh, 0), off + n)
         for fh, end in last.items():
             w = self.windows.get(fh)
-            if w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size:
+            if (w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size
+                    and fh not in released and ops.reader.has(w[1], w[3])):
                 self.open_window(fh, end)
 
     def stop_ring(self) -> bool:

@@ -175,6 +175,7 @@ struct ck_fring_landed {
 struct fr_window {
     uint64_t fh, start, end;
     int eof, nparts;
+    int woke;  /* a READ past its middle woke the Python side (once per window) */
     _Atomic int busy;
     char *part[WINDOW_PARTS];
     uint32_t len[WINDOW_PARTS];
@@ -198,6 +199,7 @@ struct fr_slot {
     struct fr_window *win;
     struct iovec body[WINDOW_PARTS];
     int nbody;
+    int wake;  /* wake the Python side once the answer is sent */
 };
 
 struct fr_queue {
@@ -268,6 +270,7 @@ struct ck_fring {
     struct ck_fring_read *reads;  /* (under lock) */
     unsigned dhead, dtail;
     _Atomic int reads_count;  /* not taken yet */
+    _Atomic int reads_due;  /* the Python side is to take them now (ck_fring_pending) */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
     _Atomic int py_sleeping;
     _Atomic int stop;
@@ -737,16 +740,19 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
         d->size = size;
         d->n = (uint32_t)(hi - off);
         atomic_fetch_add(&f->reads_count, 1);
-        /* (the Python side accounts for them once it wakes: readahead, and the window opened
-         * on, so wake it as a READ passes the window's middle, or the list fills) */
+        /* (the Python side accounts for them when it serves a request: readahead, and the
+         * window opened on; so they are due, and it is woken, once a READ passes the
+         * window's middle, or the list fills) */
         uint64_t mid = w->start + (w->end - w->start) / 2;
-        wake = (off <= mid && hi > mid) || f->dtail - f->dhead >= READS_MAX / 2;
+        if ((hi > mid && !w->woke) || f->dtail - f->dhead >= READS_MAX / 2) {
+            w->woke = 1;
+            wake = 1;
+            atomic_store(&f->reads_due, 1);
+        }
     }
     pthread_mutex_unlock(&f->lock);
     if (!w)
         return 0;
-    if (wake)
-        fr_wake_python(f);
     /* (the parts, end to end from w->start: the ones [off, hi) spans) */
     uint64_t at = w->start, pos = off;
     int k = 0;
@@ -762,10 +768,11 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     }
     uint32_t n = (uint32_t)(hi - off);
     fr_answer(s, 0, NULL, 0);
-    if (f->dev) {  /* (sent from the window's buffers) */
+    if (f->dev) {  /* (sent from the window's buffers; the wake once it is: fr_dev_reply) */
         fr_put32(s->hdr->in_out, 0, 16 + n);
         s->win = w;
         s->nbody = k;
+        s->wake = wake;
     } else {
         char *p = s->payload;
         for (int i = 0; i < k; i++) {
@@ -775,6 +782,8 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
         fr_put32(s->hdr->in_out, 0, 16 + n);
         s->hdr->ent.payload_sz = n;
         atomic_fetch_sub(&w->busy, 1);
+        if (wake)  /* (after: the Python side may replace the window at once) */
+            fr_wake_python(f);
     }
     return 1;
 }
@@ -1108,6 +1117,9 @@ static int fr_dev_reply(struct ck_fring *f, struct fr_slot *s)
         atomic_fetch_sub(&s->win->busy, 1);
         s->win = NULL;
         s->nbody = 0;
+        if (s->wake)
+            fr_wake_python(f);
+        s->wake = 0;
     }
     return -err;
 }
@@ -1347,7 +1359,7 @@ int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_count)
         + atomic_load(&f->released_count) + atomic_load(&f->created_count)
-        + atomic_load(&f->reads_count);
+        + atomic_load(&f->reads_due);
 }
 
 /* Handles released here whose release the Python side has not taken yet. */
@@ -1454,12 +1466,16 @@ int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 }
 
 /* The Python side is about to sleep on its eventfd (1) or is awake (0). Returns the requests
- * waiting: with 1, if not 0, it must not sleep (one may have come before the flag was set). */
+ * waiting (with what it is to take: releases, creates, READs answered here that are due):
+ * with 1, if not 0, it must not sleep (one may have come before the flag was set). */
 int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
     atomic_store(&f->py_sleeping, sleeping);
-    return atomic_load(&f->pending) + atomic_load(&f->released_count)
-        + atomic_load(&f->created_count) + atomic_load(&f->reads_count);
+    int waiting = atomic_load(&f->pending) + atomic_load(&f->released_count)
+        + atomic_load(&f->created_count) + atomic_load(&f->reads_due);
+    if (waiting)  /* (it does not sleep then) */
+        atomic_store(&f->py_sleeping, 0);
+    return waiting;
 }
 
 /* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
@@ -1683,11 +1699,15 @@ void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_f
  * nparts buffers (end to end), unchanged until the window is dropped; eof: the file ends there.
  * Replaces the handle's window (once no READ uses the old one). Returns 1, or 0 when every
  * window is taken (the handle then has none). */
+void ck_fring_window_drop(struct ck_fring *f, uint64_t fh);
+
 int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, int nparts,
                     char **parts, const uint32_t *lens)
 {
-    if (nparts < 1 || nparts > WINDOW_PARTS)
+    if (nparts < 1 || nparts > WINDOW_PARTS) {
+        ck_fring_window_drop(f, fh);  /* (the handle has none then, as with no free window) */
         return 0;
+    }
     pthread_mutex_lock(&f->lock);
     struct fr_window *old = fr_window_of(f, fh), *w = NULL;
     if (old) {
@@ -1700,6 +1720,7 @@ int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, in
     if (w) {
         w->start = w->end = start;
         w->eof = eof;
+        w->woke = 0;
         w->nparts = nparts;
         for (int i = 0; i < nparts; i++) {
             w->part[i] = parts[i];
@@ -1739,6 +1760,8 @@ int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
     while (n < max && f->dhead != f->dtail)
         out[n++] = f->reads[f->dhead++ % READS_MAX];
     atomic_fetch_sub(&f->reads_count, n);
+    if (f->dhead == f->dtail)
+        atomic_store(&f->reads_due, 0);
     pthread_mutex_unlock(&f->lock);
     return n;
 }
