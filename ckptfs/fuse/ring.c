@@ -292,6 +292,19 @@ static void fr_note_error(struct ck_fring *f, int err)
     atomic_compare_exchange_strong(&f->error, &zero, err);
 }
 
+/* Take up to max records, in order, of one of the lists the queue threads fill for the
+ * Python side (cap records of `size` bytes at `list`; head and tail count up, the count of
+ * records not taken is lowered here, under the lock, as it is raised). (under lock) */
+static int fr_take_list(void *out, const void *list, size_t size, unsigned cap,
+                        unsigned *head, unsigned tail, _Atomic int *count, int max)
+{
+    int n = 0;
+    for (; n < max && *head != tail; n++, (*head)++)
+        memcpy((char *)out + (size_t)n * size, (const char *)list + (*head % cap) * size, size);
+    atomic_fetch_sub(count, n);
+    return n;
+}
+
 static double fr_now(void)
 {
     struct timespec t;
@@ -1368,11 +1381,9 @@ int ck_fring_released(struct ck_fring *f) { return atomic_load(&f->released_coun
 /* Take up to max of them, in the order their RELEASEs came. */
 int ck_fring_take_released(struct ck_fring *f, uint64_t *out, int max)
 {
-    int n = 0;
     pthread_mutex_lock(&f->lock);
-    while (n < max && f->rhead != f->rtail)
-        out[n++] = f->released[f->rhead++ % RELEASED_MAX];
-    atomic_fetch_sub(&f->released_count, n);
+    int n = fr_take_list(out, f->released, sizeof *out, RELEASED_MAX, &f->rhead, f->rtail,
+                         &f->released_count, max);
     pthread_mutex_unlock(&f->lock);
     return n;
 }
@@ -1427,11 +1438,9 @@ int ck_fring_created(struct ck_fring *f) { return atomic_load(&f->created_count)
 /* Take up to max of them, in the order they were created. */
 int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *out, int max)
 {
-    int n = 0;
     pthread_mutex_lock(&f->lock);
-    while (n < max && f->chead != f->ctail)
-        out[n++] = f->created[f->chead++ % CREATED_MAX];
-    atomic_fetch_sub(&f->created_count, n);
+    int n = fr_take_list(out, f->created, sizeof *out, CREATED_MAX, &f->chead, f->ctail,
+                         &f->created_count, max);
     pthread_mutex_unlock(&f->lock);
     return n;
 }
@@ -1518,11 +1527,9 @@ int ck_fring_revoke(struct ck_fring *f)
 /* Take up to max landed writes, in the order they landed. */
 int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int max)
 {
-    int n = 0;
     pthread_mutex_lock(&f->lock);
-    while (n < max && f->lhead != f->ltail)
-        out[n++] = f->landed[f->lhead++ % LANDED_MAX];
-    atomic_fetch_sub(&f->landed_count, n);  /* (under the lock, as it is raised) */
+    int n = fr_take_list(out, f->landed, sizeof *out, LANDED_MAX, &f->lhead, f->ltail,
+                         &f->landed_count, max);
     pthread_mutex_unlock(&f->lock);
     return n;
 }
@@ -1755,11 +1762,9 @@ int ck_fring_reads(struct ck_fring *f) { return atomic_load(&f->reads_count); }
 /* Take up to max READs answered from windows, in the order they were answered. */
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
 {
-    int n = 0;
     pthread_mutex_lock(&f->lock);
-    while (n < max && f->dhead != f->dtail)
-        out[n++] = f->reads[f->dhead++ % READS_MAX];
-    atomic_fetch_sub(&f->reads_count, n);
+    int n = fr_take_list(out, f->reads, sizeof *out, READS_MAX, &f->dhead, f->dtail,
+                         &f->reads_count, max);
     if (f->dhead == f->dtail)
         atomic_store(&f->reads_due, 0);
     pthread_mutex_unlock(&f->lock);
