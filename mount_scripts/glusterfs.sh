@@ -13,7 +13,8 @@
 #   install only installs the packages when missing (what `make test` does first).
 #   status  prints what is up; exit 0 when the volume is started and mounted, 3 when nothing
 #           is up, 1 when only part of it is.
-#   Every step is idempotent: `up` on a running volume and `down` on nothing succeed.
+#   Every step is idempotent: `up` on a running volume and `down` on nothing succeed; both
+#   detach a dead mount (its client gone: ENOTCONN) first.
 #
 # environment (defaults):
 #   GLUSTER_DIR=/var/tmp/ckptfs-gluster   bricks, state; a directory of the local disk
@@ -218,7 +219,7 @@ make_bricks() {
         d=$(brick_dir "$i")
         if [ -n "$GLUSTER_BRICK_SIZE" ]; then
             mkdir -p "$d.fs"
-            if ! mountpoint -q "$d.fs"; then
+            if ! listed_mount "$d.fs"; then
                 img="$GLUSTER_DIR/bricks/b$i.img"
                 rm -f "$img"
                 truncate -s "$GLUSTER_BRICK_SIZE" "$img"
@@ -274,7 +275,21 @@ wait_bricks_online() {
 }
 
 # ---------------------------------------------------------------- the client mount
-is_mounted() { mountpoint -q "$GLUSTER_MOUNT" 2>/dev/null; }
+# Mounted: listed in the mount table. `mountpoint` stats the path, and the stat of a mount
+# whose client died fails (ENOTCONN): such a dead mount is still there and must be detached.
+is_mounted() { listed_mount "$GLUSTER_MOUNT"; }
+listed_mount() { findmnt -rn --mountpoint "$1" >/dev/null 2>&1; }
+# A mount that answers: its client is alive and talks to the volume.
+mount_works() { timeout -k 5 "$T" stat -f "$GLUSTER_MOUNT" >/dev/null 2>&1; }
+
+# Detach a mount whose client is gone (killed, crashed): every access to it fails with
+# ENOTCONN until it is unmounted, and `mkdir`/`mount` on it fail.
+detach_dead_mount() {
+    is_mounted && ! mount_works || return 0
+    say "$GLUSTER_MOUNT is a dead mount (its client is gone): detaching it"
+    timeout -k 5 "$T" umount "$GLUSTER_MOUNT" 2>/dev/null || umount -l "$GLUSTER_MOUNT" 2>/dev/null \
+        || die 1 "cannot detach the dead mount $GLUSTER_MOUNT"
+}
 
 client_pid() {
     local p
@@ -332,12 +347,13 @@ cmd_up() {
     fi
     wait_bricks_online
     brick_pids > "$STATE/bricks.pids"
+    detach_dead_mount
     if ! is_mounted; then
         mkdir -p "$GLUSTER_MOUNT"
         timeout -k 5 "$T" mount -t glusterfs "$HOST:/$GLUSTER_VOLUME" "$GLUSTER_MOUNT" \
             || die 1 "mount -t glusterfs $HOST:/$GLUSTER_VOLUME $GLUSTER_MOUNT failed" \
                      "(/var/log/glusterfs/$(echo "${GLUSTER_MOUNT#/}" | tr / -).log)"
-        if ! is_mounted || ! timeout -k 5 "$T" stat -f "$GLUSTER_MOUNT" >/dev/null; then
+        if ! is_mounted || ! mount_works; then
             die 1 "$GLUSTER_MOUNT is not a working mount after mount -t glusterfs"
         fi
         say "mounted $HOST:/$GLUSTER_VOLUME at $GLUSTER_MOUNT"
@@ -391,7 +407,7 @@ cmd_down() {
     # small bricks: their file systems
     if [ -f "$STATE/loops" ]; then
         while read -r d dev; do
-            if mountpoint -q "$d"; then
+            if listed_mount "$d"; then
                 timeout -k 5 "$T" umount "$d" 2>/dev/null || umount -l "$d" || rc=1
             fi
             if [ "$dev" != tmpfs ] && losetup "$dev" 2>/dev/null | grep -q "$GLUSTER_DIR"; then
@@ -401,7 +417,7 @@ cmd_down() {
     fi
     rm -f "$GLUSTER_RUN/instances/$GLUSTER_VOLUME" 2>/dev/null || true
     if [ "$rc" = 0 ]; then
-        if mountpoint -q "$GLUSTER_MOUNT" 2>/dev/null; then rc=1; else rm -rf "$GLUSTER_DIR"; fi
+        if is_mounted; then rc=1; else rm -rf "$GLUSTER_DIR"; fi
     fi
     [ -d "$GLUSTER_RUN" ] && { stop_glusterd_if_unused || rc=1; }
     [ "$rc" = 0 ] && say "down: $GLUSTER_VOLUME removed" || echo "glusterfs.sh: down: not everything could be removed" >&2
@@ -429,8 +445,11 @@ cmd_status() {
     else
         echo "volume $GLUSTER_VOLUME: absent"
     fi
-    if is_mounted; then
-        echo "mounted: $GLUSTER_MOUNT ($(findmnt -n -o SOURCE "$GLUSTER_MOUNT"))"
+    if is_mounted && ! mount_works; then
+        echo "mounted: dead ($GLUSTER_MOUNT: its client is gone; up or down detaches it)"
+        parts=$((parts + 1))
+    elif is_mounted; then
+        echo "mounted: $GLUSTER_MOUNT ($(findmnt -rn -o SOURCE --mountpoint "$GLUSTER_MOUNT"))"
         up=$((up + 1))
         parts=$((parts + 1))
     else
@@ -450,6 +469,6 @@ case "${1:-}" in
     down) cmd_down ;;
     status) cmd_status ;;
     install) need_root; install_packages ;;
-    -h|--help|help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
     *) echo "usage: glusterfs.sh up|down|status|install (see --help)" >&2; exit 2 ;;
 esac

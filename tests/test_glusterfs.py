@@ -84,7 +84,7 @@ class Volume:
         paths = [self.mount] + ([os.path.join(bricks, b) for b in os.listdir(bricks)
                                  if b.endswith(".fs")] if os.path.isdir(bricks) else [])
         for d in paths:
-            if os.path.ismount(d):
+            if _listed_mount(d):
                 subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
         for f in ("client.pid", "bricks.pids"):
             for pid in _pids(os.path.join(self.dir, "state", f)):
@@ -95,6 +95,17 @@ class Volume:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         return path
+
+
+def _listed_mount(path: str) -> bool:
+    """In the mount table. Unlike os.path.ismount, true for a mount whose client died too
+    (its stat fails with ENOTCONN, yet it is mounted and must be detached)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4]
+            if re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target) == path:
+                return True
+    return False
 
 
 def _pids(path: str) -> list[int]:
@@ -511,3 +522,45 @@ def test_script_idempotent_and_refuses_hosts_outside_loopback(gluster, tmp_path)
         assert not os.path.exists(other.dir), "a refused up left files behind"
     res = Volume(GLUSTER_DIR=str(tmp_path / "none"), GLUSTER_VOLUME="none").script("down", 120)
     assert res.returncode == 0, res.stderr  # down with nothing up
+
+
+def test_script_detaches_a_mount_whose_client_died(gluster):
+    """A gluster client killed (or crashed) leaves its mount dead: every access fails with
+    ENOTCONN, `mountpoint` and os.path.ismount say it is not mounted. `up` and `down` detach
+    it instead of failing on it, so a killed run does not break the next one."""
+    vol = Volume(GLUSTER_DIR="/var/tmp/ckptfs-gluster-dead", GLUSTER_VOLUME="ckptfs-dead",
+                 GLUSTER_BRICKS="1")
+
+    def kill_client() -> None:
+        (client,) = _pids(os.path.join(vol.dir, "state", "client.pid"))
+        _kill(client)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.stat(vol.mount)
+            except OSError as exc:
+                assert exc.errno == errno.ENOTCONN, exc
+                break
+            assert time.monotonic() < deadline, "the mount still answers after its client died"
+            time.sleep(0.1)
+        assert _listed_mount(vol.mount) and not os.path.ismount(vol.mount)
+        res = vol.script("status", 60)
+        assert res.returncode == 1 and "mounted: dead" in res.stdout, res.stdout + res.stderr
+
+    vol.up()
+    try:
+        kill_client()
+        res = vol.script("up", 300)
+        assert res.returncode == 0 and "dead mount" in res.stdout, res.stdout + res.stderr
+        with open(os.path.join(vol.mount, "after"), "wb") as f:
+            f.write(b"mounted again")
+        with open(os.path.join(vol.mount, "after"), "rb") as f:
+            assert f.read() == b"mounted again"
+        kill_client()
+        res = vol.script("down", 300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert not _listed_mount(vol.mount), "down left the dead mount"
+        assert not os.path.exists(vol.dir), "down left the volume's directory"
+    finally:
+        if vol.started:
+            vol.down()
