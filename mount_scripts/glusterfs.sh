@@ -14,7 +14,8 @@
 #   status  prints what is up; exit 0 when the volume is started and mounted, 3 when nothing
 #           is up, 1 when only part of it is.
 #   Every step is idempotent: `up` on a running volume and `down` on nothing succeed; both
-#   detach a dead mount (its client gone: ENOTCONN) first.
+#   detach a dead mount (its client gone: ENOTCONN) first; `up` makes anew a volume of this
+#   script whose bricks are gone (a `down` stopped halfway, a reboot).
 #
 # environment (defaults):
 #   GLUSTER_DIR=/var/tmp/ckptfs-gluster   bricks, state; a directory of the local disk
@@ -251,6 +252,29 @@ brick_paths() {
 }
 
 volume_exists() { g volume info "$GLUSTER_VOLUME" >/dev/null 2>&1; }
+volume_brick_paths() { g volume info "$GLUSTER_VOLUME" 2>/dev/null | awk '/^Brick[0-9]+:/ {sub(/^[^:]*:/, "", $2); print $2}'; }
+
+# Every brick of the volume still holds gluster's metadata. A run stopped halfway through
+# `down` (or a reboot that took the loop-mounted bricks along) leaves glusterd a volume whose
+# bricks are gone: it cannot start them again, and `up` would wait for them in vain.
+volume_bricks_present() {
+    local b
+    for b in $(volume_brick_paths); do [ -d "$b/.glusterfs" ] || return 1; done
+    return 0
+}
+
+# Delete a volume of this script whose bricks are gone (nothing is left to keep: its data was
+# in them); a volume with bricks elsewhere is not this script's to delete.
+drop_stale_volume() {
+    local b
+    for b in $(volume_brick_paths); do
+        [[ "$b" == "$GLUSTER_DIR"/bricks/* ]] || die 1 "volume $GLUSTER_VOLUME has a brick" \
+            "outside $GLUSTER_DIR ($b) that is gone; it is not this script's: delete it yourself"
+    done
+    say "volume $GLUSTER_VOLUME lost its bricks (a run stopped halfway, or a reboot): deleting it"
+    g volume stop "$GLUSTER_VOLUME" force >/dev/null 2>&1 || true
+    g volume delete "$GLUSTER_VOLUME" >/dev/null || die 1 "gluster volume delete $GLUSTER_VOLUME failed"
+}
 volume_started() { g volume info "$GLUSTER_VOLUME" 2>/dev/null | grep -q '^Status: Started'; }
 
 # PIDs of the volume's brick processes, from glusterd's PID files
@@ -328,6 +352,9 @@ cmd_up() {
     start_glusterd
     mkdir -p "$GLUSTER_RUN/instances"
     echo "$GLUSTER_DIR" > "$GLUSTER_RUN/instances/$GLUSTER_VOLUME"
+    if volume_exists && ! volume_bricks_present; then
+        drop_stale_volume
+    fi
     if ! volume_exists; then
         local bricks=() paths=() b
         rm -rf "$GLUSTER_DIR/bricks"/b*[0-9] "$GLUSTER_DIR/bricks"/b*.fs/brick 2>/dev/null || true

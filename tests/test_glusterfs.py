@@ -524,10 +524,11 @@ def test_script_idempotent_and_refuses_hosts_outside_loopback(gluster, tmp_path)
     assert res.returncode == 0, res.stderr  # down with nothing up
 
 
-def test_script_detaches_a_mount_whose_client_died(gluster):
-    """A gluster client killed (or crashed) leaves its mount dead: every access fails with
-    ENOTCONN, `mountpoint` and os.path.ismount say it is not mounted. `up` and `down` detach
-    it instead of failing on it, so a killed run does not break the next one."""
+def test_script_recovers_from_a_run_killed_halfway(gluster):
+    """What a killed run leaves does not break the next one. A gluster client killed (or
+    crashed) leaves its mount dead: every access fails with ENOTCONN, `mountpoint` and
+    os.path.ismount say it is not mounted; `up` and `down` detach it. A `down` stopped
+    halfway leaves glusterd a volume whose bricks are gone; `up` makes it anew."""
     vol = Volume(GLUSTER_DIR="/var/tmp/ckptfs-gluster-dead", GLUSTER_VOLUME="ckptfs-dead",
                  GLUSTER_BRICKS="1")
 
@@ -556,6 +557,15 @@ def test_script_detaches_a_mount_whose_client_died(gluster):
             f.write(b"mounted again")
         with open(os.path.join(vol.mount, "after"), "rb") as f:
             assert f.read() == b"mounted again"
+        # a `down` stopped halfway: the volume stopped, its bricks removed, still defined
+        res = subprocess.run(["gluster", "--mode=script", "volume", "stop", vol.name, "force"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        subprocess.run(["umount", "-l", vol.mount], capture_output=True, timeout=30)
+        shutil.rmtree(os.path.join(vol.dir, "bricks"))
+        res = vol.script("up", 300)
+        assert res.returncode == 0 and "lost its bricks" in res.stdout, res.stdout + res.stderr
+        assert not os.path.exists(os.path.join(vol.mount, "after"))  # a new, empty volume
         kill_client()
         res = vol.script("down", 300)
         assert res.returncode == 0, res.stdout + res.stderr
