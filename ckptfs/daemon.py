@@ -385,6 +385,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                 ops.request_wait.quiesce()  # (what it held back goes into the last commit)
             except Exception:  # (the last commit still comes)
                 log.exception("unmount: holding back requests' work")
+        ops.release_all()  # (handles whose RELEASE the unmount cut off)
         try:
             with trio.CancelScope(shield=True):
                 await flusher.stop()

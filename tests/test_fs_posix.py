@@ -6,18 +6,26 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import random
+import signal
 import stat
 import subprocess
 import time
 
 import pytest
 
+from ckptfs import api
+
 pytestmark = pytest.mark.timeout(120)
 
 KiB, MiB = 1 << 10, 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 AT_FDCWD = -100
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 
@@ -204,6 +212,46 @@ def test_written_file_mtime_persists(mounts):
     st2 = os.stat(os.path.join(m.mountpoint, "w"))
     assert st2.st_size == 200
     assert st2.st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_release_the_unmount_cut_off_still_makes_its_file_durable(mounts):
+    """The kernel sends RELEASE after the last reference to an open file goes, without
+    waiting for it, and an unmount aborts the requests the daemon has not read yet (for a
+    FUSE mount it sends no DESTROY to wait for them). A file let go of just before the
+    unmount keeps what its handle changed: the daemon ends every handle still open when its
+    loop ends, as their RELEASEs would have."""
+    m = mounts.mount()
+    f = os.path.join(m.mountpoint, "w")
+    with open(f, "wb") as fh:
+        fh.write(b"a" * 100)
+    os.utime(f, ns=(10**18, 10**18))
+    pid = m.status()["pid"]
+    with open(f, "r+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.write(b"b" * 100)  # (moves mtime: journaled at the handle's release)
+        fh.flush()
+        mtime = os.fstat(fh.fileno()).st_mtime_ns
+        # a mapping keeps the open file after close() (its FLUSH answered); unmapping it
+        # then sends the RELEASE, which needs no answer (libc's mmap: Python's mmap object
+        # holds a descriptor of its own, whose close() would send a FLUSH)
+        addr = _libc.mmap(None, 200, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    assert mtime != 10**18 and ctypes.string_at(addr, 1) == b"a"
+    os.kill(pid, signal.SIGSTOP)  # the daemon reads nothing until the unmount is done
+    try:
+        assert _libc.munmap(addr, 200) == 0
+        # (the RELEASE now waits in the kernel, unread)
+        res = api.fusermount(m.mountpoint)
+        assert res.returncode == 0, res.stderr
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert api.wait_pid_exit(pid, 30), "the daemon did not end after the unmount"
+    m.proc.wait(10)
+    assert m.proc.returncode == 0
+    m = mounts.mount(backing=m.backing)
+    st = os.stat(os.path.join(m.mountpoint, "w"))
+    assert st.st_size == 200
+    assert st.st_mtime_ns == mtime
 
 
 def test_mv_rm(mounts):

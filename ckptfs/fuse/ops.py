@@ -866,6 +866,18 @@ class CkptOperations(pyfuse3.Operations):
             h.inode.opens -= 1
             self.ns.maybe_forget(h.inode)
 
+    def release_all(self) -> None:
+        """When the request loop has ended: every handle still open is released, as its
+        RELEASE would have. The kernel sends RELEASE without waiting for it, and an unmount
+        aborts the requests not read yet (it sends a FUSE mount no DESTROY to wait for
+        them), so a file let go of just before the unmount has its RELEASE dropped; what
+        the release journals (the written file's times) goes into the last commit instead."""
+        for fh in list(self.handles):
+            try:
+                self.release_now(fh)
+            except Exception:  # (the others are still released; the last commit still comes)
+                log.exception("unmount: releasing handle %d", fh)
+
     async def fsync(self, fh, datasync):
         self.fsyncs += 1
         await self._barrier()
