@@ -351,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("gc", help="keep the newest N checkpoint directories, delete the rest",
                        epilog="example: ckptfs gc /ckpt --keep 3 --pattern 'step_*'")
     p.add_argument("mountpoint")
-    p.add_argument("--dir", default="/", help="directory inside the mount holding the steps")
+    p.add_argument("--dir", default="/",
+                   help="directory inside the mount holding the steps (default: its root)")
     p.add_argument("--keep", type=int, required=True, help="how many of the newest to keep")
-    p.add_argument("--pattern", default="step_*", help="shell pattern of the entries")
+    p.add_argument("--pattern", default="step_*",
+                   help="shell pattern of the entries (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p = sub.add_parser("demo", help="save and restore a model through a temporary mount",
                        epilog="example: ckptfs demo --size 512M")
@@ -382,13 +384,14 @@ TOOLS = {"ls": "ls", "verify": "verify", "export": "export", "import": "importer
 
 
 def _offline(a) -> int:
+    from ckptfs import api
     from ckptfs.format.records import FormatError
 
     tool = importlib.import_module(f"ckptfs.tools.{TOOLS[a.command]}")
     try:
         return getattr(tool, f"cmd_{a.command}")(a)
-    except (FormatError, OSError) as exc:
-        return _fail(str(exc))
+    except (FormatError, OSError, api.CkptfsError) as exc:  # (import mounts)
+        return _fail(str(exc).removeprefix("error: "))
 
 
 def _bench(argv: list[str]) -> int:

@@ -57,6 +57,19 @@ def test_backing_missing_or_file(tmp_path, mode):
     mount_fails(str(f), str(mnt), mode=mode, expect="not a directory")
 
 
+def test_import_into_a_missing_backing_directory(tmp_path):
+    """`ckptfs import` mounts the backing directory: its errors read like mount's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a")
+    res = cli("import", str(src), str(tmp_path / "nope"), timeout=60)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ckptfs: "), res.stderr
+    assert "does not exist" in lines[0] and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "nope").exists()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_backing_read_only(tmp_path, mode):
     b = tmp_path / "ro"
