@@ -168,6 +168,11 @@ def _umount(a) -> int:
         print(f"ckptfs: {mp}: could not make everything durable: {err}", file=sys.stderr)
         if not a.force:
             return _fail("not unmounted (use --force to unmount anyway, losing what is staged)")
+    else:  # (the figures once everything is durable)
+        try:
+            st = api.status(mp, timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+        except OSError:
+            pass
     try:
         api.unmount(mp, pid, max(1.0, deadline - time.monotonic()),
                     busy="lazy" if a.lazy else "fail")
@@ -244,6 +249,7 @@ def _status(a) -> int:
         if a.json:
             print(json.dumps(st, indent=None if a.watch else 2), flush=True)
         else:
+            print(_status_summary(st))
             width = max(len(k) for k in st)
             for k, v in st.items():
                 print(f"{k:<{width}}  {v}")
@@ -251,6 +257,35 @@ def _status(a) -> int:
         if not a.watch:
             return 0
         time.sleep(a.interval)
+
+
+def _bytes(n) -> str:
+    """In the units of the size options (M = MiB)."""
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _status_summary(st: dict) -> str:
+    """The few figures an operator looks at first, above every counter of `ckptfs status`
+    (docs/operations.md names them all)."""
+    g = st.get
+    error = g("current_error") or "none"
+    return "\n".join([
+        f"{g('mountpoint')}: writer {g('writer')}, pid {g('pid')}, backing {g('backing')}"
+        f"{' (read-only)' if g('readonly') else ''}",
+        f"  written {_bytes(g('bytes_written'))} in {g('write_requests', 0)} requests; "
+        f"durable {_bytes(g('bytes_durable'))}; staged {_bytes(g('bytes_staged'))} of "
+        f"{_bytes(g('staging_bytes'))}",
+        f"  read {_bytes(g('bytes_read'))} in {g('read_requests', 0)} requests; from disk "
+        f"{_bytes(g('read_disk_bytes'))}",
+        f"  data logs {g('data_logs', 0)}: {_bytes(g('live_bytes'))} live, "
+        f"{_bytes(g('dead_bytes'))} dead; index {_bytes(g('index_size_bytes'))}",
+        f"  errors {g('errors', 0)}, now: {error}",
+        ""])
 
 
 def _options(a) -> int:

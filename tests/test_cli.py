@@ -64,6 +64,11 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     assert st["guest_halt_poll_ns"] == system.guest_halt_poll_ns()
     text = run("status", mnt).stdout
     assert "bytes_durable" in text and "engine" in text
+    # a summary first: where, how much is durable (after the sync: all of it), errors
+    head = text.splitlines()[:5]
+    assert head[0].startswith(f"{mnt}: writer ") and f"pid {st['pid']}" in head[0], head
+    assert f"durable {len(data) / (1 << 20):.1f} MiB" in head[1], head
+    assert head[4].strip() == "errors 0, now: none", head
     # status comes from the daemon's socket (not through the mount), the same figures as the
     # mount's status xattr, which is what a daemon without that socket is asked
     via_socket = api._status_socket(str(mnt), 10)

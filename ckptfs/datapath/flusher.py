@@ -204,7 +204,7 @@ class FlushStats:
     def __init__(self) -> None:
         self.segments = 0
         self.bytes_written = 0  # to data logs, padding included
-        self.payload_bytes = 0  # file bytes
+        self.payload_bytes = 0  # file bytes of the segments whose logs are synced
         self.index_bytes = 0
         self.index_commits = 0
         self.data_syncs = 0
@@ -342,6 +342,7 @@ class Flusher:
         hook = self.durable_hook
         for seg in segs:
             seg.durable = True
+            self.stats.payload_bytes += seg.used  # (its log synced)
             if hook is not None:
                 hook(seg)
             if seg.buf is not None:
@@ -535,7 +536,7 @@ class Flusher:
         t0 = time.perf_counter()
         reqs = []
         by_log_fd: dict[int, int] = {}
-        payload = written = 0
+        written = 0
         chunk = self.io_chunk_bytes
         # Place every segment first (placement may roll over to a new data log and close the
         # old one), then resolve file descriptors: a segment placed in a log that is no longer
@@ -559,7 +560,6 @@ class Flusher:
                 for off in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - off)
                     reqs.append((fd, seg.view[off:off + n], seg.loff + off))
-                payload += seg.used
                 written += nbytes
             self.engine.write_all(reqs)
             for fd in extra:  # a log closed since (rollover, retry): sync it now
@@ -573,7 +573,6 @@ class Flusher:
                 os.close(fd)
         self.stats.segments += len(segs)
         self.stats.bytes_written += written
-        self.stats.payload_bytes += payload
         self.stats.flush_seconds += time.perf_counter() - t0
 
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
