@@ -380,6 +380,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
                 await pyfuse3.main()
             nursery.cancel_scope.cancel()
     finally:
+        _hold_signals()  # (also where the loop ended before _signals ran)
         if ops.request_wait is not None:
             try:
                 ops.request_wait.quiesce()  # (what it held back goes into the last commit)
@@ -403,6 +404,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         staging.close()
         if index is not None:
             index.close()
+        _hold_signals(done=True)
     return status
 
 
@@ -499,8 +501,29 @@ async def _tune_later(mountpoint: str, readahead_kb: int) -> None:
     tune_readahead(mountpoint, readahead_kb)
 
 
+def _hold_signals(done: bool = False) -> None:
+    """Once the request loop has ended, the daemon only drains and commits: a further
+    SIGTERM/SIGINT/SIGHUP (a supervisor's retry, a second Ctrl-C) is noted, not obeyed, so
+    that it cannot cut off what close() already acknowledged (the default action would end
+    the process; SIGKILL still does). `done`: the daemon is about to exit; ignored from now
+    on (Python puts its default back for a handler of its own as the interpreter ends, and
+    a signal then would make a clean exit look killed)."""
+    def noted(sig, _frame) -> None:
+        log.warning("signal %d: already unmounting (making everything durable first)", sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        try:
+            signal.signal(sig, signal.SIG_IGN if done else noted)
+        except (ValueError, OSError):  # (not the main thread)
+            pass
+
+
 async def _signals(nursery, request_wait: "loop.RequestWait | None") -> None:
-    # SIGTERM/SIGINT: unmount cleanly (drain and commit), like `ckptfs umount`.
+    # SIGTERM/SIGINT: unmount cleanly (drain and commit), like `ckptfs umount`. The receiver
+    # puts back the handlers it found when it closes (after the first signal, or when the
+    # loop ends): those of _hold_signals, so that no signal finds the default action before
+    # the daemon's end.
+    _hold_signals()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
         async for sig in sigs:
             log.info("signal %d: unmounting", sig)

@@ -653,13 +653,19 @@ class FastPath(RequestWait):
         self.released_at = time.perf_counter()
 
     def quiesce(self) -> None:
-        """Before the unmount's last commit: the releases answered so far run (their records
-        go into it); the queue threads answer no more RELEASEs (one that comes now waits, as
-        every request does once the loop has ended)."""
+        """Before the unmount's last commit: the replies of requests pyfuse3 served last go
+        out (its tasks end without passing through this wait once the session is told to
+        exit, and a signal's unmount keeps the mount live until the end); the releases
+        answered so far run (their records go into it); the queue threads answer no more
+        RELEASEs and land no more WRITEs (the zone is taken back: a WRITE answered from now
+        on could not be recorded, its handle released; one that comes now waits, as every
+        request does once the loop has ended)."""
+        self.pump()
         ring = self.ring
         if ring is not None:
             ring.stop_deferring()
             self.settle_ring()  # (their handles' landed writes recorded first)
+            self.claim_landed()
         self.run_releases()
 
     def spin_work(self) -> None:
