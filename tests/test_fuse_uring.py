@@ -313,11 +313,20 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
     with switch:
         backing = mounts.backing()
         a = mounts.mount(backing, writer_id="w0", refresh=0.3, **opts)
-        b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False)
+        # (b looks at a's changes at most every 30 s: it never sees a's "own", in which it
+        # makes its own "own" below)
+        b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False,
+                         refresh=30)
         am, bm = a.mountpoint, b.mountpoint
+        # "shared": a's own directory, into which b's merges (a look brings it below)
+        os.mkdir(os.path.join(am, "shared"))
         os.mkdir(os.path.join(bm, "shared"))
         b.sync()
-        os.makedirs(os.path.join(am, "shared"), exist_ok=True)
+        t0 = time.monotonic()
+        while not a.status()["writers_joined"]:
+            os.listdir(os.path.join(am, "shared"))  # (a listing looks, once refresh is due)
+            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's changes never showed"
+            time.sleep(0.02)
         os.mkdir(os.path.join(am, "own"))
 
         def make(d: str, n: int, tag: str) -> None:
