@@ -54,6 +54,8 @@ def status(ops) -> dict:
     """Every figure of a mount, from its parts (fuse/ops.CkptOperations and what it holds):
     what `ckptfs status`, /.ckptfs/stats.json and the Prometheus file show; METRICS below
     names and types each."""
+    if ops.request_wait is not None:  # (what the queue threads answered on their own, in)
+        ops.request_wait.settle()
     st = ops.flusher.stats
     ninodes, user_bytes = ops.ns.totals()
     return {

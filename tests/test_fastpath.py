@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import termios
+import time
 
 import pytest
 from helpers_reliability import check_files, cli
@@ -254,3 +255,30 @@ def test_a_closed_files_times_are_durable_with_the_next_barrier(mounts):
     m2 = mounts.mount(m.backing)
     got = {p: os.stat(p.replace(m.mountpoint, m2.mountpoint)).st_mtime_ns for p in want}
     assert got == want
+
+
+def test_writes_answered_without_the_daemon_become_durable_while_the_file_stays_open(mounts):
+    """The queue threads answer a WRITE that landed whole without waking the daemon's Python
+    side, which records it with the next request it serves or once a segment fills; a file
+    written and left open, with no request after, is recorded on the idle sealer's tick and
+    made durable by the idle flush: a daemon killed then loses none of it."""
+    m = mounts.mount(idle_flush=0.2)
+    p = os.path.join(m.mountpoint, "open")
+    data = _payload(3 * MiB + 12_345, 7)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for i in range(0, len(data), MiB):
+            assert os.write(fd, data[i:i + MiB]) == len(data[i:i + MiB])
+        # (no request from here on; idle flush 0.2 s: the tick records them, the sealer seals
+        # the segment 0.2 s after, the flush and its commit follow)
+        time.sleep(3.0)
+        m.kill()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:  # (its FLUSH meets the dead mount)
+            pass
+    m2 = mounts.mount(m.backing)
+    with open(os.path.join(m2.mountpoint, "open"), "rb") as f:
+        assert f.read() == data
+

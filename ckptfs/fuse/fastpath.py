@@ -668,6 +668,16 @@ class FastPath(RequestWait):
             self.claim_landed()
         self.run_releases()
 
+    def settle(self) -> None:
+        """What the queue threads answered is taken in and the releases run: on the idle
+        sealer's tick and before the status is read. (A WRITE they landed whole and answered
+        wakes this side only once a segment fills or the landed list is half full, ring.c:
+        a file written and kept open would otherwise stay unrecorded until the next
+        request.)"""
+        if self.ring is not None:
+            self.settle_ring()
+            self.run_releases()
+
     def spin_work(self) -> None:
         """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
         since the first of them (the caller is busy with its own work then)."""

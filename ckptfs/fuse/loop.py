@@ -170,6 +170,10 @@ class RequestWait:
         """Called when the loop has ended, before the unmount's last commit: work held back
         for later is done now (FastPath's releases); none here."""
 
+    def settle(self) -> None:
+        """Take in what was answered without this side (see FastPath.settle): the idle
+        sealer's tick and the status call it; none here."""
+
     def spin_work(self) -> None:
         """Work done between polls while the loop spins (a few tens of microseconds at most
         at a time; see FastPath.spin_work); none here."""

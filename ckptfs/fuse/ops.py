@@ -959,6 +959,8 @@ async def idle_sealer(ops: CkptOperations, idle_s: float) -> None:
     staging, journal, flusher = ops.staging, ops.journal, ops.flusher
     while True:
         await trio.sleep(min(idle_s, 0.25))
+        if ops.request_wait is not None:  # (what the queue threads answered on their own)
+            ops.request_wait.settle()
         if staging.open is not None and trio.current_time() - staging.last_write >= idle_s:
             staging.seal()
         elif journal.entries and staging.open is None and flusher.inflight_segments == 0:

@@ -21,7 +21,11 @@
  * landed whole, on a handle the Python side said takes writes, is answered here at once:
  * its record carries what the Python side needs of it (the entry goes back to the kernel),
  * and the Python side records it before it serves any request or changes staging, as it
- * records a WRITE read into staging from /dev/fuse before its answer. (On /dev/fuse a queue
+ * records a WRITE read into staging from /dev/fuse before its answer. Such a WRITE does not
+ * wake the Python side: its record waits for the next request served there (or the Python
+ * side's idle tick), unless the zone's first part (the open segment's rest) is full, a segment
+ * to seal and flush, or the landed list is half full (landed_due); so a large file's WRITEs
+ * cost the Python side one turn per segment, not one per request. (On /dev/fuse a queue
  * thread reads a WRITE straight into the zone when no other thread holds it, so that the
  * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
@@ -247,6 +251,7 @@ struct ck_fring {
     struct ck_fring_landed *landed;
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
+    _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
@@ -663,6 +668,10 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
         r->answered = answered;
         atomic_fetch_add(&f->landed_count, 1);
+        /* (a segment to seal and flush, or a list to empty before it fills: else the records
+         * wait for the next request the Python side serves, which takes them first) */
+        if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2)
+            atomic_store(&f->landed_due, 1);
     }
     if (!answered) {
         f->fifo[f->tail] = idx;
@@ -672,8 +681,8 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         pthread_mutex_unlock(&f->lock);
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
-    if (!in_zone)  /* (else the caller wakes it once it let go of the lock) */
-        fr_wake_python(f);
+    if (!in_zone && (!answered || atomic_load(&f->landed_due)))
+        fr_wake_python(f);  /* (in_zone: the caller does, once it let go of the lock) */
     return answered;
 }
 
@@ -1192,7 +1201,8 @@ static void *fr_serve_dev(void *arg)
                 int here = fr_dispatch(q, idx, r == 2);
                 if (r == 2) {
                     pthread_mutex_unlock(&f->lock);
-                    fr_wake_python(f);
+                    if (!here || atomic_load(&f->landed_due))
+                        fr_wake_python(f);
                     atomic_fetch_add(&q->read_in_place, 1);
                 }
                 if (here) {
@@ -1370,7 +1380,7 @@ int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); 
 
 int ck_fring_pending(struct ck_fring *f)
 {
-    return atomic_load(&f->pending) + atomic_load(&f->landed_count)
+    return atomic_load(&f->pending) + atomic_load(&f->landed_due)
         + atomic_load(&f->released_count) + atomic_load(&f->created_count)
         + atomic_load(&f->reads_due);
 }
@@ -1481,7 +1491,8 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
     atomic_store(&f->py_sleeping, sleeping);
     int waiting = atomic_load(&f->pending) + atomic_load(&f->released_count)
-        + atomic_load(&f->created_count) + atomic_load(&f->reads_due);
+        + atomic_load(&f->created_count) + atomic_load(&f->reads_due)
+        + atomic_load(&f->landed_due);
     if (waiting)  /* (it does not sleep then) */
         atomic_store(&f->py_sleeping, 0);
     return waiting;
@@ -1530,6 +1541,8 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
     pthread_mutex_lock(&f->lock);
     int n = fr_take_list(out, f->landed, sizeof *out, LANDED_MAX, &f->lhead, f->ltail,
                          &f->landed_count, max);
+    if (f->lhead == f->ltail)
+        atomic_store(&f->landed_due, 0);
     pthread_mutex_unlock(&f->lock);
     return n;
 }

@@ -26,7 +26,11 @@ its answer goes differ:
   is copied from there into staging by the queue thread, on the caller's CPU, where this side
   offered (the staging's tails, as the /dev/fuse loop reads a request into them); this side
   records the landed writes in the order they landed, before it serves any request and
-  before anything else changes staging (Staging.claim). What did not fit is copied here.
+  before anything else changes staging (Staging.claim). A WRITE answered by its queue thread
+  does not wake this side: its record waits for the next request, a full segment (the
+  zone's first part filled: a segment to seal and flush), a half-full landed list or the
+  idle sealer's tick (FastPath.settle); pending() counts landed writes only then. What did
+  not fit is copied here.
 - the answer goes into the same entry: the out header into the header buffer, the body into
   the payload buffer, and the queue thread commits it (the kernel copies it to the caller).
 - requests served by pyfuse3 are forwarded as the /dev/fuse ones are, their answers routed
@@ -176,7 +180,7 @@ class Ring:
         return self.taken.pop()
 
     def landed(self) -> int:
-        """Writes landed and not yet taken (take_landed)."""
+        """Writes landed and not yet taken (take_landed), due or not (pending())."""
         return lib.ck_fring_landed(self.handle)
 
     def sleep(self, sleeping: bool) -> bool:
