@@ -186,7 +186,7 @@ class Ring:
     def sleep(self, sleeping: bool) -> bool:
         """Tell the queue threads this side sleeps on wake_fd (True) or is awake again;
         returns whether a request waits, or what they left to take (releases, creates, READs
-        answered from windows that are due): then do not sleep."""
+        answered from windows and landed writes that are due): then do not sleep."""
         waiting = lib.ck_fring_sleep(self.handle, 1 if sleeping else 0)
         if not sleeping:
             try:
