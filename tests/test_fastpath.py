@@ -281,4 +281,3 @@ def test_writes_answered_without_the_daemon_become_durable_while_the_file_stays_
     m2 = mounts.mount(m.backing)
     with open(os.path.join(m2.mountpoint, "open"), "rb") as f:
         assert f.read() == data
-

@@ -23,9 +23,9 @@
  * and the Python side records it before it serves any request or changes staging, as it
  * records a WRITE read into staging from /dev/fuse before its answer. Such a WRITE does not
  * wake the Python side: its record waits for the next request served there (or the Python
- * side's idle tick), unless the zone's first part (the open segment's rest) is full, a segment
- * to seal and flush, or the landed list is half full (landed_due); so a large file's WRITEs
- * cost the Python side one turn per segment, not one per request. (On /dev/fuse a queue
+ * side's idle tick), unless the zone's first part (the open segment's rest, or a whole free
+ * buffer) is full, a segment to seal and flush, or the landed list is half full (landed_due);
+ * so a large file's WRITEs cost the Python side about one turn per segment, not one each. (On /dev/fuse a queue
  * thread reads a WRITE straight into the zone when no other thread holds it, so that the
  * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
