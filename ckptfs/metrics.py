@@ -215,9 +215,21 @@ METRICS = {
     "ring_reads_answered_in_c": ("ring_reads_answered_in_c_total", "counter",
                                  "READs the queue threads answered from the read cache "
                                  "(read windows)"),
+    "ring_opens_answered_in_c": ("ring_opens_answered_in_c_total", "counter",
+                                 "read-only OPENs the queue threads answered from a read "
+                                 "window prepared at the file's LOOKUP"),
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
                               "Files the queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),
+    "ring_opens_not_made": ("ring_opens_not_made_total", "counter",
+                            "OPENs the queue threads answered whose handle the daemon "
+                            "could not make (a defect: their reads fail)"),
+    "ring_read_windows": ("ring_read_windows", "gauge",
+                          "Handles whose READs the queue threads answer from the read cache, "
+                          "prepared ones included"),
+    "ring_windows_prepared": ("ring_windows_prepared", "gauge",
+                              "Read windows prepared at a LOOKUP, waiting for the file's "
+                              "read-only OPEN"),
     "ring_name_filters_built": ("ring_name_filters_built_total", "counter",
                                 "Directories whose names the daemon left with the queue "
                                 "threads (again after a look at other writers merged into "

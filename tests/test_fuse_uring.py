@@ -19,7 +19,8 @@ from conftest import uring_switch
 from helpers_reliability import check_files
 from test_fastpath import _write_tree
 
-from ckptfs.fuse import ring
+from ckptfs.bench import drop_caches
+from ckptfs.fuse import fastpath, ring
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -488,6 +489,78 @@ def test_reads_answered_from_read_windows_follow_every_change_of_the_file(mounts
         m.stop()
     m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
     check_files({p: bytes(data)}, m.mountpoint, m2.mountpoint)
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mounts, transport):
+    """A LOOKUP that finds a file whose bytes are in the read cache prepares its next
+    read-only OPEN, which the queue threads then answer with a window over those bytes; a
+    handle that can write, a truncate, an O_TRUNC open between the LOOKUP and the OPEN take
+    the prepared window back, so no OPEN is answered with bytes the file no longer has; a
+    LOOKUP followed by no open (stat) leaves at most PREPARED_MAX of them."""
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(**opts)
+        names = [f"f{i}" for i in range(40)]
+        data = {n: os.urandom(1 + 997 * i) for i, n in enumerate(names)}
+        for n, d in data.items():
+            with open(os.path.join(m.mountpoint, n), "wb") as f:
+                f.write(d)
+        m.sync()
+        m.stop()
+        m = mounts.mount(m.backing, **opts)  # (an empty read cache: read from the logs)
+
+        def read(n: str) -> bytes:
+            with open(os.path.join(m.mountpoint, n), "rb") as f:
+                return f.read()
+
+        def opens() -> int:
+            return m.status()["ring_opens_answered_in_c"]
+
+        def forget() -> None:  # (the kernel's dentries go: every open asks LOOKUP again)
+            assert drop_caches(2)
+
+        for n in names:  # (every chunk in the read cache, every run checked)
+            assert read(n) == data[n]
+        forget()
+        for n in names:
+            assert read(n) == data[n]
+        assert opens() >= len(names) - 2
+        forget()
+        a, b, c, e = names[1:5]
+        n0 = opens()
+        os.stat(os.path.join(m.mountpoint, a))  # (LOOKUP: prepared)
+        assert read(a) == data[a]
+        assert opens() == n0 + 1
+        os.stat(os.path.join(m.mountpoint, b))
+        with open(os.path.join(m.mountpoint, b), "r+b") as f:  # (a handle that can write)
+            f.write(b"X" * 10)
+        data[b] = b"X" * 10 + data[b][10:]
+        assert read(b) == data[b]
+        os.stat(os.path.join(m.mountpoint, c))
+        os.truncate(os.path.join(m.mountpoint, c), 5)
+        data[c] = data[c][:5]
+        assert read(c) == data[c]
+        os.stat(os.path.join(m.mountpoint, e))
+        with open(os.path.join(m.mountpoint, e), "wb") as f:  # (O_WRONLY | O_TRUNC)
+            f.write(b"new")
+        data[e] = b"new"
+        assert read(e) == data[e]
+        assert opens() == n0 + 1  # (none of those from the window prepared before)
+        forget()
+        for n in names:  # (ls -l: LOOKUPs and no open)
+            os.stat(os.path.join(m.mountpoint, n))
+        st = m.status()
+        assert 0 < st["ring_windows_prepared"] <= fastpath.PREPARED_MAX, st
+        assert st["ring_read_windows"] <= fastpath.PREPARED_MAX, st
+        for n in names:
+            assert read(n) == data[n]
+        st = m.status()
+        assert st["ring_opens_not_made"] == 0 and st["ring_error"] == "", st
+        m.stop()
+    m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
+    check_files({os.path.join(m.mountpoint, n): d for n, d in data.items()}, m.mountpoint,
+                m2.mountpoint)
 
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])

@@ -130,6 +130,9 @@ HEAD = IN_HEADER.size + RW_IN.size  # 80
 # this many bytes of the file, and all windows together pin at most this share of the cache.
 WINDOW_BYTES = 16 << 20
 WINDOW_CACHE_SHARE = 4  # (a quarter)
+# Windows prepared at a LOOKUP and not opened yet, at most: a LOOKUP not followed by an open
+# (stat, ls -l) leaves one; the oldest goes when a new one would pass this.
+PREPARED_MAX = 8
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
@@ -233,6 +236,8 @@ class FastPath(RequestWait):
         # handle -> its read window: (inode, extent map, start, end, pinned chunks)
         self.windows: dict[int, tuple] = {}
         self.window_chunks = 0  # chunks the windows pin
+        self.prepared: dict[int, None] = {}  # handles of prepared windows, oldest first
+        self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
         self.transport = "/dev/fuse"
         self.epoll = None
         if uring or queue_threads:
@@ -285,6 +290,9 @@ class FastPath(RequestWait):
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         if self.ring is not None:
             c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
+                     ring_opens_not_made=self.opens_not_made,
+                     ring_read_windows=len(self.windows),
+                     ring_windows_prepared=len(self.prepared),
                      ring_name_filters_built=self.name_filters_built)
         return c
 
@@ -568,6 +576,7 @@ class FastPath(RequestWait):
         every object and exception per request shows."""
         ops = self.ops
         window = None  # an OPEN's handle that gets a read window
+        found = None  # a LOOKUP's file: its next OPEN may be prepared
         try:
             if opcode == FUSE_GETATTR:
                 x = ops.inode(nodeid)
@@ -585,6 +594,7 @@ class FastPath(RequestWait):
                     return
                 x.lookups += 1
                 out = _entry_of(x, ops.attr_fields(x), self.entry_valid)
+                found = x
             elif opcode == FUSE_OPEN:
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
@@ -614,6 +624,8 @@ class FastPath(RequestWait):
             return
         if window is not None:
             self.open_window(window, 0)
+        elif found is not None and self.ring is not None:
+            self.prepare_open(found)  # (before the answer: the OPEN follows it at once)
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
 
     def release(self, unique: int, fh: int) -> None:
@@ -906,6 +918,8 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        if ring.opened():  # (before the READs and RELEASEs of their handles)
+            self.make_opened(ring.take_opened())
         # (the releases first: the create of every file they release was noted before, and
         # so was every READ of a handle they release, accounted for before they run)
         released = ring.take_released() if ring.released() else None
@@ -947,6 +961,23 @@ class FastPath(RequestWait):
         ring = self.ring
         if ring.reserve_left() < fring.RESERVE // 4:
             ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
+
+    def make_opened(self, opened: list[tuple]) -> None:
+        """Make the handles of the OPENs the queue threads answered from prepared windows, in
+        order, as the OPEN would have made them here (ops.open_prepared); the window is the
+        handle's now (it may be dropped already: its READs come here then)."""
+        ops, prepared, windows = self.ops, self.prepared, self.windows
+        for fh, nodeid, flags, uid, gid, pid in opened:
+            prepared.pop(fh, None)
+            w = windows.get(fh)
+            try:
+                ops.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh, flags,
+                                  _Context(uid, gid, pid))
+            except Exception:  # (a defect: the kernel has the file open already)
+                log.exception("an open answered by a queue thread cannot be made (inode %d): "
+                              "its reads fail", nodeid)
+                self.opens_not_made += 1
+                self.drop_window(fh)  # (its READs come here: EBADF)
 
     # namespace.Watch (with the ring): what the queue threads answer from follows the tree
     def dirs_changed(self) -> None:
@@ -1021,8 +1052,54 @@ class FastPath(RequestWait):
         if not ok:
             reader.unpin(keys)
 
+    def prepare_open(self, x) -> None:
+        """After a LOOKUP found file x: when its first bytes are in the read
+        cache, checked, and no one has it open, a window over them is prepared with a new
+        handle number, and the queue threads answer the file's next read-only OPEN
+        themselves (fuse/ring.c, fr_open): a restore's small file is then a LOOKUP here and
+        an OPEN, READs and a RELEASE without this side. The window is dropped as any other
+        when the file may change; at most PREPARED_MAX wait for their OPEN. Never raises (a
+        failure: no window)."""
+        try:
+            self._prepare_open(x)
+        except Exception:
+            log.exception("prepared open of inode %d", x.ino)
+
+    def _prepare_open(self, x) -> None:
+        ops = self.ops
+        if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
+                or not ops.may_prepare_open(x)
+                or any(w[0] is x for w in self.windows.values())):
+            return
+        reader = ops.reader
+        budget = reader.max_chunks // WINDOW_CACHE_SHARE - self.window_chunks
+        got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
+                                 budget) if budget > 0 else None
+        if got is None:
+            return
+        parts, keys, eof = got
+        fh, fi = ops.prepare_open(x)
+        ring = self.ring
+        ring.absent_until(ops.fresh_until())  # (no OPEN there once a look is due)
+        try:
+            ok = ring.window(fh, 0, eof, parts, x.ino, _open_flags(fi, os.O_RDONLY))
+        except BaseException:
+            reader.unpin(keys)
+            raise
+        if not ok:
+            reader.unpin(keys)
+            return
+        self.windows[fh] = (x, x.emap, 0, sum(map(len, parts)), keys)
+        self.window_chunks += len(keys)
+        x.emap.watched = True
+        self.prepared[fh] = None
+        while len(self.prepared) > PREPARED_MAX:
+            self.drop_window(next(iter(self.prepared)))
+
     def drop_window(self, fh: int, ring=None) -> None:
-        """Handle fh's READs come here again; its window's chunks are let go."""
+        """Handle fh's READs come here again; its window's chunks are let go (a prepared
+        window's OPEN comes here again)."""
+        self.prepared.pop(fh, None)
         w = self.windows.pop(fh, None)
         if w is None:
             return

@@ -709,6 +709,24 @@ class CkptOperations(pyfuse3.Operations):
             self.ns.change(SizeRec(x.ino, 0, now, now))
         return self._file_info(x, self._open_handle(x, flags, ctx), flags)
 
+    def may_prepare_open(self, x: Inode) -> bool:
+        """Whether a read-only open of x can be prepared before it comes (prepare_open): its
+        answer then does not depend on when it comes (x was not last written through a
+        direct handle, whose pages a reader's open drops)."""
+        return x.ino not in self.written_direct and x.ino != CTL_STATS_INO
+
+    def prepare_open(self, x: Inode) -> tuple[int, pyfuse3.FileInfo]:
+        """A handle number and the answer for a read-only open of x that the ring's queue
+        threads answer when it comes (may_prepare_open); the handle is made by
+        open_prepared then."""
+        fh = self.next_fh
+        self.next_fh += 1
+        return fh, self._file_info(x, fh, os.O_RDONLY)
+
+    def open_prepared(self, x: Inode, fh: int, flags: int, ctx) -> None:
+        """The handle of an open answered elsewhere with prepare_open's number and answer."""
+        self._open_handle(x, flags, ctx, fh)
+
     def _file_info(self, x: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
         # Write-only handles bypass the kernel page cache when direct_writes is on: the
         # application's buffers go straight into WRITE requests (one copy less, no page-cache

@@ -50,7 +50,12 @@
  * reads its file alone, from the read cache's buffers the Python side left with it (the
  * handle's read window: checked bytes of pinned chunks; fr_read), noted for the Python side,
  * which accounts for it (readahead, the cache's use) as for a READ it served; a restore's
- * READs then need not wait for it either.
+ * READs then need not wait for it either. And OPEN, read-only, of a file the Python side
+ * prepared a window for when it answered the file's LOOKUP (its first bytes were in the read
+ * cache; fr_open): answered with the handle number and open flags it left with the window,
+ * which is that handle's from then on, and noted for the Python side, which makes the handle
+ * before it serves any request; so a restore's small file waits for the Python side once
+ * (its LOOKUP), not twice.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -87,6 +92,7 @@
 #define FR_OP_LOOKUP 1
 #define FR_OP_FORGET 2
 #define FR_OP_GETATTR 3
+#define FR_OP_OPEN 14
 #define FR_OP_READ 15
 #define FR_OP_RELEASE 18
 #define FR_OP_FLUSH 25
@@ -98,6 +104,7 @@
 #define FR_OP_BATCH_FORGET 42
 #define FR_O_ACCMODE 3
 #define FR_O_RDONLY 0
+#define FR_O_TRUNC 01000
 #define FR_O_WRONLY 1
 #define FR_S_IFREG 0100000
 #define FR_S_ISGID 02000
@@ -124,6 +131,7 @@
 #define WINDOWS 64  /* handles with a read window */
 #define WINDOW_PARTS 4  /* buffers per window */
 #define READS_MAX 4096  /* READs answered here not yet accounted for by the Python side */
+#define OPENED_MAX WINDOWS  /* opens answered here not yet made by the Python side */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
 #define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 128 Ki names has none
@@ -175,14 +183,24 @@ struct ck_fring_landed {
 /* A read window: bytes [start, end) of the file open as handle fh - 1 (0: a free window), in
  * the Python side's buffers (parts, in file order, end to end), which it keeps unchanged while
  * the window stands; eof: the file ends at `end`. busy: READs answered from it right now
- * (raised under the lock; a window is not reused, nor its buffers given back, before 0). */
+ * (raised under the lock; a window is not reused, nor its buffers given back, before 0).
+ * A prepared window (nodeid not 0) waits for the file's next read-only OPEN, which is
+ * answered here with handle fh - 1 and open_flags (fr_open); it is the handle's window then. */
 struct fr_window {
     uint64_t fh, start, end;
+    uint64_t nodeid;
+    uint32_t open_flags;
     int eof, nparts;
     int woke;  /* a READ past its middle woke the Python side (once per window) */
     _Atomic int busy;
     char *part[WINDOW_PARTS];
     uint32_t len[WINDOW_PARTS];
+};
+
+/* An OPEN answered here from a prepared window, as the Python side makes the handle. */
+struct ck_fring_opened {
+    uint64_t fh, nodeid;
+    uint32_t flags, uid, gid, pid;
 };
 
 /* A READ answered here, as the Python side accounts for it (readahead, the read cache's use). */
@@ -227,6 +245,7 @@ struct fr_queue {
     _Atomic long creates_here;  /* (and CREATE) */
     _Atomic long read_in_place;  /* /dev/fuse: WRITEs read straight into the zone */
     _Atomic long reads_here;  /* READs answered from a read window */
+    _Atomic long opens_here;  /* OPENs answered from a prepared window */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -276,6 +295,9 @@ struct ck_fring {
     unsigned dhead, dtail;
     _Atomic int reads_count;  /* not taken yet */
     _Atomic int reads_due;  /* the Python side is to take them now (ck_fring_pending) */
+    struct ck_fring_opened *opened;  /* (under lock) */
+    unsigned ohead, otail;
+    _Atomic int opened_count;  /* not taken yet */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
     _Atomic int py_sleeping;
     _Atomic int stop;
@@ -748,11 +770,13 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     if (!atomic_load_explicit(&f->nwindows, memory_order_relaxed))
         return 0;
     pthread_mutex_lock(&f->lock);
-    if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r[0]))) {
+    if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r[0])) && !w->nodeid) {
         if (hi > w->end && w->eof)
             hi = w->end > off ? w->end : off;
         if (off < w->start || hi > w->end || (!f->dev && hi - off > f->payload))
             w = NULL;
+    } else {
+        w = NULL;
     }
     if (w) {
         atomic_fetch_add(&w->busy, 1);
@@ -810,6 +834,46 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     return 1;
 }
 
+/* OPEN of a file with a prepared window, read-only and without O_TRUNC, while the queue threads
+ * answer RELEASE and CREATE and no look at other writers is due: answered with the window's
+ * handle and open flags (`out`: fuse_open_out), the window now that handle's, the open noted
+ * for the Python side, which makes the handle (ops) before it serves any request, as it makes
+ * a file created here. 1 if answered here. */
+static int fr_open(struct ck_fring *f, const struct fr_slot *s, char *out)
+{
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    uint32_t flags = fr_get32(s->hdr->op_in, 0);  /* fuse_open_in: flags, open_flags */
+    if (!atomic_load_explicit(&f->nwindows, memory_order_relaxed)
+            || (flags & FR_O_ACCMODE) != FR_O_RDONLY || (flags & FR_O_TRUNC))
+        return 0;
+    double now = fr_now();
+    struct fr_window *w = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (f->defer_here && now < f->absent_until && f->otail - f->ohead < OPENED_MAX) {
+        for (int i = 0; i < WINDOWS && !w; i++)
+            if (f->windows[i].fh && f->windows[i].nodeid == h->nodeid)
+                w = &f->windows[i];
+    }
+    if (w) {
+        w->nodeid = 0;  /* (the handle's window from now on) */
+        struct ck_fring_opened *o = &f->opened[f->otail++ % OPENED_MAX];
+        o->fh = w->fh - 1;
+        o->nodeid = h->nodeid;
+        o->flags = flags;
+        o->uid = h->uid;
+        o->gid = h->gid;
+        o->pid = h->pid;
+        atomic_fetch_add(&f->opened_count, 1);
+        memset(out, 0, OPEN_OUT_SIZE);
+        fr_put64(out, 0, w->fh - 1);
+        fr_put32(out, 8, w->open_flags);
+    }
+    pthread_mutex_unlock(&f->lock);
+    if (w)
+        fr_wake_python(f);
+    return w != NULL;
+}
+
 /* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
  * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read). */
 static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
@@ -852,6 +916,10 @@ static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
         here = 1;
     } else if (h->opcode == FR_OP_READ && fr_read(f, s)) {
         atomic_fetch_add(&q->reads_here, 1);
+        here = 1;
+    } else if (h->opcode == FR_OP_OPEN && fr_open(f, s, created)) {
+        fr_answer(s, 0, created, OPEN_OUT_SIZE);
+        atomic_fetch_add(&q->opens_here, 1);
         here = 1;
     } else if (h->opcode == FR_OP_IOCTL) {
         fr_answer(s, -ENOTTY, NULL, 0);
@@ -1296,8 +1364,9 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->reads = calloc(READS_MAX, sizeof *f->reads);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
+    f->opened = calloc(OPENED_MAX, sizeof *f->opened);
     if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->reads || !f->released
-        || !f->created)
+        || !f->created || !f->opened)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -1382,7 +1451,7 @@ int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_due)
         + atomic_load(&f->released_count) + atomic_load(&f->created_count)
-        + atomic_load(&f->reads_due);
+        + atomic_load(&f->reads_due) + atomic_load(&f->opened_count);
 }
 
 /* Handles released here whose release the Python side has not taken yet. */
@@ -1492,7 +1561,7 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping)
     atomic_store(&f->py_sleeping, sleeping);
     int waiting = atomic_load(&f->pending) + atomic_load(&f->released_count)
         + atomic_load(&f->created_count) + atomic_load(&f->reads_due)
-        + atomic_load(&f->landed_due);
+        + atomic_load(&f->landed_due) + atomic_load(&f->opened_count);
     if (waiting)  /* (it does not sleep then) */
         atomic_store(&f->py_sleeping, 0);
     return waiting;
@@ -1718,11 +1787,12 @@ void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_f
 /* Handle fh's read window: bytes [start, start + the parts' lengths) of its file are in the
  * nparts buffers (end to end), unchanged until the window is dropped; eof: the file ends there.
  * Replaces the handle's window (once no READ uses the old one). Returns 1, or 0 when every
- * window is taken (the handle then has none). */
+ * window is taken (the handle then has none). nodeid not 0: a prepared window, for a handle
+ * not open yet: the file's next read-only OPEN is answered with fh and open_flags (fr_open). */
 void ck_fring_window_drop(struct ck_fring *f, uint64_t fh);
 
-int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, int nparts,
-                    char **parts, const uint32_t *lens)
+int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t nodeid, uint32_t open_flags,
+                    uint64_t start, int eof, int nparts, char **parts, const uint32_t *lens)
 {
     if (nparts < 1 || nparts > WINDOW_PARTS) {
         ck_fring_window_drop(f, fh);  /* (the handle has none then, as with no free window) */
@@ -1739,6 +1809,8 @@ int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, in
             w = &f->windows[i];
     if (w) {
         w->start = w->end = start;
+        w->nodeid = nodeid;
+        w->open_flags = open_flags;
         w->eof = eof;
         w->woke = 0;
         w->nparts = nparts;
@@ -1772,6 +1844,19 @@ void ck_fring_window_drop(struct ck_fring *f, uint64_t fh)
 
 int ck_fring_reads(struct ck_fring *f) { return atomic_load(&f->reads_count); }
 
+/* OPENs answered here whose handle the Python side has not made yet. */
+int ck_fring_opened(struct ck_fring *f) { return atomic_load(&f->opened_count); }
+
+/* Take up to max of them, in the order they were answered. */
+int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *out, int max)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = fr_take_list(out, f->opened, sizeof *out, OPENED_MAX, &f->ohead, f->otail,
+                         &f->opened_count, max);
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 /* Take up to max READs answered from windows, in the order they were answered. */
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
 {
@@ -1796,7 +1881,8 @@ int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
     long all[] = { atomic_load(&q->served), atomic_load(&q->answered_here),
                    atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
                    atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned,
-                   atomic_load(&q->read_in_place), atomic_load(&q->reads_here) };
+                   atomic_load(&q->read_in_place), atomic_load(&q->reads_here),
+                   atomic_load(&q->opens_here) };
     int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
     memcpy(out, all, k * sizeof *out);
     return k;
@@ -1854,6 +1940,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->reads);
     free(f->released);
     free(f->created);
+    free(f->opened);
     for (int i = 0; i < NAME_DIRS; i++)
         free(f->names[i].bits);
     pthread_mutex_destroy(&f->lock);

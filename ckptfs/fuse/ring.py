@@ -80,7 +80,8 @@ TAKE = 16
 # The queue threads' figures (ck_fring_queue_counts, in its order), summed over the queues.
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
-                "ring_queues_pinned", "ring_writes_read_in_place", "ring_reads_answered_in_c")
+                "ring_queues_pinned", "ring_writes_read_in_place", "ring_reads_answered_in_c",
+                "ring_opens_answered_in_c")
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
@@ -160,6 +161,7 @@ class Ring:
         self._released = ffi.new("uint64_t[]", TAKE)
         self._created = ffi.new("struct ck_fring_created[]", TAKE)
         self._reads = ffi.new("struct ck_fring_read[]", TAKE)
+        self._opened = ffi.new("struct ck_fring_opened[]", TAKE)
         self._parts = ffi.new("char *[]", WINDOW_PARTS)
         self._lens = ffi.new("uint32_t[]", WINDOW_PARTS)
         self.windows: dict[int, list] = {}  # (keeps each window's buffers' cdata alive)
@@ -273,17 +275,21 @@ class Ring:
             if n < TAKE:
                 return out
 
-    def window(self, fh: int, start: int, eof: bool, parts: list) -> bool:
+    def window(self, fh: int, start: int, eof: bool, parts: list, nodeid: int = 0,
+               open_flags: int = 0) -> bool:
         """Handle fh's READs of bytes [start, start + the parts' lengths) are answered by the
         queue threads from `parts` (buffers, in file order, end to end, unchanged until
         window_drop or the next window of fh; at most WINDOW_PARTS); eof: the file ends
-        there. False if no window was free (fh then has none)."""
+        there. False if no window was free (fh then has none). With `nodeid`, a prepared
+        window: fh is not open yet; the queue threads answer the next read-only OPEN of
+        nodeid with fh and `open_flags` (FOPEN_*), and fh has the window from then on
+        (take_opened)."""
         held = [ffi.from_buffer(p) for p in parts]
         for i, (c, p) in enumerate(zip(held, parts)):
             self._parts[i] = c
             self._lens[i] = len(p)
-        ok = bool(lib.ck_fring_window(self.handle, fh, start, 1 if eof else 0, len(parts),
-                                      self._parts, self._lens))
+        ok = bool(lib.ck_fring_window(self.handle, fh, nodeid, open_flags, start,
+                                      1 if eof else 0, len(parts), self._parts, self._lens))
         if ok:
             self.windows[fh] = held
         else:
@@ -306,6 +312,21 @@ class Ring:
         while True:
             n = lib.ck_fring_take_reads(self.handle, rec, TAKE)
             out.extend((rec[j].fh, rec[j].off, rec[j].size, rec[j].n) for j in range(n))
+            if n < TAKE:
+                return out
+
+    def opened(self) -> int:
+        """OPENs the queue threads answered from prepared windows, not yet taken."""
+        return lib.ck_fring_opened(self.handle)
+
+    def take_opened(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Those OPENs, in order: (fh, nodeid, open flags, uid, gid, pid); each handle is for
+        this side to make (ops.open_prepared)."""
+        rec, out = self._opened, []
+        while True:
+            n = lib.ck_fring_take_opened(self.handle, rec, TAKE)
+            out.extend((rec[j].fh, rec[j].nodeid, rec[j].flags, rec[j].uid, rec[j].gid,
+                        rec[j].pid) for j in range(n))
             if n < TAKE:
                 return out
 

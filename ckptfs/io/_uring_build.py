@@ -106,10 +106,13 @@ uint32_t ck_fring_names_held(struct ck_fring *f, uint64_t *out, uint32_t max);
 void ck_fring_names_drop(struct ck_fring *f, uint64_t nodeid);
 void ck_fring_absent_until(struct ck_fring *f, double until);
 struct ck_fring_read { uint64_t fh, off; uint32_t size, n; };
-int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t start, int eof, int nparts,
-                    char **parts, const uint32_t *lens);
+int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t nodeid, uint32_t open_flags,
+                    uint64_t start, int eof, int nparts, char **parts, const uint32_t *lens);
 void ck_fring_window_drop(struct ck_fring *f, uint64_t fh);
 int ck_fring_reads(struct ck_fring *f);
+struct ck_fring_opened { uint64_t fh, nodeid; uint32_t flags, uid, gid, pid; };
+int ck_fring_opened(struct ck_fring *f);
+int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *out, int max);
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max);
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n);
 int ck_fring_stop(struct ck_fring *f);
@@ -385,11 +388,16 @@ int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
 { (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
 void ck_fring_attr_clear(struct ck_fring *f) { (void)f; }
 struct ck_fring_read { uint64_t fh, off; uint32_t size, n; };
-int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t s, int e, int n, char **p,
-                    const uint32_t *l)
-{ (void)f; (void)fh; (void)s; (void)e; (void)n; (void)p; (void)l; return 0; }
+int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t nd, uint32_t of, uint64_t s,
+                    int e, int n, char **p, const uint32_t *l)
+{ (void)f; (void)fh; (void)nd; (void)of; (void)s; (void)e; (void)n; (void)p; (void)l;
+  return 0; }
 void ck_fring_window_drop(struct ck_fring *f, uint64_t fh) { (void)f; (void)fh; }
 int ck_fring_reads(struct ck_fring *f) { (void)f; return 0; }
+struct ck_fring_opened { uint64_t fh, nodeid; uint32_t flags, uid, gid, pid; };
+int ck_fring_opened(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *o, int m)
+{ (void)f; (void)o; (void)m; return 0; }
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
 int ck_fring_names_put(struct ck_fring *f, uint64_t n, const char *s, uint32_t l, uint32_t c)
