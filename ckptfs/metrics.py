@@ -221,6 +221,11 @@ METRICS = {
     "ring_creates_not_made": ("ring_creates_not_made_total", "counter",
                               "Files the queue threads created that the daemon could "
                               "not make (a defect: their writes fail)"),
+    "ring_lookups_answered_in_c": ("ring_lookups_answered_in_c_total", "counter",
+                                   "LOOKUPs the queue threads answered from answers the "
+                                   "daemon prepared for the names after one looked up"),
+    "ring_lookups_prepared": ("ring_lookups_prepared", "gauge",
+                              "LOOKUP answers prepared for the queue threads, not used yet"),
     "ring_opens_not_made": ("ring_opens_not_made_total", "counter",
                             "OPENs the queue threads answered whose handle the daemon "
                             "could not make (a defect: their reads fail)"),

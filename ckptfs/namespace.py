@@ -119,10 +119,13 @@ class Watch(Protocol):
     def view_changed(self) -> None:
         """Any directory may have gained entries (other writers' changes came in)."""
 
+    def files_changed(self) -> None:
+        """A file's attributes changed (a SETATTR, a size)."""
+
 
 class Namespace:
     """The tree. `journal_hook(rec)` receives every change made through `change()`; `watch`,
-    if set, is told after each of them that changed a directory."""
+    if set, is told after each of them that changed a directory or a file's attributes."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
                  gid: int = 0, now_ns: int | None = None) -> None:
@@ -221,6 +224,8 @@ class Namespace:
                     w.name_added(rec.new_parent, rec.new_name)
                     if rec.flags & RENAME_EXCHANGE:
                         w.name_added(rec.old_parent, rec.old_name)
+            elif t is SetattrRec or t is SizeRec:
+                w.files_changed()
         if self.journal_hook is not None and not self._orphaned(rec):
             self.journal_hook(rec)
 

@@ -564,6 +564,64 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
 
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_lookups_answered_from_prepared_answers_follow_every_change(mounts, transport):
+    """A LOOKUP that finds a file prepares the answers to LOOKUPs of the names after it (in
+    the directory's creation order), which the queue threads then answer; a change to one of
+    those files through a name the kernel already holds (a chmod, truncate, write, rename,
+    utime) takes them back, so no later LOOKUP is answered with what the file no longer is."""
+    switch, opts = on(transport)
+    with switch:
+        m = mounts.mount(**opts)
+        names = [f"f{i:02d}" for i in range(30)]
+        data = {n: os.urandom(100 + 37 * i) for i, n in enumerate(names)}
+        for n, d in data.items():
+            with open(os.path.join(m.mountpoint, n), "wb") as f:
+                f.write(d)
+        m.stop()
+        m = mounts.mount(m.backing, **opts)
+
+        def p(n: str) -> str:
+            return os.path.join(m.mountpoint, n)
+
+        def read(n: str) -> bytes:
+            with open(p(n), "rb") as f:
+                return f.read()
+
+        def forget() -> None:  # (the kernel's dentries go: every name is asked for again)
+            assert drop_caches(2)
+
+        def append(q: str) -> None:
+            with open(q, "r+b") as f:
+                f.seek(0, os.SEEK_END)
+                f.write(b"more")
+
+        for n in names:
+            assert read(n) == data[n]
+        forget()
+        for n in names:
+            assert read(n) == data[n]
+        assert m.status()["ring_lookups_answered_in_c"] >= len(names) - 5
+        changes = {"f11": lambda q: os.chmod(q, 0o600), "f12": lambda q: os.truncate(q, 7),
+                   "f13": append, "f14": lambda q: os.rename(q, p("g14")),
+                   "f16": lambda q: os.utime(q, ns=(1_000_000_000, 2_000_000_000))}
+        for name, change in changes.items():
+            forget()
+            os.stat(p(name))  # (the kernel holds this name: the change does not ask for it)
+            os.stat(p(names[names.index(name) - 1]))  # (this name's answer prepared)
+            assert m.status()["ring_lookups_prepared"] >= 1
+            change(p(name))
+            forget()
+        assert os.stat(p("f11")).st_mode & 0o777 == 0o600
+        assert os.stat(p("f12")).st_size == 7
+        assert os.stat(p("f13")).st_size == len(data["f13"]) + 4
+        assert not os.path.exists(p("f14")) and os.stat(p("g14")).st_size == len(data["f14"])
+        assert os.stat(p("f16")).st_mtime_ns == 2_000_000_000
+        st = m.status()
+        assert st["ring_error"] == "", st
+        m.stop()
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_read_windows_follow_a_copy_up_of_another_writers_file(mounts, transport):
     """Another writer's file that this writer truncates is copied up first (a new extent map);
     a read window over the old one is taken back, so the zeros past the cut are read, not the

@@ -259,16 +259,18 @@ class Reader:
         return self._served(key, ch, lo % CHUNK_BYTES, n)
 
     def read_window(self, emap: ExtentMap, start: int, file_size: int, limit: int,
-                    max_parts: int, max_chunks: int):
+                    max_parts: int, max_chunks: int, pinned=()):
         """The file's bytes from `start` on, as far as they lie in checked runs in cached chunks
         (up to `limit` bytes, `max_parts` views, `max_chunks` chunks): (the views, end to end,
         the chunks' keys, whether they reach the file's end), the chunks pinned (unpin them
         once the views are no longer used: the chunks are neither reused nor dropped before);
-        None when not one byte is there. A read window of the queue threads (fuse/ring.c),
-        which answer a handle's next READs from it."""
+        None when not one byte is there. Chunks in `pinned` (other windows' already) do not
+        count in `max_chunks`. A read window of the queue threads (fuse/ring.c), which
+        answer a handle's next READs from it."""
         hi = min(file_size, start + limit)
         parts: list = []
         keys: dict[tuple[int, int, int], None] = {}
+        new = 0  # (keys not in pinned)
         pos = start
         last = None  # (the last part: its chunk and where in it it starts and ends)
         for s, n, run, roff in emap.find(start, hi):
@@ -281,8 +283,8 @@ class Reader:
                 ch = self.chunks.get(key)
                 a = lo % CHUNK_BYTES
                 k = min(n, CHUNK_BYTES - a)
-                if ch is None or a + k > ch.length or (key not in keys
-                                                       and len(keys) >= max_chunks):
+                fresh = key not in keys and key not in pinned
+                if ch is None or a + k > ch.length or (fresh and new >= max_chunks):
                     break
                 if last is not None and last[0] == key and last[2] == a:
                     # (pieces end to end in one chunk, e.g. a file's runs: one part)
@@ -294,6 +296,7 @@ class Reader:
                 else:
                     break
                 keys[key] = None
+                new += fresh
                 pos, lo, n = pos + k, lo + k, n - k
             if n > 0:
                 break

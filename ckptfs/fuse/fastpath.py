@@ -48,6 +48,7 @@ on /dev/fuse it then reads nothing itself. `--no-queue-threads` leaves the readi
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -60,6 +61,7 @@ from collections import deque
 import pyfuse3
 import trio
 
+from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.datapath.staging import ExtentMap
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
@@ -133,6 +135,12 @@ WINDOW_CACHE_SHARE = 4  # (a quarter)
 # Windows prepared at a LOOKUP and not opened yet, at most: a LOOKUP not followed by an open
 # (stat, ls -l) leaves one; the oldest goes when a new one would pass this.
 PREPARED_MAX = 8
+# LOOKUP answers prepared for the names that follow a name looked up in a directory's
+# creation order (a restore loads a checkpoint's files in about the order they were saved),
+# and how many may stand at most (more: all go, the next ones are prepared anew).
+LOOKUPS_AHEAD = 4
+LOOKUPS_MAX = 16
+NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
@@ -235,9 +243,12 @@ class FastPath(RequestWait):
         self.name_filters_built = 0  # directories' names left with the queue threads
         # handle -> its read window: (inode, extent map, start, end, pinned chunks)
         self.windows: dict[int, tuple] = {}
-        self.window_chunks = 0  # chunks the windows pin
+        self.window_pins: collections.Counter = collections.Counter()  # chunk -> windows
         self.prepared: dict[int, None] = {}  # handles of prepared windows, oldest first
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
+        self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
+        self.lookup_next = None  # (parent, name) of the last LOOKUP answered from them
+        self.name_order: dict[int, tuple[list, dict]] = {}  # directory -> (names, name -> i)
         self.transport = "/dev/fuse"
         self.epoll = None
         if uring or queue_threads:
@@ -293,6 +304,7 @@ class FastPath(RequestWait):
                      ring_opens_not_made=self.opens_not_made,
                      ring_read_windows=len(self.windows),
                      ring_windows_prepared=len(self.prepared),
+                     ring_lookups_prepared=len(self.lookups),
                      ring_name_filters_built=self.name_filters_built)
         return c
 
@@ -627,6 +639,8 @@ class FastPath(RequestWait):
         elif found is not None and self.ring is not None:
             self.prepare_open(found)  # (before the answer: the OPEN follows it at once)
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
+        if found is not None and self.ring is not None:
+            self.prepare_lookups(nodeid, body[:body.index(b"\0")])
 
     def release(self, unique: int, fh: int) -> None:
         """RELEASE: answered at once (the closing process does not wait for it; the kernel
@@ -757,6 +771,7 @@ class FastPath(RequestWait):
         gets its WRITEs answered by the queue threads when they land whole."""
         if self.ring is None or flags & os.O_ACCMODE == os.O_RDONLY:
             return
+        self.drop_lookups()  # (a file's attributes may change now)
         if self.windows:  # (the file may change now: READs come here again)
             x = self.ops.handles[fh].inode
             for other, w in list(self.windows.items()):
@@ -918,6 +933,9 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        looked = ring.take_looked() if ring.looked() else None
+        if looked:  # (counted before any request: a FORGET among them)
+            self.count_looked(looked)
         if ring.opened():  # (before the READs and RELEASEs of their handles)
             self.make_opened(ring.take_opened())
         # (the releases first: the create of every file they release was noted before, and
@@ -932,10 +950,15 @@ class FastPath(RequestWait):
         if released and self.windows:
             for fh in released:
                 self.drop_window(fh)
-        if self.zone_live and not ring.landed():
-            return
-        self.claim_landed()
-        self.offer_zone()
+        if not self.zone_live or ring.landed():
+            self.claim_landed()
+            self.offer_zone()
+        if looked and self.lookup_next is not None:
+            # (the names after the last one answered, once the writes are recorded: a file's
+            # size is what its landed writes made it)
+            parent, name = self.lookup_next
+            self.lookup_next = None
+            self.prepare_lookups(parent, name)
 
     def make_created(self, created: list[tuple]) -> None:
         """Make the files the queue threads created (fuse/ring.c), in order, as the CREATE
@@ -962,6 +985,72 @@ class FastPath(RequestWait):
         if ring.reserve_left() < fring.RESERVE // 4:
             ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
 
+    def count_looked(self, looked: list[int]) -> None:
+        """The LOOKUPs the queue threads answered from prepared answers: each is one more
+        lookup of its inode that the kernel holds (its FORGET counts them back)."""
+        inodes, lookups = self.ops.ns.inodes, self.lookups
+        for ino in looked:
+            key = lookups.pop(ino, None)
+            x = inodes.get(ino)
+            if x is None:  # (a defect: its answer named an inode the tree let go of)
+                log.error("a LOOKUP answered by a queue thread names inode %d, unknown", ino)
+                continue
+            x.lookups += 1
+            if key is not None:
+                self.lookup_next = key
+
+    def prepare_lookups(self, parent: int, name: bytes) -> None:
+        """After a LOOKUP found `name` in directory `parent`: the answers to LOOKUPs of the
+        names after it in the directory's creation order (LOOKUPS_AHEAD of them), each
+        file's next OPEN prepared too where its bytes are cached (prepare_open), so that the
+        queue threads answer a restore's next files without this side (fuse/ring.c,
+        fr_lookup). Only files no one has open with one name, in one of this writer's own
+        directories; every change of a directory or of a file's attributes, a handle that
+        can write, a file's extent map changing and a look at other writers that brings
+        changes take them all back (drop_lookups). Never raises."""
+        try:
+            self._prepare_lookups(parent, name)
+        except Exception:
+            log.exception("prepared lookups in directory %d", parent)
+            self.drop_lookups()
+
+    def _prepare_lookups(self, parent: int, name: bytes) -> None:
+        ops = self.ops
+        d = ops.ns.inodes.get(parent)
+        if d is None or not self._own_dir(d, parent) or ops.merged(d):
+            return
+        order = self.name_order.get(parent)
+        if order is None:
+            if len(self.name_order) >= NAME_ORDERS:
+                self.name_order.clear()
+            names = list(d.children)
+            order = self.name_order[parent] = (names, {n: i for i, n in enumerate(names)})
+        names, index = order
+        i = index.get(name)
+        if i is None:
+            return
+        lookups, ring, children, inodes = self.lookups, self.ring, d.children, ops.ns.inodes
+        if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
+            self.drop_lookups()
+        ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
+        for n in names[i + 1:i + 1 + LOOKUPS_AHEAD]:
+            y = inodes.get(children.get(n, 0))
+            if (y is None or y.ino in lookups or y.emap is None or y.opens or y.nlink != 1
+                    or y.layer == CONTROL_LAYER):
+                continue
+            if not ring.lookup_put(parent, n, y.ino,
+                                   _entry_of(y, ops.attr_fields(y), self.entry_valid)):
+                return
+            lookups[y.ino] = (parent, n)
+            y.emap.watched = True  # (a change of its bytes takes them back: emap_changed)
+            self.prepare_open(y)
+
+    def drop_lookups(self) -> None:
+        """Every prepared LOOKUP answer goes (what they say may have changed)."""
+        if self.lookups:
+            self.lookups.clear()
+            self.ring.lookups_clear()
+
     def make_opened(self, opened: list[tuple]) -> None:
         """Make the handles of the OPENs the queue threads answered from prepared windows, in
         order, as the OPEN would have made them here (ops.open_prepared); the window is the
@@ -983,12 +1072,19 @@ class FastPath(RequestWait):
     def dirs_changed(self) -> None:
         if not self.making_created:
             self.ring.dirs_changed()
+            self.drop_lookups()
+            self.name_order.clear()
+
+    def files_changed(self) -> None:
+        self.drop_lookups()
 
     def name_added(self, parent: int, name: bytes) -> None:
         if not self.making_created:
             self.ring.name_added(parent, name)
 
     def view_changed(self) -> None:
+        self.drop_lookups()
+        self.name_order.clear()
         for fh in list(self.windows):  # (other writers' files may have changed)
             self.drop_window(fh)
         self.names_refused.clear()
@@ -1027,10 +1123,19 @@ class FastPath(RequestWait):
         start = 0 if x.size <= WINDOW_BYTES else off
         old = self.windows.get(fh)
         reader = ops.reader
-        budget = (reader.max_chunks // WINDOW_CACHE_SHARE - self.window_chunks
-                  + (len(old[4]) if old else 0))
+        share = reader.max_chunks // WINDOW_CACHE_SHARE
+        # (an open handle's window goes before prepared ones, which may never be opened: as
+        # many of those go as its chunks need, up to half the windows' share)
+        need = min(share // 2, (min(x.size - start, WINDOW_BYTES) + CHUNK_BYTES - 1)
+                   // CHUNK_BYTES + 1)
+        pins = self.window_pins
+        while True:  # (chunks are counted once, however many windows pin them)
+            budget = share - len(pins) + (sum(pins[k] == 1 for k in old[4]) if old else 0)
+            if budget >= need or not self.prepared:
+                break
+            self.drop_window(next(iter(self.prepared)))
         got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
-                                 budget) if budget > 0 and start < x.size else None
+                                 budget, pins) if budget > 0 and start < x.size else None
         if got is None:
             self.drop_window(fh)
             return
@@ -1042,13 +1147,12 @@ class FastPath(RequestWait):
             raise
         if ok:
             self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
-            self.window_chunks += len(keys)
+            pins.update(keys)
             x.emap.watched = True
         elif old is not None:
             del self.windows[fh]
         if old is not None:
-            self.window_chunks -= len(old[4])
-            reader.unpin(old[4])
+            self._unpin_window(old[4])
         if not ok:
             reader.unpin(keys)
 
@@ -1072,9 +1176,9 @@ class FastPath(RequestWait):
                 or any(w[0] is x for w in self.windows.values())):
             return
         reader = ops.reader
-        budget = reader.max_chunks // WINDOW_CACHE_SHARE - self.window_chunks
+        budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
         got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
-                                 budget) if budget > 0 else None
+                                 budget, self.window_pins)
         if got is None:
             return
         parts, keys, eof = got
@@ -1090,7 +1194,7 @@ class FastPath(RequestWait):
             reader.unpin(keys)
             return
         self.windows[fh] = (x, x.emap, 0, sum(map(len, parts)), keys)
-        self.window_chunks += len(keys)
+        self.window_pins.update(keys)
         x.emap.watched = True
         self.prepared[fh] = None
         while len(self.prepared) > PREPARED_MAX:
@@ -1104,11 +1208,21 @@ class FastPath(RequestWait):
         if w is None:
             return
         (ring or self.ring).window_drop(fh)
-        self.window_chunks -= len(w[4])
-        self.ops.reader.unpin(w[4])
+        self._unpin_window(w[4])
+
+    def _unpin_window(self, keys) -> None:
+        """A window's chunks are let go (counted once more free when no window pins them)."""
+        pins = self.window_pins
+        for k in keys:
+            if pins[k] <= 1:
+                del pins[k]
+            else:
+                pins[k] -= 1
+        self.ops.reader.unpin(keys)
 
     def emap_changed(self, emap) -> None:
-        """ExtentMap.on_change: a file with read windows changed."""
+        """ExtentMap.on_change: a file with read windows or a prepared LOOKUP changed."""
+        self.drop_lookups()
         for fh, w in list(self.windows.items()):
             if w[1] is emap:
                 self.drop_window(fh)
@@ -1139,6 +1253,7 @@ class FastPath(RequestWait):
         if ring is None:
             return True
         self.staging.claim_hook = None
+        self.lookups.clear()
         for fh in list(self.windows):
             self.drop_window(fh, ring)
         ExtentMap.on_change = None

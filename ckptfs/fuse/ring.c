@@ -54,8 +54,12 @@
  * prepared a window for when it answered the file's LOOKUP (its first bytes were in the read
  * cache; fr_open): answered with the handle number and open flags it left with the window,
  * which is that handle's from then on, and noted for the Python side, which makes the handle
- * before it serves any request; so a restore's small file waits for the Python side once
- * (its LOOKUP), not twice.
+ * before it serves any request. And LOOKUP of a name whose answer the Python side prepared
+ * (fr_lookup: after it answered a LOOKUP of a file, for the names that follow in the
+ * directory's creation order, the order a checkpoint's files are usually loaded in), used
+ * once and noted, so that the Python side counts the kernel's lookup before it serves any
+ * request (a FORGET among them); every change of a directory or of a file's attributes
+ * takes them all back first. So a restore's small file need not wait for the Python side.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -132,6 +136,8 @@
 #define WINDOW_PARTS 4  /* buffers per window */
 #define READS_MAX 4096  /* READs answered here not yet accounted for by the Python side */
 #define OPENED_MAX WINDOWS  /* opens answered here not yet made by the Python side */
+#define LOOKUPS 32  /* LOOKUP answers the Python side prepared */
+#define LOOKED_MAX 1024  /* LOOKUPs answered here not yet counted by the Python side */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
 #define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 128 Ki names has none
@@ -197,6 +203,15 @@ struct fr_window {
     uint32_t len[WINDOW_PARTS];
 };
 
+/* A LOOKUP answer the Python side prepared (parent 0: a free slot): name in directory parent
+ * is inode nodeid, `out` its fuse_entry_out; used once. */
+struct fr_lookup {
+    uint64_t parent, nodeid;
+    uint32_t namelen;
+    char name[NAME_MAX_LEN + 1];
+    char out[ENTRY_OUT_SIZE];
+};
+
 /* An OPEN answered here from a prepared window, as the Python side makes the handle. */
 struct ck_fring_opened {
     uint64_t fh, nodeid;
@@ -246,6 +261,7 @@ struct fr_queue {
     _Atomic long read_in_place;  /* /dev/fuse: WRITEs read straight into the zone */
     _Atomic long reads_here;  /* READs answered from a read window */
     _Atomic long opens_here;  /* OPENs answered from a prepared window */
+    _Atomic long lookups_here;  /* LOOKUPs answered from a prepared answer */
     _Atomic int lost;  /* entries whose command the kernel refused */
 };
 
@@ -296,6 +312,11 @@ struct ck_fring {
     _Atomic int reads_count;  /* not taken yet */
     _Atomic int reads_due;  /* the Python side is to take them now (ck_fring_pending) */
     struct ck_fring_opened *opened;  /* (under lock) */
+    struct fr_lookup lookups[LOOKUPS];  /* (under lock) */
+    _Atomic int nlookups;  /* prepared answers standing (read without the lock: none, no lock) */
+    uint64_t *looked;  /* nodeids of LOOKUPs answered here (under lock) */
+    unsigned lkhead, lktail;
+    _Atomic int looked_count;  /* not taken yet */
     unsigned ohead, otail;
     _Atomic int opened_count;  /* not taken yet */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
@@ -834,6 +855,39 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     return 1;
 }
 
+/* LOOKUP of a name the Python side prepared the answer of, while the queue threads answer
+ * RELEASE and CREATE and no look at other writers is due: answered with it (`out`), the answer
+ * used up, the lookup noted for the Python side, which counts it (the kernel's lookup count
+ * of the inode) before it serves any request, a FORGET among them. 1 if answered here. */
+static int fr_lookup(struct ck_fring *f, const struct fr_slot *s, const char *name,
+                     uint32_t len, char *out)
+{
+    const struct fr_in_header *h = (const void *)s->hdr->in_out;
+    if (!atomic_load_explicit(&f->nlookups, memory_order_relaxed))
+        return 0;
+    double now = fr_now();
+    struct fr_lookup *l = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (f->defer_here && now < f->absent_until && f->lktail - f->lkhead < LOOKED_MAX) {
+        for (int i = 0; i < LOOKUPS && !l; i++) {
+            struct fr_lookup *c = &f->lookups[i];
+            if (c->parent == h->nodeid && c->namelen == len && !memcmp(c->name, name, len))
+                l = c;
+        }
+    }
+    if (l) {
+        memcpy(out, l->out, ENTRY_OUT_SIZE);
+        f->looked[f->lktail++ % LOOKED_MAX] = l->nodeid;
+        atomic_fetch_add(&f->looked_count, 1);
+        l->parent = 0;
+        atomic_fetch_sub(&f->nlookups, 1);
+    }
+    pthread_mutex_unlock(&f->lock);
+    if (l)
+        fr_wake_python(f);
+    return l != NULL;
+}
+
 /* OPEN of a file with a prepared window, read-only and without O_TRUNC, while the queue threads
  * answer RELEASE and CREATE and no look at other writers is due: answered with the window's
  * handle and open flags (`out`: fuse_open_out), the window now that handle's, the open noted
@@ -903,6 +957,11 @@ static int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
                && fr_absent(f, h->nodeid, s->payload, name_len)) {
         fr_answer(s, -ENOENT, NULL, 0);
         atomic_fetch_add(&q->absent_here, 1);
+        here = 1;
+    } else if (h->opcode == FR_OP_LOOKUP && (name_len = fr_request_name(s, 0))
+               && fr_lookup(f, s, s->payload, name_len, created)) {
+        fr_answer(s, 0, created, ENTRY_OUT_SIZE);
+        atomic_fetch_add(&q->lookups_here, 1);
         here = 1;
     } else if (h->opcode == FR_OP_CREATE
                && (name_len = fr_request_name(s, CREATE_IN_SIZE))
@@ -1365,8 +1424,9 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
     f->opened = calloc(OPENED_MAX, sizeof *f->opened);
+    f->looked = calloc(LOOKED_MAX, sizeof *f->looked);
     if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->reads || !f->released
-        || !f->created || !f->opened)
+        || !f->created || !f->opened || !f->looked)
         goto fail;
     for (int i = 0; i < nqueues; i++)
         f->queues[i].efd = -1;
@@ -1451,7 +1511,8 @@ int ck_fring_pending(struct ck_fring *f)
 {
     return atomic_load(&f->pending) + atomic_load(&f->landed_due)
         + atomic_load(&f->released_count) + atomic_load(&f->created_count)
-        + atomic_load(&f->reads_due) + atomic_load(&f->opened_count);
+        + atomic_load(&f->reads_due) + atomic_load(&f->opened_count)
+        + atomic_load(&f->looked_count);
 }
 
 /* Handles released here whose release the Python side has not taken yet. */
@@ -1561,7 +1622,8 @@ int ck_fring_sleep(struct ck_fring *f, int sleeping)
     atomic_store(&f->py_sleeping, sleeping);
     int waiting = atomic_load(&f->pending) + atomic_load(&f->released_count)
         + atomic_load(&f->created_count) + atomic_load(&f->reads_due)
-        + atomic_load(&f->landed_due) + atomic_load(&f->opened_count);
+        + atomic_load(&f->landed_due) + atomic_load(&f->opened_count)
+        + atomic_load(&f->looked_count);
     if (waiting)  /* (it does not sleep then) */
         atomic_store(&f->py_sleeping, 0);
     return waiting;
@@ -1844,6 +1906,54 @@ void ck_fring_window_drop(struct ck_fring *f, uint64_t fh)
 
 int ck_fring_reads(struct ck_fring *f) { return atomic_load(&f->reads_count); }
 
+/* The answer to LOOKUP of name (len bytes) in directory parent: inode nodeid, `out` its
+ * fuse_entry_out (ENTRY_OUT_SIZE bytes); answered once (fr_lookup). 0 when every slot is
+ * taken. */
+int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len,
+                        uint64_t nodeid, const void *out)
+{
+    if (!parent || len == 0 || len > NAME_MAX_LEN)
+        return 0;
+    struct fr_lookup *l = NULL;
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < LOOKUPS && !l; i++)
+        if (!f->lookups[i].parent)
+            l = &f->lookups[i];
+    if (l) {
+        l->nodeid = nodeid;
+        l->namelen = len;
+        memcpy(l->name, name, len);
+        memcpy(l->out, out, ENTRY_OUT_SIZE);
+        l->parent = parent;
+        atomic_fetch_add(&f->nlookups, 1);
+    }
+    pthread_mutex_unlock(&f->lock);
+    return l != NULL;
+}
+
+/* Every prepared LOOKUP answer goes (the tree changed). */
+void ck_fring_lookups_clear(struct ck_fring *f)
+{
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < LOOKUPS; i++)
+        f->lookups[i].parent = 0;
+    atomic_store(&f->nlookups, 0);
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* LOOKUPs answered here the Python side has not counted yet. */
+int ck_fring_looked(struct ck_fring *f) { return atomic_load(&f->looked_count); }
+
+/* Take up to max of their inodes, in the order they were answered. */
+int ck_fring_take_looked(struct ck_fring *f, uint64_t *out, int max)
+{
+    pthread_mutex_lock(&f->lock);
+    int n = fr_take_list(out, f->looked, sizeof *out, LOOKED_MAX, &f->lkhead, f->lktail,
+                         &f->looked_count, max);
+    pthread_mutex_unlock(&f->lock);
+    return n;
+}
+
 /* OPENs answered here whose handle the Python side has not made yet. */
 int ck_fring_opened(struct ck_fring *f) { return atomic_load(&f->opened_count); }
 
@@ -1871,8 +1981,8 @@ int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
 
 /* Queue qid's figures into out[0..n): requests served, answered here, of those GETATTRs of
  * a directory, LOOKUPs of an absent name and CREATEs, entries lost, pinned to its CPU (1 or
- * 0), WRITEs read into the zone, READs answered from a read window. Returns how many were
- * written. */
+ * 0), WRITEs read into the zone, READs answered from a read window, OPENs answered from a
+ * prepared one, LOOKUPs answered from a prepared answer. Returns how many were written. */
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
 {
     if (qid < 0 || qid >= f->nqueues)
@@ -1882,7 +1992,7 @@ int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n)
                    atomic_load(&q->attrs_here), atomic_load(&q->absent_here),
                    atomic_load(&q->creates_here), atomic_load(&q->lost), q->pinned,
                    atomic_load(&q->read_in_place), atomic_load(&q->reads_here),
-                   atomic_load(&q->opens_here) };
+                   atomic_load(&q->opens_here), atomic_load(&q->lookups_here) };
     int k = n < (int)(sizeof all / sizeof *all) ? n : (int)(sizeof all / sizeof *all);
     memcpy(out, all, k * sizeof *out);
     return k;
@@ -1941,6 +2051,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->released);
     free(f->created);
     free(f->opened);
+    free(f->looked);
     for (int i = 0; i < NAME_DIRS; i++)
         free(f->names[i].bits);
     pthread_mutex_destroy(&f->lock);

@@ -81,7 +81,7 @@ TAKE = 16
 QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c",
                 "ring_absent_answered_in_c", "ring_creates_answered_in_c", "ring_entries_lost",
                 "ring_queues_pinned", "ring_writes_read_in_place", "ring_reads_answered_in_c",
-                "ring_opens_answered_in_c")
+                "ring_opens_answered_in_c", "ring_lookups_answered_in_c")
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
@@ -312,6 +312,31 @@ class Ring:
         while True:
             n = lib.ck_fring_take_reads(self.handle, rec, TAKE)
             out.extend((rec[j].fh, rec[j].off, rec[j].size, rec[j].n) for j in range(n))
+            if n < TAKE:
+                return out
+
+    def lookup_put(self, parent: int, name: bytes, nodeid: int, entry_out: bytes) -> bool:
+        """The queue threads answer the next LOOKUP of `name` in directory `parent` with
+        `entry_out` (inode nodeid's fuse_entry_out), once, and note it (take_looked). False
+        if every slot is taken."""
+        return bool(lib.ck_fring_lookup_put(self.handle, parent, name, len(name), nodeid,
+                                            entry_out))
+
+    def lookups_clear(self) -> None:
+        """Every prepared LOOKUP answer goes."""
+        lib.ck_fring_lookups_clear(self.handle)
+
+    def looked(self) -> int:
+        """LOOKUPs the queue threads answered from prepared answers, not yet taken."""
+        return lib.ck_fring_looked(self.handle)
+
+    def take_looked(self) -> list[int]:
+        """The inodes of those LOOKUPs, in order (each is one more lookup the kernel holds)."""
+        out: list[int] = []
+        buf = self._released
+        while True:
+            n = lib.ck_fring_take_looked(self.handle, buf, TAKE)
+            out.extend(buf[0:n])
             if n < TAKE:
                 return out
 

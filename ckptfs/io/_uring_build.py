@@ -113,6 +113,11 @@ int ck_fring_reads(struct ck_fring *f);
 struct ck_fring_opened { uint64_t fh, nodeid; uint32_t flags, uid, gid, pid; };
 int ck_fring_opened(struct ck_fring *f);
 int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *out, int max);
+int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len,
+                        uint64_t nodeid, const void *out);
+void ck_fring_lookups_clear(struct ck_fring *f);
+int ck_fring_looked(struct ck_fring *f);
+int ck_fring_take_looked(struct ck_fring *f, uint64_t *out, int max);
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max);
 int ck_fring_queue_counts(struct ck_fring *f, int qid, long *out, int n);
 int ck_fring_stop(struct ck_fring *f);
@@ -397,6 +402,13 @@ int ck_fring_reads(struct ck_fring *f) { (void)f; return 0; }
 struct ck_fring_opened { uint64_t fh, nodeid; uint32_t flags, uid, gid, pid; };
 int ck_fring_opened(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *o, int m)
+{ (void)f; (void)o; (void)m; return 0; }
+int ck_fring_lookup_put(struct ck_fring *f, uint64_t p, const char *n, uint32_t l,
+                        uint64_t nd, const void *o)
+{ (void)f; (void)p; (void)n; (void)l; (void)nd; (void)o; return 0; }
+void ck_fring_lookups_clear(struct ck_fring *f) { (void)f; }
+int ck_fring_looked(struct ck_fring *f) { (void)f; return 0; }
+int ck_fring_take_looked(struct ck_fring *f, uint64_t *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
 int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
