@@ -141,6 +141,7 @@ PREPARED_MAX = 8
 LOOKUPS_AHEAD = 4
 LOOKUPS_MAX = 16
 NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
+NAME_ORDER_MAX = 1 << 17  # names of a directory whose order is kept, at most
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
@@ -248,6 +249,7 @@ class FastPath(RequestWait):
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
         self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
         self.lookup_next = None  # (parent, name) of the last LOOKUP answered from them
+        self.lookups_put = False  # some put since the last clear (one may stand unlisted)
         self.name_order: dict[int, tuple[list, dict]] = {}  # directory -> (names, name -> i)
         self.transport = "/dev/fuse"
         self.epoll = None
@@ -926,8 +928,10 @@ class FastPath(RequestWait):
                     self.ring_landed[i] = (k1 + k2, 0)
 
     def settle_ring(self) -> None:
-        """Before a request is served: the files the queue threads created are made, the
-        RELEASEs they answered join the releases to run, the writes they landed are recorded
+        """Before a request is served (and on the idle tick, and before the status): the
+        LOOKUPs the queue threads answered are counted, the handles of the OPENs they
+        answered and the files they created are made, the RELEASEs they answered join the
+        releases to run, their READs are accounted for, the writes they landed are recorded
         (those of a released handle landed before its RELEASE came; those of a created file
         after it was made), and the tails are offered again (while nothing
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
@@ -936,15 +940,18 @@ class FastPath(RequestWait):
         looked = ring.take_looked() if ring.looked() else None
         if looked:  # (counted before any request: a FORGET among them)
             self.count_looked(looked)
-        if ring.opened():  # (before the READs and RELEASEs of their handles)
-            self.make_opened(ring.take_opened())
-        # (the releases first: the create of every file they release was noted before, and
-        # so was every READ of a handle they release, accounted for before they run)
+        # (taken so that every note's antecedents come with it: the OPEN or CREATE of every
+        # handle a RELEASE releases, and every READ of it, were noted before the RELEASE, and
+        # the OPEN before the READs; so the releases are taken first, then the READs, then
+        # the opens, and the handles are made before any of them is worked on)
         released = ring.take_released() if ring.released() else None
+        reads = ring.take_reads() if ring.reads() else None
+        if ring.opened():
+            self.make_opened(ring.take_opened())
         if released:
             self.hold_releases(released)  # (run later: after the reads are accounted for)
-        if ring.reads():
-            self.reads_served(ring.take_reads(), released or ())
+        if reads:
+            self.reads_served(reads, released or ())
         if ring.created():
             self.make_created(ring.take_created())
         if released and self.windows:
@@ -970,6 +977,7 @@ class FastPath(RequestWait):
         self.making_created = True
         try:
             for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
+                self.name_order.pop(parent, None)  # (a name more in its order)
                 try:
                     ops.create_open(parent, name, mode, flags, _Context(uid, gid, pid), ino, fh,
                                     now)
@@ -1021,6 +1029,8 @@ class FastPath(RequestWait):
             return
         order = self.name_order.get(parent)
         if order is None:
+            if len(d.children) > NAME_ORDER_MAX:
+                return
             if len(self.name_order) >= NAME_ORDERS:
                 self.name_order.clear()
             names = list(d.children)
@@ -1038,17 +1048,21 @@ class FastPath(RequestWait):
             if (y is None or y.ino in lookups or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
+            self.prepare_open(y)  # (first: its OPEN follows the LOOKUP at once)
             if not ring.lookup_put(parent, n, y.ino,
                                    _entry_of(y, ops.attr_fields(y), self.entry_valid)):
                 return
             lookups[y.ino] = (parent, n)
+            self.lookups_put = True
             y.emap.watched = True  # (a change of its bytes takes them back: emap_changed)
-            self.prepare_open(y)
 
     def drop_lookups(self) -> None:
-        """Every prepared LOOKUP answer goes (what they say may have changed)."""
-        if self.lookups:
+        """Every prepared LOOKUP answer goes (what they say may have changed). (Also one
+        no longer listed: a name answered and prepared again before the first answer's note
+        was taken has its second answer standing unlisted.)"""
+        if self.lookups_put:
             self.lookups.clear()
+            self.lookups_put = False
             self.ring.lookups_clear()
 
     def make_opened(self, opened: list[tuple]) -> None:
@@ -1254,6 +1268,7 @@ class FastPath(RequestWait):
             return True
         self.staging.claim_hook = None
         self.lookups.clear()
+        self.lookups_put = False
         for fh in list(self.windows):
             self.drop_window(fh, ring)
         ExtentMap.on_change = None
