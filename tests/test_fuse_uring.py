@@ -491,6 +491,18 @@ def test_reads_answered_from_read_windows_follow_every_change_of_the_file(mounts
     check_files({p: bytes(data)}, m.mountpoint, m2.mountpoint)
 
 
+def _remounted(mounts, opts: dict, sizes: dict[str, int]):
+    """Files of these sizes (random bytes) written through a mount, then a fresh mount of
+    them (an empty read cache: read from the logs): (the mount, name -> bytes)."""
+    m = mounts.mount(**opts)
+    data = {n: os.urandom(k) for n, k in sizes.items()}
+    for n, d in data.items():
+        with open(os.path.join(m.mountpoint, n), "wb") as f:
+            f.write(d)
+    m.stop()
+    return mounts.mount(m.backing, **opts), data
+
+
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mounts, transport):
     """A LOOKUP that finds a file whose bytes are in the read cache prepares its next
@@ -500,15 +512,8 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
     LOOKUP followed by no open (stat) leaves at most PREPARED_MAX of them."""
     switch, opts = on(transport)
     with switch:
-        m = mounts.mount(**opts)
         names = [f"f{i}" for i in range(40)]
-        data = {n: os.urandom(1 + 997 * i) for i, n in enumerate(names)}
-        for n, d in data.items():
-            with open(os.path.join(m.mountpoint, n), "wb") as f:
-                f.write(d)
-        m.sync()
-        m.stop()
-        m = mounts.mount(m.backing, **opts)  # (an empty read cache: read from the logs)
+        m, data = _remounted(mounts, opts, {n: 1 + 997 * i for i, n in enumerate(names)})
 
         def read(n: str) -> bytes:
             with open(os.path.join(m.mountpoint, n), "rb") as f:
@@ -571,14 +576,8 @@ def test_lookups_answered_from_prepared_answers_follow_every_change(mounts, tran
     utime) takes them back, so no later LOOKUP is answered with what the file no longer is."""
     switch, opts = on(transport)
     with switch:
-        m = mounts.mount(**opts)
         names = [f"f{i:02d}" for i in range(30)]
-        data = {n: os.urandom(100 + 37 * i) for i, n in enumerate(names)}
-        for n, d in data.items():
-            with open(os.path.join(m.mountpoint, n), "wb") as f:
-                f.write(d)
-        m.stop()
-        m = mounts.mount(m.backing, **opts)
+        m, data = _remounted(mounts, opts, {n: 100 + 37 * i for i, n in enumerate(names)})
 
         def p(n: str) -> str:
             return os.path.join(m.mountpoint, n)
