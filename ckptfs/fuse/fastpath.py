@@ -1153,22 +1153,30 @@ class FastPath(RequestWait):
         if got is None:
             self.drop_window(fh)
             return
+        ok = self._set_window(fh, x, start, got)  # (replaces the old one: unused now)
+        if old is not None:
+            if not ok:
+                del self.windows[fh]
+            self._unpin_window(old[4])
+
+    def _set_window(self, fh: int, x, start: int, got, nodeid: int = 0,
+                    open_flags: int = 0) -> bool:
+        """Leave with the queue threads `got` (Reader.read_window's, from `start` of file x)
+        as handle fh's window (a prepared one with `nodeid`: Ring.window); False when no
+        window was free (its chunks are let go)."""
         parts, keys, eof = got
         try:
-            ok = self.ring.window(fh, start, eof, parts)  # (replaces the old one: unused now)
+            ok = self.ring.window(fh, start, eof, parts, nodeid, open_flags)
         except BaseException:
-            reader.unpin(keys)
+            self.ops.reader.unpin(keys)
             raise
-        if ok:
-            self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
-            pins.update(keys)
-            x.emap.watched = True
-        elif old is not None:
-            del self.windows[fh]
-        if old is not None:
-            self._unpin_window(old[4])
         if not ok:
-            reader.unpin(keys)
+            self.ops.reader.unpin(keys)
+            return False
+        self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
+        self.window_pins.update(keys)
+        x.emap.watched = True
+        return True
 
     def prepare_open(self, x) -> None:
         """After a LOOKUP found file x: when its first bytes are in the read
@@ -1195,21 +1203,10 @@ class FastPath(RequestWait):
                                  budget, self.window_pins)
         if got is None:
             return
-        parts, keys, eof = got
         fh, fi = ops.prepare_open(x)
-        ring = self.ring
-        ring.absent_until(ops.fresh_until())  # (no OPEN there once a look is due)
-        try:
-            ok = ring.window(fh, 0, eof, parts, x.ino, _open_flags(fi, os.O_RDONLY))
-        except BaseException:
-            reader.unpin(keys)
-            raise
-        if not ok:
-            reader.unpin(keys)
+        self.ring.absent_until(ops.fresh_until())  # (no OPEN there once a look is due)
+        if not self._set_window(fh, x, 0, got, x.ino, _open_flags(fi, os.O_RDONLY)):
             return
-        self.windows[fh] = (x, x.emap, 0, sum(map(len, parts)), keys)
-        self.window_pins.update(keys)
-        x.emap.watched = True
         self.prepared[fh] = None
         while len(self.prepared) > PREPARED_MAX:
             self.drop_window(next(iter(self.prepared)))

@@ -681,10 +681,15 @@ class CkptOperations(pyfuse3.Operations):
             self._touch_dir(np_, now)
 
     # ------------------------------------------------------------ files
+    def reserve_handle(self) -> int:
+        """A new handle number."""
+        fh = self.next_fh
+        self.next_fh += 1
+        return fh
+
     def _open_handle(self, x: Inode, flags: int, ctx=None, fh: int | None = None) -> int:
         if fh is None:
-            fh = self.next_fh
-            self.next_fh += 1
+            fh = self.reserve_handle()
         self.handles[fh] = _Handle(x, flags, ctx is not None and ctx.uid != 0)
         x.opens += 1
         return fh
@@ -719,8 +724,7 @@ class CkptOperations(pyfuse3.Operations):
         """A handle number and the answer for a read-only open of x that the ring's queue
         threads answer when it comes (may_prepare_open); the handle is made by
         open_prepared then."""
-        fh = self.next_fh
-        self.next_fh += 1
+        fh = self.reserve_handle()
         return fh, self._file_info(x, fh, os.O_RDONLY)
 
     def open_prepared(self, x: Inode, fh: int, flags: int, ctx) -> None:

@@ -158,7 +158,7 @@ class Ring:
                          for i in range(n)]
         self._ids = ffi.new("int[]", TAKE)
         self._landed = ffi.new("struct ck_fring_landed[]", TAKE)
-        self._released = ffi.new("uint64_t[]", TAKE)
+        self._numbers = ffi.new("uint64_t[]", TAKE)
         self._created = ffi.new("struct ck_fring_created[]", TAKE)
         self._reads = ffi.new("struct ck_fring_read[]", TAKE)
         self._opened = ffi.new("struct ck_fring_opened[]", TAKE)
@@ -230,10 +230,14 @@ class Ring:
     def take_released(self) -> list[int]:
         """The handles of those RELEASEs, in the order they came (their work is this side's:
         ops.release_now)."""
+        return self._take_numbers(lib.ck_fring_take_released)
+
+    def _take_numbers(self, take) -> list[int]:
+        """All the numbers (handles, inodes) a list of the queue threads holds, in order."""
         out: list[int] = []
-        buf = self._released
+        buf = self._numbers
         while True:
-            n = lib.ck_fring_take_released(self.handle, buf, TAKE)
+            n = take(self.handle, buf, TAKE)
             out.extend(buf[0:n])
             if n < TAKE:
                 return out
@@ -332,13 +336,7 @@ class Ring:
 
     def take_looked(self) -> list[int]:
         """The inodes of those LOOKUPs, in order (each is one more lookup the kernel holds)."""
-        out: list[int] = []
-        buf = self._released
-        while True:
-            n = lib.ck_fring_take_looked(self.handle, buf, TAKE)
-            out.extend(buf[0:n])
-            if n < TAKE:
-                return out
+        return self._take_numbers(lib.ck_fring_take_looked)
 
     def opened(self) -> int:
         """OPENs the queue threads answered from prepared windows, not yet taken."""
