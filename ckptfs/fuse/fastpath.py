@@ -1194,9 +1194,17 @@ class FastPath(RequestWait):
     def _prepare_open(self, x) -> None:
         ops = self.ops
         if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
-                or not ops.may_prepare_open(x)
-                or any(w[0] is x for w in self.windows.values())):
+                or not ops.may_prepare_open(x)):
             return
+        for fh, w in self.windows.items():
+            if w[0] is x:
+                # (one prepared before whose OPEN did not come, or came here once a look was
+                # due: it stands for this LOOKUP's OPEN, the newest, not the first to go)
+                if fh in self.prepared:
+                    del self.prepared[fh]
+                    self.prepared[fh] = None
+                    self.ring.absent_until(ops.fresh_until())
+                return
         reader = ops.reader
         budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
         got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,

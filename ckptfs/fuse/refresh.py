@@ -74,7 +74,9 @@ class Refresher:
         # while they come, and waits for this while nobody uses the mount.
         self.asked = trio.Event()
         self.in_use = lambda: False  # files or directories open on the mount (the daemon's)
-        self.lock = trio.Lock()
+        # While a look's changes go into the view (they may pause for requests between
+        # groups): answers prepared for the queue threads would say what is half applied.
+        self.applying = False
         # what the looks cost the backing store, and this mount
         self.polls = 0
         self.listdirs = 0
@@ -116,7 +118,7 @@ class Refresher:
     def fresh_until(self) -> float:
         """Until when (time.monotonic()) an open, lookup or listing needs no look first; now
         while a look's changes are being applied."""
-        if self.lock.locked():
+        if self.applying:
             return time.monotonic()
         return time.monotonic() + (self.last + self.delay - trio.current_time())
 
@@ -312,20 +314,20 @@ class Refresher:
     # ------------------------------------------------------------ trio thread
     async def _apply(self, found: list[tuple]) -> None:
         view = self.view
-        async with self.lock:
-            self._release()
-            if found:  # (a look that found nothing changes nothing)
-                self._view_changed()
+        self._release()
+        if found:  # (a look that found nothing changes nothing: answers prepared stand)
+            self.applying = True
+            self._view_changed()
             try:
                 await self._apply_found(found)
             finally:
-                if found:
-                    self._view_changed()  # (and what was answered while it paused)
-            for w in view.union.warnings[self._warned:]:
-                log.warning("%s", w)
-            self._warned = len(view.union.warnings)
-            if view.max_stamp > self.journal.seen_ns:
-                self.journal.seen_ns = view.max_stamp
+                self.applying = False
+                self._view_changed()  # (and what was answered while it paused)
+        for w in view.union.warnings[self._warned:]:
+            log.warning("%s", w)
+        self._warned = len(view.union.warnings)
+        if view.max_stamp > self.journal.seen_ns:
+            self.journal.seen_ns = view.max_stamp
 
     async def _apply_found(self, found: list[tuple]) -> None:
         """The changes a look found, into the view (see _apply)."""
