@@ -458,9 +458,16 @@ def test_reads_answered_from_read_windows_follow_every_change_of_the_file(mounts
         for k, v in state.items():
             assert torch.equal(torch.load(os.path.join(m.mountpoint, f"{k}.pt")), v)
         assert in_c() >= 40
+        st0 = m.status()
         with open(p, "rb") as f:
             assert f.read() == data
+        st = m.status()
         assert in_c() >= 50
+        # (each READ counted, its bytes once: those answered from windows are accounted for a
+        # window's worth at a time)
+        assert st["bytes_read"] - st0["bytes_read"] == len(data), (st0, st)
+        assert (st["read_requests"] - st0["read_requests"]
+                == st["reads_direct"] - st0["reads_direct"] >= len(data) // MiB), (st0, st)
         with open(p, "rb", buffering=0) as fa:
             assert fa.read(MiB) == data[:MiB]
             n = in_c()
@@ -560,6 +567,10 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
         st = m.status()
         assert 0 < st["ring_windows_prepared"] <= fastpath.PREPARED_MAX, st
         assert st["ring_read_windows"] <= fastpath.PREPARED_MAX, st
+        time.sleep(fastpath.PREPARED_TTL_S + 0.1)  # (no OPEN came: they go, chunks let go)
+        st = m.status()
+        assert st["ring_windows_prepared"] == st["ring_read_windows"] == 0, st
+        forget()
         for n in names:
             assert read(n) == data[n]
         st = m.status()

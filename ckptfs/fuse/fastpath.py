@@ -133,8 +133,10 @@ HEAD = IN_HEADER.size + RW_IN.size  # 80
 WINDOW_BYTES = 16 << 20
 WINDOW_CACHE_SHARE = 4  # (a quarter)
 # Windows prepared at a LOOKUP and not opened yet, at most: a LOOKUP not followed by an open
-# (stat, ls -l) leaves one; the oldest goes when a new one would pass this.
+# (stat, ls -l) leaves one; the oldest goes when a new one would pass this, and any goes once
+# it has waited this long (an OPEN follows its LOOKUP at once; the window pins cache chunks).
 PREPARED_MAX = 8
+PREPARED_TTL_S = 2.0
 # LOOKUP answers prepared for the names that follow a name looked up in a directory's
 # creation order (a restore loads a checkpoint's files in about the order they were saved),
 # and how many may stand at most (more: all go, the next ones are prepared anew).
@@ -245,7 +247,8 @@ class FastPath(RequestWait):
         # handle -> its read window: (inode, extent map, start, end, pinned chunks)
         self.windows: dict[int, tuple] = {}
         self.window_pins: collections.Counter = collections.Counter()  # chunk -> windows
-        self.prepared: dict[int, None] = {}  # handles of prepared windows, oldest first
+        # handles of prepared windows -> when prepared (time.monotonic()), oldest first
+        self.prepared: dict[int, float] = {}
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
         self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
         self.lookup_next = None  # (parent, name) of the last LOOKUP answered from them
@@ -697,14 +700,15 @@ class FastPath(RequestWait):
         self.run_releases()
 
     def settle(self) -> None:
-        """What the queue threads answered is taken in and the releases run: on the idle
-        sealer's tick and before the status is read. (A WRITE they landed whole and answered
-        wakes this side only once a segment fills or the landed list is half full, ring.c:
-        a file written and kept open would otherwise stay unrecorded until the next
-        request.)"""
+        """What the queue threads answered is taken in, the releases run and prepared windows
+        that waited too long go: on the idle sealer's tick and before the status is read. (A
+        WRITE they landed whole and answered wakes this side only once a segment fills or the
+        landed list is half full, ring.c: a file written and kept open would otherwise stay
+        unrecorded until the next request.)"""
         if self.ring is not None:
             self.settle_ring()
             self.run_releases()
+            self.expire_prepared()
 
     def spin_work(self) -> None:
         """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
@@ -1202,7 +1206,7 @@ class FastPath(RequestWait):
                 # due: it stands for this LOOKUP's OPEN, the newest, not the first to go)
                 if fh in self.prepared:
                     del self.prepared[fh]
-                    self.prepared[fh] = None
+                    self.prepared[fh] = time.monotonic()
                     self.ring.absent_until(ops.fresh_until())
                 return
         reader = ops.reader
@@ -1215,9 +1219,20 @@ class FastPath(RequestWait):
         self.ring.absent_until(ops.fresh_until())  # (no OPEN there once a look is due)
         if not self._set_window(fh, x, 0, got, x.ino, _open_flags(fi, os.O_RDONLY)):
             return
-        self.prepared[fh] = None
+        self.prepared[fh] = time.monotonic()
         while len(self.prepared) > PREPARED_MAX:
             self.drop_window(next(iter(self.prepared)))
+
+    def expire_prepared(self) -> None:
+        """Prepared windows whose OPEN has not come within PREPARED_TTL_S go (a stat sweep's
+        would otherwise pin their chunks until the next LOOKUPs push them out)."""
+        prepared = self.prepared
+        if prepared:
+            stale = time.monotonic() - PREPARED_TTL_S
+            for fh, t in list(prepared.items()):
+                if t > stale:
+                    break
+                self.drop_window(fh)
 
     def drop_window(self, fh: int, ring=None) -> None:
         """Handle fh's READs come here again; its window's chunks are let go (a prepared
@@ -1254,12 +1269,15 @@ class FastPath(RequestWait):
         ops = self.ops
         self.reads_direct += len(reads)
         last: dict[int, int] = {}
+        by_handle: dict[int, list] = {}
         for fh, off, size, n in reads:
-            try:
-                ops.read_served(fh, off, size, n)
-            except Exception:  # (accounting only: the READ was answered)
-                log.exception("accounting for a READ of handle %d", fh)
+            by_handle.setdefault(fh, []).append((off, size, n))
             last[fh] = max(last.get(fh, 0), off + n)
+        for fh, served in by_handle.items():
+            try:
+                ops.read_served(fh, served)
+            except Exception:  # (accounting only: the READs were answered)
+                log.exception("accounting for the READs of handle %d", fh)
         for fh, end in last.items():
             w = self.windows.get(fh)
             if (w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size

@@ -801,18 +801,36 @@ class CkptOperations(pyfuse3.Operations):
             seen = h.seen = None
         return seen
 
-    def read_served(self, fh: int, off: int, size: int, n: int) -> None:
-        """A READ the queue threads answered from the handle's read window (fuse/ring.c): what
-        read() does besides the bytes (its counts, readahead, the read cache's use)."""
+    def read_served(self, fh: int, reads: list) -> None:
+        """READs of handle fh the queue threads answered from its read window (fuse/ring.c),
+        in order, as (off, size, n): what read() does besides the bytes (its counts,
+        readahead, the read cache's use). A run of them each on from the last goes to the
+        reader as one range (a restore's 1 MiB READs come a window's worth at a time)."""
         h = self.handles.get(fh)
         if h is None:
             return
         x = h.inode
-        self.read_requests += 1
-        self.bytes_read += n
-        if x.emap is not None and n:
-            self.reader.window_served(x.emap, off, off + n, self._ahead(h, off, size),
-                                      self._seen(h, x))
+        self.read_requests += len(reads)
+        lo = hi = -1
+        ahead: int | None = 0
+        for off, size, n in reads:
+            self.bytes_read += n
+            a = self._ahead(h, off, size)
+            if not n:
+                continue
+            if off != hi:
+                if hi > lo:
+                    self._window_served(h, x, lo, hi, ahead)
+                lo, ahead = off, 0
+            hi = off + n
+            # (the range's readahead: the most any of its READs asked for; None: a window)
+            ahead = None if a is None or ahead is None else max(ahead, a)
+        if hi > lo:
+            self._window_served(h, x, lo, hi, ahead)
+
+    def _window_served(self, h: _Handle, x: Inode, lo: int, hi: int, ahead) -> None:
+        if x.emap is not None:
+            self.reader.window_served(x.emap, lo, hi, ahead, self._seen(h, x))
 
     async def write(self, fh, off, buf):
         h, x = self.write_target(fh)
