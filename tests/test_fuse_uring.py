@@ -634,6 +634,40 @@ def test_lookups_answered_from_prepared_answers_follow_every_change(mounts, tran
         m.stop()
 
 
+def test_lookups_prepared_in_several_directories_read_in_turn(mounts):
+    """A checkpoint is often loaded one file from each of several directories in turn (a
+    model's tensors, then each optimizer state's): the names prepared ahead in each stand
+    while the others are read, so the queue threads answer most of the LOOKUPs and OPENs."""
+    dirs, per = [f"d{k}" for k in range(6)], 16
+    m = mounts.mount()
+    data = {}
+    for d in dirs:
+        os.mkdir(os.path.join(m.mountpoint, d))
+    for i in range(per):
+        for d in dirs:
+            n = f"{d}/f{i:02d}"
+            data[n] = os.urandom(100 + 53 * i)
+            with open(os.path.join(m.mountpoint, n), "wb") as f:
+                f.write(data[n])
+    m.stop()
+    m = mounts.mount(m.backing, refresh=30)  # (no look at other writers falls due)
+
+    def read_all() -> None:
+        for n, d in data.items():  # (in turn: one file of each directory)
+            with open(os.path.join(m.mountpoint, n), "rb") as f:
+                assert f.read() == d
+
+    read_all()  # (every chunk in the read cache)
+    assert drop_caches(2)
+    st0 = m.status()
+    read_all()
+    st = m.status()
+    files = len(data)
+    assert st["ring_lookups_answered_in_c"] - st0["ring_lookups_answered_in_c"] >= files // 2, st
+    assert st["ring_opens_answered_in_c"] - st0["ring_opens_answered_in_c"] >= files // 2, st
+    assert st["ring_error"] == "" and st["ring_opens_not_made"] == 0, st
+
+
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_read_windows_follow_a_copy_up_of_another_writers_file(mounts, transport):
     """Another writer's file that this writer truncates is copied up first (a new extent map);

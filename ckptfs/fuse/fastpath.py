@@ -135,13 +135,17 @@ WINDOW_CACHE_SHARE = 4  # (a quarter)
 # Windows prepared at a LOOKUP and not opened yet, at most: a LOOKUP not followed by an open
 # (stat, ls -l) leaves one; the oldest goes when a new one would pass this, and any goes once
 # it has waited this long (an OPEN follows its LOOKUP at once; the window pins cache chunks).
-PREPARED_MAX = 8
+# Room for the names prepared ahead in four directories read in turn (below).
+PREPARED_MAX = 16
 PREPARED_TTL_S = 2.0
 # LOOKUP answers prepared for the names that follow a name looked up in a directory's
 # creation order (a restore loads a checkpoint's files in about the order they were saved),
-# and how many may stand at most (more: all go, the next ones are prepared anew).
+# and how many may stand at most (more: all go, the next ones are prepared anew). A
+# checkpoint is often loaded from several directories in turn (a model's tensors and each
+# optimizer state's: one file of each in turn), each with its names prepared ahead: room for
+# twelve such directories (fuse/ring.c holds 64).
 LOOKUPS_AHEAD = 4
-LOOKUPS_MAX = 16
+LOOKUPS_MAX = 48
 NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
 NAME_ORDER_MAX = 1 << 17  # names of a directory whose order is kept, at most
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
@@ -247,8 +251,11 @@ class FastPath(RequestWait):
         # handle -> its read window: (inode, extent map, start, end, pinned chunks)
         self.windows: dict[int, tuple] = {}
         self.window_pins: collections.Counter = collections.Counter()  # chunk -> windows
-        # handles of prepared windows -> when prepared (time.monotonic()), oldest first
-        self.prepared: dict[int, float] = {}
+        # handles of prepared windows -> (when prepared (time.monotonic()), how many names
+        # ahead of the last LOOKUP its file is: 0 for that one, the file's inode), oldest
+        # first; and inode -> handle
+        self.prepared: dict[int, tuple[float, int, int]] = {}
+        self.prepared_ino: dict[int, int] = {}
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
         self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
         self.lookup_next = None  # (parent, name) of the last LOOKUP answered from them
@@ -1047,12 +1054,15 @@ class FastPath(RequestWait):
         if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
             self.drop_lookups()
         ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
-        for n in names[i + 1:i + 1 + LOOKUPS_AHEAD]:
+        for ahead, n in enumerate(names[i + 1:i + 1 + LOOKUPS_AHEAD], 1):
             y = inodes.get(children.get(n, 0))
-            if (y is None or y.ino in lookups or y.emap is None or y.opens or y.nlink != 1
+            if (y is None or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
-            self.prepare_open(y)  # (first: its OPEN follows the LOOKUP at once)
+            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer)
+            self.prepare_open(y, ahead)
+            if y.ino in lookups:
+                continue
             if not ring.lookup_put(parent, n, y.ino,
                                    _entry_of(y, ops.attr_fields(y), self.entry_valid)):
                 return
@@ -1073,9 +1083,9 @@ class FastPath(RequestWait):
         """Make the handles of the OPENs the queue threads answered from prepared windows, in
         order, as the OPEN would have made them here (ops.open_prepared); the window is the
         handle's now (it may be dropped already: its READs come here then)."""
-        ops, prepared, windows = self.ops, self.prepared, self.windows
+        ops, windows = self.ops, self.windows
         for fh, nodeid, flags, uid, gid, pid in opened:
-            prepared.pop(fh, None)
+            self._unprepare(fh)
             w = windows.get(fh)
             try:
                 ops.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh, flags,
@@ -1151,7 +1161,7 @@ class FastPath(RequestWait):
             budget = share - len(pins) + (sum(pins[k] == 1 for k in old[4]) if old else 0)
             if budget >= need or not self.prepared:
                 break
-            self.drop_window(next(iter(self.prepared)))
+            self._drop_prepared()
         got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                  budget, pins) if budget > 0 and start < x.size else None
         if got is None:
@@ -1182,33 +1192,36 @@ class FastPath(RequestWait):
         x.emap.watched = True
         return True
 
-    def prepare_open(self, x) -> None:
-        """After a LOOKUP found file x: when its first bytes are in the read
-        cache, checked, and no one has it open, a window over them is prepared with a new
-        handle number, and the queue threads answer the file's next read-only OPEN
-        themselves (fuse/ring.c, fr_open): a restore's small file is then a LOOKUP here and
-        an OPEN, READs and a RELEASE without this side. The window is dropped as any other
-        when the file may change; at most PREPARED_MAX wait for their OPEN. Never raises (a
-        failure: no window)."""
+    def prepare_open(self, x, ahead: int = 0) -> None:
+        """After a LOOKUP found file x (or a file `ahead` names after it, prepare_lookups):
+        when its first bytes are in the read cache, checked, and no one has it open, a
+        window over them is prepared with a new handle number, and the queue threads answer
+        the file's next read-only OPEN themselves (fuse/ring.c, fr_open): a restore's small
+        file is then a LOOKUP here and an OPEN, READs and a RELEASE without this side. The
+        window is dropped as any other when the file may change; at most PREPARED_MAX wait
+        for their OPEN (past it, one of the files furthest ahead goes: those of several
+        directories read in turn stand for their next files). Never raises (a failure: no
+        window)."""
         try:
-            self._prepare_open(x)
+            self._prepare_open(x, ahead)
         except Exception:
             log.exception("prepared open of inode %d", x.ino)
 
-    def _prepare_open(self, x) -> None:
+    def _prepare_open(self, x, ahead: int) -> None:
         ops = self.ops
         if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
                 or not ops.may_prepare_open(x)):
             return
-        for fh, w in self.windows.items():
-            if w[0] is x:
-                # (one prepared before whose OPEN did not come, or came here once a look was
-                # due: it stands for this LOOKUP's OPEN, the newest, not the first to go)
-                if fh in self.prepared:
-                    del self.prepared[fh]
-                    self.prepared[fh] = time.monotonic()
-                    self.ring.absent_until(ops.fresh_until())
-                return
+        fh = self.prepared_ino.get(x.ino)
+        if fh is not None:
+            # (one prepared before whose OPEN did not come yet, or came here once a look was
+            # due: it stands for this one, the newest, as far ahead as it is now; no other
+            # window of a file no one has open stands)
+            del self.prepared[fh]
+            self.prepared[fh] = (time.monotonic(), ahead, x.ino)
+            if not ahead:
+                self.ring.absent_until(ops.fresh_until())
+            return
         reader = ops.reader
         budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
         got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
@@ -1216,12 +1229,25 @@ class FastPath(RequestWait):
         if got is None:
             return
         fh, fi = ops.prepare_open(x)
-        self.ring.absent_until(ops.fresh_until())  # (no OPEN there once a look is due)
+        if not ahead:  # (no OPEN there once a look is due; prepare_lookups says it first)
+            self.ring.absent_until(ops.fresh_until())
         if not self._set_window(fh, x, 0, got, x.ino, _open_flags(fi, os.O_RDONLY)):
             return
-        self.prepared[fh] = time.monotonic()
+        self.prepared[fh] = (time.monotonic(), ahead, x.ino)
+        self.prepared_ino[x.ino] = fh
         while len(self.prepared) > PREPARED_MAX:
-            self.drop_window(next(iter(self.prepared)))
+            self._drop_prepared()
+
+    def _drop_prepared(self) -> None:
+        """The prepared window of a file furthest ahead of its directory's last LOOKUP goes
+        (the oldest of those)."""
+        prepared = self.prepared
+        self.drop_window(max(prepared, key=lambda fh: prepared[fh][1]))
+
+    def _unprepare(self, fh: int) -> None:
+        p = self.prepared.pop(fh, None)
+        if p is not None and self.prepared_ino.get(p[2]) == fh:
+            del self.prepared_ino[p[2]]
 
     def expire_prepared(self) -> None:
         """Prepared windows whose OPEN has not come within PREPARED_TTL_S go (a stat sweep's
@@ -1229,7 +1255,7 @@ class FastPath(RequestWait):
         prepared = self.prepared
         if prepared:
             stale = time.monotonic() - PREPARED_TTL_S
-            for fh, t in list(prepared.items()):
+            for fh, (t, _, _) in list(prepared.items()):
                 if t > stale:
                     break
                 self.drop_window(fh)
@@ -1237,7 +1263,7 @@ class FastPath(RequestWait):
     def drop_window(self, fh: int, ring=None) -> None:
         """Handle fh's READs come here again; its window's chunks are let go (a prepared
         window's OPEN comes here again)."""
-        self.prepared.pop(fh, None)
+        self._unprepare(fh)
         w = self.windows.pop(fh, None)
         if w is None:
             return

@@ -136,7 +136,7 @@
 #define WINDOW_PARTS 4  /* buffers per window */
 #define READS_MAX 4096  /* READs answered here not yet accounted for by the Python side */
 #define OPENED_MAX WINDOWS  /* opens answered here not yet made by the Python side */
-#define LOOKUPS 32  /* LOOKUP answers the Python side prepared */
+#define LOOKUPS 64  /* LOOKUP answers the Python side prepared (fastpath.LOOKUPS_MAX: 48) */
 #define LOOKED_MAX 1024  /* LOOKUPs answered here not yet counted by the Python side */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
