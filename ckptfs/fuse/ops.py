@@ -805,7 +805,8 @@ class CkptOperations(pyfuse3.Operations):
         """READs of handle fh the queue threads answered from its read window (fuse/ring.c),
         in order, as (off, size, n): what read() does besides the bytes (its counts,
         readahead, the read cache's use). A run of them each on from the last goes to the
-        reader as one range (a restore's 1 MiB READs come a window's worth at a time)."""
+        reader as one range (a restore's 1 MiB READs come a window's worth at a time); a READ
+        from offset 0 stays one of its own (its readahead, a whole window, counts from it)."""
         h = self.handles.get(fh)
         if h is None:
             return
@@ -818,7 +819,7 @@ class CkptOperations(pyfuse3.Operations):
             a = self._ahead(h, off, size)
             if not n:
                 continue
-            if off != hi:
+            if off != hi or ahead is None:  # (a READ from 0: its window's readahead from it)
                 if hi > lo:
                     self._window_served(h, x, lo, hi, ahead)
                 lo, ahead = off, 0

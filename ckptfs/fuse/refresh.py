@@ -317,8 +317,8 @@ class Refresher:
         self._release()
         if found:  # (a look that found nothing changes nothing: answers prepared stand)
             self.applying = True
-            self._view_changed()
             try:
+                self._view_changed()
                 await self._apply_found(found)
             finally:
                 self.applying = False
