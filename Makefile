@@ -47,8 +47,8 @@ demo: setup
 
 # The data-path and namespace tests run a second time with every mount on FUSE over io_uring
 # (--fuse-uring; the kernel's switch on for that run: tests/conftest.py; skipped where the
-# kernel has none). The kill-9 test runs 4 rounds there instead of 10 (each round
-# a kill at a random point; 10 on both transports were a tenth of the suite's time).
+# kernel has none). The kill-9 test runs fewer rounds there (each round a kill at a random
+# point; many on both transports were a tenth of the suite's time).
 URING_TESTS = tests/test_fastpath.py tests/test_crash.py tests/test_full_disk.py tests/test_eio.py \
 	tests/test_fs_concurrency.py tests/test_fs_model.py tests/test_fs_torch.py \
 	tests/test_request_loop.py tests/test_direct_reads.py tests/test_live_writers.py \
