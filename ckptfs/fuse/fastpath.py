@@ -1212,6 +1212,8 @@ class FastPath(RequestWait):
         if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
                 or not ops.may_prepare_open(x)):
             return
+        if not ahead:  # (no OPEN there once a look is due; prepare_lookups says it first)
+            self.ring.absent_until(ops.fresh_until())
         fh = self.prepared_ino.get(x.ino)
         if fh is not None:
             # (one prepared before whose OPEN did not come yet, or came here once a look was
@@ -1219,8 +1221,6 @@ class FastPath(RequestWait):
             # window of a file no one has open stands)
             del self.prepared[fh]
             self.prepared[fh] = (time.monotonic(), ahead, x.ino)
-            if not ahead:
-                self.ring.absent_until(ops.fresh_until())
             return
         reader = ops.reader
         budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
@@ -1229,8 +1229,6 @@ class FastPath(RequestWait):
         if got is None:
             return
         fh, fi = ops.prepare_open(x)
-        if not ahead:  # (no OPEN there once a look is due; prepare_lookups says it first)
-            self.ring.absent_until(ops.fresh_until())
         if not self._set_window(fh, x, 0, got, x.ino, _open_flags(fi, os.O_RDONLY)):
             return
         self.prepared[fh] = (time.monotonic(), ahead, x.ino)
@@ -1294,17 +1292,15 @@ class FastPath(RequestWait):
         readahead those READs started), unless its handle was released."""
         ops = self.ops
         self.reads_direct += len(reads)
-        last: dict[int, int] = {}
         by_handle: dict[int, list] = {}
         for fh, off, size, n in reads:
             by_handle.setdefault(fh, []).append((off, size, n))
-            last[fh] = max(last.get(fh, 0), off + n)
         for fh, served in by_handle.items():
             try:
                 ops.read_served(fh, served)
             except Exception:  # (accounting only: the READs were answered)
                 log.exception("accounting for the READs of handle %d", fh)
-        for fh, end in last.items():
+            end = max(off + n for off, _, n in served)
             w = self.windows.get(fh)
             if (w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size
                     and fh not in released and ops.reader.has(w[1], w[3])):
