@@ -649,6 +649,7 @@ class FastPath(RequestWait):
         if window is not None:
             self.open_window(window, 0)
         elif found is not None and self.ring is not None:
+            self.lookup_served(found)
             self.prepare_open(found)  # (before the answer: the OPEN follows it at once)
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
         if found is not None and self.ring is not None:
@@ -1069,6 +1070,15 @@ class FastPath(RequestWait):
             lookups[y.ino] = (parent, n)
             self.lookups_put = True
             y.emap.watched = True  # (a change of its bytes takes them back: emap_changed)
+
+    def lookup_served(self, x) -> None:
+        """A LOOKUP of file x served here: an answer prepared for it goes, unused (the
+        kernel asked before it stood). Left standing, it would answer the file's next LOOKUP
+        (once the kernel let its entry go) while the window prepared with it is gone with
+        this OPEN: that OPEN would come here."""
+        key = self.lookups.pop(x.ino, None)
+        if key is not None:
+            self.ring.lookup_drop(*key)
 
     def drop_lookups(self) -> None:
         """Every prepared LOOKUP answer goes (what they say may have changed). (Also one

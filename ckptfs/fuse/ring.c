@@ -1931,6 +1931,22 @@ int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, u
     return l != NULL;
 }
 
+/* The prepared answer of `name` in directory `parent` goes, if one stands (its LOOKUP came to
+ * the Python side: it and the file's OPEN are prepared afresh there). */
+void ck_fring_lookup_drop(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len)
+{
+    pthread_mutex_lock(&f->lock);
+    for (int i = 0; i < LOOKUPS; i++) {
+        struct fr_lookup *l = &f->lookups[i];
+        if (l->parent == parent && l->namelen == len && !memcmp(l->name, name, len)) {
+            l->parent = 0;
+            atomic_fetch_sub(&f->nlookups, 1);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
 /* Every prepared LOOKUP answer goes (the tree changed). */
 void ck_fring_lookups_clear(struct ck_fring *f)
 {

@@ -326,6 +326,10 @@ class Ring:
         return bool(lib.ck_fring_lookup_put(self.handle, parent, name, len(name), nodeid,
                                             entry_out))
 
+    def lookup_drop(self, parent: int, name: bytes) -> None:
+        """The prepared answer of `name` in directory `parent` goes, if one stands."""
+        lib.ck_fring_lookup_drop(self.handle, parent, name, len(name))
+
     def lookups_clear(self) -> None:
         """Every prepared LOOKUP answer goes."""
         lib.ck_fring_lookups_clear(self.handle)

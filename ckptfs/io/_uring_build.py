@@ -115,6 +115,7 @@ int ck_fring_opened(struct ck_fring *f);
 int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *out, int max);
 int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len,
                         uint64_t nodeid, const void *out);
+void ck_fring_lookup_drop(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len);
 void ck_fring_lookups_clear(struct ck_fring *f);
 int ck_fring_looked(struct ck_fring *f);
 int ck_fring_take_looked(struct ck_fring *f, uint64_t *out, int max);
@@ -406,6 +407,8 @@ int ck_fring_take_opened(struct ck_fring *f, struct ck_fring_opened *o, int m)
 int ck_fring_lookup_put(struct ck_fring *f, uint64_t p, const char *n, uint32_t l,
                         uint64_t nd, const void *o)
 { (void)f; (void)p; (void)n; (void)l; (void)nd; (void)o; return 0; }
+void ck_fring_lookup_drop(struct ck_fring *f, uint64_t p, const char *n, uint32_t l)
+{ (void)f; (void)p; (void)n; (void)l; }
 void ck_fring_lookups_clear(struct ck_fring *f) { (void)f; }
 int ck_fring_looked(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_take_looked(struct ck_fring *f, uint64_t *o, int m)
