@@ -27,6 +27,10 @@ def test_alternating_variants_are_measured_and_verified(tmp_path):
     for r in runs:
         assert r["verified"] and r["wall_s"] > 0 and r["user_s"] >= 0 and r["sys_s"] >= 0
         assert r["waits"]["requests_answered_here"] > 0
+        py = r["python_side"]  # (the default transport: queue threads on /dev/fuse)
+        assert py["handed"] == sum(py["by_opcode"].values()) == py["requests"] - py[
+            "answered_in_c"], py
+        assert 0 < py["handed"] < py["answered_in_c"], py
     # /proc counts CPU in clock ticks (10 ms): one short phase may read 0, a whole run does not
     assert sum(r["user_s"] + r["sys_s"] for r in runs) > 0
     assert runs[0]["waits"]["requests_caught_spinning"] == 0  # (--request-spin 0)

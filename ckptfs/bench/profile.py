@@ -5,7 +5,8 @@ The steps are the end-to-end benchmark's ckptfs steps (``torch.save`` per tensor
 mount, ``sync``; unmount, caches dropped, a fresh mount, ``torch.load`` of every tensor, checked
 bit for bit), on the GPT-2-shaped state or ``--small N`` tensors. Per phase it reports the wall
 time, the daemon's user and system CPU (all threads, and per thread), how its request waits
-ended (found queued, caught spinning, slept in epoll), and what one profiler saw:
+ended (found queued, caught spinning, slept in epoll), which requests the queue threads handed
+to the Python side (by opcode; the rest they answered in C), and what one profiler saw:
 
   perf      ``perf record -g -p PID``: every sample put in a category by its kernel call path
             (readv of /dev/fuse, its reply, poll, epoll, madvise, ...) or its user-space
@@ -78,6 +79,26 @@ def cpu_delta(before: dict, after: dict) -> dict[str, tuple[float, float]]:
 
 WAIT_COUNTS = ("requests_found_queued", "requests_caught_spinning", "requests_waited_for",
                "requests_answered_here", "requests_forwarded")
+# linux/fuse.h: the opcodes a checkpoint's save or restore sends
+OPCODES = {1: "LOOKUP", 2: "FORGET", 3: "GETATTR", 4: "SETATTR", 9: "MKDIR", 14: "OPEN",
+           15: "READ", 16: "WRITE", 18: "RELEASE", 20: "FSYNC", 22: "GETXATTR", 25: "FLUSH",
+           27: "OPENDIR", 28: "READDIR", 29: "RELEASEDIR", 35: "CREATE", 36: "INTERRUPT",
+           39: "IOCTL", 42: "BATCH_FORGET", 44: "READDIRPLUS"}
+
+
+def python_side(st0: dict, st1: dict) -> dict:
+    """What of a phase's requests the queue threads handed to the daemon's Python side, by
+    opcode, and the WRITE bytes it copied into staging (the rest landed in place); {} on a
+    mount without queue threads."""
+    if "ring_handed_by_opcode" not in st1:
+        return {}
+    h0, h1 = st0.get("ring_handed_by_opcode", {}), st1["ring_handed_by_opcode"]
+    by = {OPCODES.get(int(op), op): n - h0.get(op, 0) for op, n in h1.items()}
+    return {"requests": st1["ring_requests"] - st0.get("ring_requests", 0),
+            "answered_in_c": st1["ring_answered_in_c"] - st0.get("ring_answered_in_c", 0),
+            "handed": sum(by.values()),
+            "by_opcode": dict(sorted(((k, v) for k, v in by.items() if v), key=lambda kv: -kv[1])),
+            "bytes_copied_in": st1["bytes_copied_in"] - st0.get("bytes_copied_in", 0)}
 
 
 # ------------------------------------------------------------------------ profilers
@@ -380,7 +401,8 @@ def phase(mount: api.Mount, kind: str, stem: str, step) -> tuple[object, dict]:
     threads = cpu_delta(before, after)
     res = {"wall_s": t1 - t0, "user_s": sum(u for u, _ in threads.values()),
            "sys_s": sum(s for _, s in threads.values()), "threads": threads,
-           "waits": {k: st1.get(k, 0) - st0.get(k, 0) for k in WAIT_COUNTS}}
+           "waits": {k: st1.get(k, 0) - st0.get(k, 0) for k in WAIT_COUNTS},
+           "python_side": python_side(st0, st1)}
     if kind != "none":
         res["profile"] = analyse(kind, stem)
     return out, res
@@ -503,6 +525,11 @@ def main(argv: list[str]) -> int:
                     print(f"round {rnd + 1} {opts} {ph}: {r['wall_s']:.2f} s, daemon CPU "
                           f"{cpu:.3f} s/GB (user {r['user_s']:.2f} s, system "
                           f"{r['sys_s']:.2f} s), waits {r['waits']}", flush=True)
+                    py = r["python_side"]
+                    if py:
+                        print(f"  the Python side served {py['handed']} of the queue threads' "
+                              f"{py['requests']} requests: {py['by_opcode']}; WRITE bytes "
+                              f"copied there {py['bytes_copied_in']}", flush=True)
                     if "profile" in r:
                         print("\n".join(format_profile(a.profiler, r["profile"])), flush=True)
     finally:

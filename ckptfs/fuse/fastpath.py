@@ -227,6 +227,7 @@ class FastPath(RequestWait):
         self.forwarded = 0
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
+        self.handed_ops: dict[int, int] = {}  # opcode -> requests the queue threads handed here
         self.releases: deque[int] = deque()  # handles released (answered), work not yet run
         self.released_at = 0.0  # when the first of them came (perf_counter)
         self.detached = False
@@ -311,6 +312,8 @@ class FastPath(RequestWait):
                  requests_forwarded=self.forwarded, requests_answered_here=self.answered,
                  requests_interrupted=self.interrupts.count, transport=self.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
+        if self.ring is not None:
+            c["ring_handed_by_opcode"] = dict(sorted(self.handed_ops.items()))
         if self.ring is not None:
             c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
                      ring_opens_not_made=self.opens_not_made,
@@ -434,6 +437,7 @@ class FastPath(RequestWait):
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
         self.ring_uniques[unique] = i
+        self.handed_ops[opcode] = self.handed_ops.get(opcode, 0) + 1
         if self.releases and opcode not in PAST_RELEASES:
             self.run_releases()
         pay = ring.payloads[i]
