@@ -582,6 +582,54 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
 
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])
+def test_a_lookup_served_by_the_python_side_takes_back_its_prepared_answer(mounts, transport):
+    """A LOOKUP that comes to the Python side while an answer prepared for its name stands
+    (a reader quicker than the preparation, or, as here, a look at other writers due, when
+    the queue threads answer none) takes that answer back: left standing, it would answer
+    the name's next LOOKUP in C without the OPEN prepared with it, whose window went with
+    the file's OPEN, so that OPEN would come to the Python side."""
+    switch, opts = on(transport)
+    with switch:
+        names = [f"f{i}" for i in range(8)]
+        m = mounts.mount(**opts)
+        data = {n: os.urandom(1000 + 77 * i) for i, n in enumerate(names)}
+        for n, d in data.items():
+            with open(os.path.join(m.mountpoint, n), "wb") as f:
+                f.write(d)
+        m.stop()
+        m = mounts.mount(m.backing, refresh=2, **opts)
+
+        def read(n: str) -> bytes:
+            with open(os.path.join(m.mountpoint, n), "rb") as f:
+                return f.read()
+
+        def counts() -> tuple[int, int]:
+            st = m.status()
+            return st["ring_opens_answered_in_c"], st["ring_lookups_answered_in_c"]
+
+        for n in names:  # (every chunk in the read cache)
+            assert read(n) == data[n]
+        assert drop_caches(2)
+        assert read("f0") == data["f0"]  # (its LOOKUP here: the answers for f1.. prepared)
+        assert m.status()["ring_lookups_prepared"] >= 1
+        time.sleep(2.5)  # (a look is due: the queue threads answer no LOOKUP until it is made)
+        o0, l0 = counts()
+        os.stat(os.path.join(m.mountpoint, "f1"))  # (here: a look, f1's OPEN prepared)
+        assert read("f1") == data["f1"]
+        o1, l1 = counts()
+        assert (o1, l1) == (o0 + 1, l0)
+        assert drop_caches(2)  # (the kernel lets f1's entry go: its next open asks again)
+        os.stat(os.path.join(m.mountpoint, "f1"))
+        assert read("f1") == data["f1"]
+        # (its LOOKUP came here again, which prepared its OPEN: the answer standing from
+        # before would have answered it in C, and the OPEN would have come here)
+        assert counts() == (o1 + 1, l1)
+        st = m.status()
+        assert st["ring_opens_not_made"] == 0 and st["ring_error"] == "", st
+        m.stop()
+
+
+@pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_lookups_answered_from_prepared_answers_follow_every_change(mounts, transport):
     """A LOOKUP that finds a file prepares the answers to LOOKUPs of the names after it (in
     the directory's creation order), which the queue threads then answer; a change to one of
