@@ -92,10 +92,15 @@ class Reader:
         self.consumed: dict[tuple[int, int, int], None] = {}
         self.recycled = 0
         # Checksums are checked in worker threads as soon as all chunks of a run are loaded
-        # (readahead), so READ handlers on the trio thread rarely compute one.
+        # (readahead), so READ handlers on the trio thread rarely compute one; one checker
+        # task takes those asked for meanwhile in one job (_check_ahead).
         self.chunk_runs: dict[tuple[int, int, int], list[Run]] = {}
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
+        # the checks readahead asks for, waiting for the checker (_check_ahead): (the runs,
+        # their chunks, pinned); the checker's wake-up while it waits (None: not started)
+        self.checks: list[tuple[list[Run], list]] = []
+        self.check_wake: trio.Event | None = None
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         self.nursery = None  # set by the daemon: where readahead (and note_replayed) runs
         # a wait for the disk, as a context manager yielding its CancelScope: the daemon's is
@@ -517,8 +522,8 @@ class Reader:
         run.verified = True
 
     def _verify_ahead(self, key: tuple[int, int, int]) -> None:
-        """Chunk `key` just arrived: check, in a worker thread, every run over it whose chunks
-        are now all cached (its chunks stay pinned meanwhile)."""
+        """Chunk `key` just arrived: have the checker check, in a worker thread, every run
+        over it whose chunks are now all cached (its chunks stay pinned meanwhile)."""
         if self.nursery is None:
             return
         runs = self.chunk_runs[key]
@@ -538,18 +543,34 @@ class Reader:
             self.chunk_runs[key] = keep
         else:
             del self.chunk_runs[key]
-        if ready:  # one worker job for all of them (a chunk may hold hundreds of small runs)
+        if ready:  # (a chunk may hold hundreds of small runs: one check for all of them)
             self.verifying.update(ready)
             self._pin(pinned)
-            self.nursery.start_soon(self._verify_bg, ready, list(pinned))
+            self.checks.append((ready, list(pinned)))
+            if self.check_wake is None:
+                self.check_wake = trio.Event()
+                self.nursery.start_soon(self._check_ahead)
+            else:
+                self.check_wake.set()
 
-    async def _verify_bg(self, runs: list[Run], keys) -> None:
-        try:
-            self.verified_ahead += await trio.to_thread.run_sync(self._verify_quietly, runs,
-                                                                 limiter=self.limiter)
-        finally:
-            self._unpin(keys)
-            self.verifying.difference_update(runs)
+    async def _check_ahead(self) -> None:
+        """The checker: the checks asked for since its last worker job, in one job (a
+        restore's chunks come faster than a task and a worker hand-off each are worth on
+        this thread)."""
+        while True:
+            if not self.checks:
+                self.check_wake = trio.Event()
+                await self.check_wake.wait()
+                continue
+            batch, self.checks = self.checks, []
+            try:
+                self.verified_ahead += await trio.to_thread.run_sync(
+                    self._verify_quietly, [r for runs, _ in batch for r in runs],
+                    limiter=self.limiter)
+            finally:
+                for runs, keys in batch:
+                    self._unpin(keys)
+                    self.verifying.difference_update(runs)
 
     def _verify_quietly(self, runs: list[Run]) -> int:
         """Worker thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
