@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from ckptfs.bench import profile
+from ckptfs.fuse import ring as fring
 
 
 def test_alternating_variants_are_measured_and_verified(tmp_path):
@@ -28,7 +29,11 @@ def test_alternating_variants_are_measured_and_verified(tmp_path):
         assert r["verified"] and r["wall_s"] > 0 and r["user_s"] >= 0 and r["sys_s"] >= 0
         assert r["waits"]["requests_answered_here"] > 0
         py = r["python_side"]  # (the default transport: queue threads on /dev/fuse)
-        assert py["handed"] == sum(py["by_opcode"].values()) == py["requests"] - py[
+        if fring.threads_unavailable() is not None:
+            assert py == {}
+            continue
+        # (a request a queue thread took last may be on its way still: at most that many)
+        assert py["handed"] == sum(py["by_opcode"].values()) <= py["requests"] - py[
             "answered_in_c"], py
         assert 0 < py["handed"] < py["answered_in_c"], py
     # /proc counts CPU in clock ticks (10 ms): one short phase may read 0, a whole run does not

@@ -597,7 +597,7 @@ def test_a_lookup_served_by_the_python_side_takes_back_its_prepared_answer(mount
             with open(os.path.join(m.mountpoint, n), "wb") as f:
                 f.write(d)
         m.stop()
-        m = mounts.mount(m.backing, refresh=2, **opts)
+        m = mounts.mount(m.backing, **opts)  # (--refresh 1)
 
         def read(n: str) -> bytes:
             with open(os.path.join(m.mountpoint, n), "rb") as f:
@@ -612,7 +612,10 @@ def test_a_lookup_served_by_the_python_side_takes_back_its_prepared_answer(mount
         assert drop_caches(2)
         assert read("f0") == data["f0"]  # (its LOOKUP here: the answers for f1.. prepared)
         assert m.status()["ring_lookups_prepared"] >= 1
-        time.sleep(2.5)  # (a look is due: the queue threads answer no LOOKUP until it is made)
+        # (the background look f0's LOOKUP asked for came within a second, none since: a
+        # look is due, which the next LOOKUP makes first; the queue threads answer none till
+        # then, and after it no deadline falls within the next second)
+        time.sleep(2.5)
         o0, l0 = counts()
         os.stat(os.path.join(m.mountpoint, "f1"))  # (here: a look, f1's OPEN prepared)
         assert read("f1") == data["f1"]

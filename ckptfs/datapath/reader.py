@@ -557,26 +557,35 @@ class Reader:
         """The checker: the checks asked for since its last worker job, in one job (a
         restore's chunks come faster than a task and a worker hand-off each are worth on
         this thread)."""
-        while True:
-            if not self.checks:
-                self.check_wake = trio.Event()
-                await self.check_wake.wait()
-                continue
-            batch, self.checks = self.checks, []
-            try:
-                self.verified_ahead += await trio.to_thread.run_sync(
-                    self._verify_quietly, [r for runs, _ in batch for r in runs],
-                    limiter=self.limiter)
-            finally:
-                for runs, keys in batch:
-                    self._unpin(keys)
-                    self.verifying.difference_update(runs)
+        try:
+            while True:
+                if not self.checks:
+                    self.check_wake = trio.Event()
+                    await self.check_wake.wait()
+                    continue
+                batch, self.checks = self.checks, []
+                try:
+                    self.verified_ahead += await trio.to_thread.run_sync(
+                        self._verify_quietly, [r for runs, _ in batch for r in runs],
+                        limiter=self.limiter)
+                finally:
+                    self._checked(batch)
+        finally:  # (cancelled: the mount ends; what waited is let go, a next checker starts)
+            self._checked(self.checks)
+            self.checks, self.check_wake = [], None
+
+    def _checked(self, batch: list) -> None:
+        for runs, keys in batch:
+            self._unpin(keys)
+            self.verifying.difference_update(runs)
 
     def _verify_quietly(self, runs: list[Run]) -> int:
         """Worker thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
         dropped meanwhile (its log range rewritten) leaves the check to the READ path."""
         done = 0
         for run in runs:
+            if run.verified:  # (a READ that could not wait checked it meanwhile)
+                continue
             try:
                 self._verify(run)
                 done += 1

@@ -314,7 +314,6 @@ class FastPath(RequestWait):
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         if self.ring is not None:
             c["ring_handed_by_opcode"] = dict(sorted(self.handed_ops.items()))
-        if self.ring is not None:
             c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
                      ring_opens_not_made=self.opens_not_made,
                      ring_read_windows=len(self.windows),

@@ -1935,6 +1935,8 @@ int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, u
  * the Python side: it and the file's OPEN are prepared afresh there). */
 void ck_fring_lookup_drop(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len)
 {
+    if (!parent)  /* (a free slot's parent) */
+        return;
     pthread_mutex_lock(&f->lock);
     for (int i = 0; i < LOOKUPS; i++) {
         struct fr_lookup *l = &f->lookups[i];
