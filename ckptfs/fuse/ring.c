@@ -855,6 +855,20 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     return 1;
 }
 
+/* The prepared answer of `name` in directory `parent` (under lock), or NULL. */
+static struct fr_lookup *fr_lookup_find(struct ck_fring *f, uint64_t parent, const char *name,
+                                        uint32_t len)
+{
+    if (!parent)  /* (a free slot's parent) */
+        return NULL;
+    for (int i = 0; i < LOOKUPS; i++) {
+        struct fr_lookup *c = &f->lookups[i];
+        if (c->parent == parent && c->namelen == len && !memcmp(c->name, name, len))
+            return c;
+    }
+    return NULL;
+}
+
 /* LOOKUP of a name the Python side prepared the answer of, while the queue threads answer
  * RELEASE and CREATE and no look at other writers is due: answered with it (`out`), the answer
  * used up, the lookup noted for the Python side, which counts it (the kernel's lookup count
@@ -868,13 +882,8 @@ static int fr_lookup(struct ck_fring *f, const struct fr_slot *s, const char *na
     double now = fr_now();
     struct fr_lookup *l = NULL;
     pthread_mutex_lock(&f->lock);
-    if (f->defer_here && now < f->absent_until && f->lktail - f->lkhead < LOOKED_MAX) {
-        for (int i = 0; i < LOOKUPS && !l; i++) {
-            struct fr_lookup *c = &f->lookups[i];
-            if (c->parent == h->nodeid && c->namelen == len && !memcmp(c->name, name, len))
-                l = c;
-        }
-    }
+    if (f->defer_here && now < f->absent_until && f->lktail - f->lkhead < LOOKED_MAX)
+        l = fr_lookup_find(f, h->nodeid, name, len);
     if (l) {
         memcpy(out, l->out, ENTRY_OUT_SIZE);
         f->looked[f->lktail++ % LOOKED_MAX] = l->nodeid;
@@ -1935,16 +1944,11 @@ int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, u
  * the Python side: it and the file's OPEN are prepared afresh there). */
 void ck_fring_lookup_drop(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len)
 {
-    if (!parent)  /* (a free slot's parent) */
-        return;
     pthread_mutex_lock(&f->lock);
-    for (int i = 0; i < LOOKUPS; i++) {
-        struct fr_lookup *l = &f->lookups[i];
-        if (l->parent == parent && l->namelen == len && !memcmp(l->name, name, len)) {
-            l->parent = 0;
-            atomic_fetch_sub(&f->nlookups, 1);
-            break;
-        }
+    struct fr_lookup *l = fr_lookup_find(f, parent, name, len);
+    if (l) {
+        l->parent = 0;
+        atomic_fetch_sub(&f->nlookups, 1);
     }
     pthread_mutex_unlock(&f->lock);
 }
