@@ -60,6 +60,12 @@
  * once and noted, so that the Python side counts the kernel's lookup before it serves any
  * request (a FORGET among them); every change of a directory or of a file's attributes
  * takes them all back first. So a restore's small file need not wait for the Python side.
+ * Nor does it wake it more than once: of these notes, a LOOKUP's wakes the Python side (it
+ * prepares the next names then), and a RELEASE of a handle that took writes, and a READ past
+ * the middle of a window that ends before the file does (the next window is opened then);
+ * the others (an OPEN, a read-only RELEASE, the READs of a window to the file's end) wait
+ * for the next wake, request or idle tick, unless their list is half full: every request
+ * served there takes them all first.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
  * "What the FUSE transport costs"). The caller's CPU halts while it waits, and the answer
@@ -331,6 +337,7 @@ struct ck_fring {
 };
 
 static int fr_fh_set(struct ck_fring *f, uint64_t fh, int on);
+static int fr_fh_writable(struct ck_fring *f, uint64_t fh);
 static void fr_wake_python(struct ck_fring *f);
 
 /* Note an error (errno; the first one stays: ck_fring_error). */
@@ -650,16 +657,17 @@ static void fr_wake_python(struct ck_fring *f)
  * 0 when the list is full (the request is then handed over). */
 static int fr_note_release(struct ck_fring *f, uint64_t fh)
 {
-    int ok = 0;
+    int ok = 0, wake = 0;
     pthread_mutex_lock(&f->lock);
     if (f->defer_here && f->rtail - f->rhead < RELEASED_MAX) {
         f->released[f->rtail++ % RELEASED_MAX] = fh;
+        wake = fr_fh_writable(f, fh) || f->rtail - f->rhead >= RELEASED_MAX / 2;
         fr_fh_set(f, fh, 0);
         atomic_fetch_add(&f->released_count, 1);  /* (under the lock: never below the list) */
         ok = 1;
     }
     pthread_mutex_unlock(&f->lock);
-    if (ok)
+    if (wake)
         fr_wake_python(f);
     return ok;
 }
@@ -811,7 +819,7 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
          * window opened on; so they are due, and it is woken, once a READ passes the
          * window's middle, or the list fills) */
         uint64_t mid = w->start + (w->end - w->start) / 2;
-        if ((hi > mid && !w->woke) || f->dtail - f->dhead >= READS_MAX / 2) {
+        if ((hi > mid && !w->woke && !w->eof) || f->dtail - f->dhead >= READS_MAX / 2) {
             w->woke = 1;
             wake = 1;
             atomic_store(&f->reads_due, 1);
@@ -917,6 +925,7 @@ static int fr_open(struct ck_fring *f, const struct fr_slot *s, char *out)
             if (f->windows[i].fh && f->windows[i].nodeid == h->nodeid)
                 w = &f->windows[i];
     }
+    int wake = 0;
     if (w) {
         w->nodeid = 0;  /* (the handle's window from now on) */
         struct ck_fring_opened *o = &f->opened[f->otail++ % OPENED_MAX];
@@ -930,9 +939,10 @@ static int fr_open(struct ck_fring *f, const struct fr_slot *s, char *out)
         memset(out, 0, OPEN_OUT_SIZE);
         fr_put64(out, 0, w->fh - 1);
         fr_put32(out, 8, w->open_flags);
+        wake = f->otail - f->ohead >= OPENED_MAX / 2;
     }
     pthread_mutex_unlock(&f->lock);
-    if (w)
+    if (wake)
         fr_wake_python(f);
     return w != NULL;
 }
