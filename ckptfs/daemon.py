@@ -360,7 +360,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             nursery.start_soon(refresher.run)
             if maintainer is not None:
                 nursery.start_soon(maintainer.run)
-            reader.nursery = nursery
+            reader.background = True  # (readahead and checks ahead in its threads)
             nursery.start_soon(reader.note_replayed, replayed)
             if flusher.fixed_buffers:
                 nursery.start_soon(flusher.fault_in_when_due, lambda: ops.read_requests)

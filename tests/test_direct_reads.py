@@ -313,18 +313,14 @@ def test_readahead_grows_with_the_streak(mounts):
 
 
 def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_path):
-    """The window bookkeeping of Reader._readahead, without a mount: its nursery replaced by a
-    recorder of the chunk loads it starts (the loads themselves are what the mount tests do)."""
+    """The window bookkeeping of Reader._readahead, without a mount: its loads replaced by a
+    recorder of the chunks it asks for (the loads themselves are what the mount tests do)."""
     from ckptfs.datapath.reader import Reader
 
     r = Reader({0: str(tmp_path)}, cache_bytes=64 * MiB, prefetch_bytes=16 * MiB)
     started: list[int] = []
-
-    class Recorder:
-        def start_soon(self, fn, key):
-            started.append(key[2])
-
-    r.nursery = Recorder()
+    r.background = True
+    r._start_load = lambda key: started.append(key[2])
     r.log_end[(0, 1)] = 100 * CHUNK
 
     def ahead_of(idx: int, ahead: int = 4) -> list[int]:

@@ -87,9 +87,10 @@ def _read(reader: Reader, emap: ExtentMap, off: int, size: int):
 
 
 def test_the_mount_reader_fails_with_the_same_error(tmp_path):
-    """Reader (no nursery: loads in turn, checks on the READ) over runs of one log: a damaged
-    run spanning two chunks fails with RunReader's error on every READ of it, a READ of the
-    other run succeeds, and a run whose log is gone fails with the missing-log error."""
+    """Reader (no readahead, no checks ahead: a READ checks what it loaded) over runs of one
+    log: a damaged run spanning two chunks fails with RunReader's error on every READ of it,
+    a READ of the other run succeeds, and a run whose log is gone fails with the missing-log
+    error."""
     wdir, (ra, a), (rb, b) = _runs(tmp_path)
     _flip(wdir, 1, rb.loff + CHUNK_BYTES)
     logs = RunReader({0: wdir})

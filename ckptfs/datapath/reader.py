@@ -10,16 +10,23 @@ makes reads of that file fail with EIO, other files are unaffected.
 Files of a checkpoint are written one after another, so they lie one after another in the logs,
 and a restore reads them in about that order. A sequential reader therefore triggers readahead
 in log order (up to --prefetch bytes ahead: from a file's start the whole window, after a jump as
-much as it has read in a row; chunk-sized jobs in worker threads): the next files are on their
-way while the current one is being deserialised.
+much as it has read in a row): the next files are on their way while the current one is being
+deserialised.
+
+Chunk loads and the checks of readahead run in the reader's own threads (LOAD_THREADS of them,
+the read path's queue depth), which hand their results back to the trio thread in batches: one
+call there for everything that completed since the last one (_landed), not a trio task and a
+worker hand-off per 4 MiB chunk (those cost ~190 us of the trio thread each on this VM, a
+tenth of its work in a restore: docs/performance-notes.md).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import trio
 
@@ -39,6 +46,19 @@ _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
 def _zeros(n: int) -> list:
     return [_ZEROS[:min(n - i, SCRATCH_BYTES)] for i in range(0, n, SCRATCH_BYTES)]
+
+
+class _Load:
+    """A chunk load in flight: `done` is set on the trio thread once it landed (in the
+    cache, or not: discarded, or failed with `error`)."""
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: OSError | None = None
+
+
+_CHECK = object()  # the loader threads' job that checks the runs asked for meanwhile
 
 
 class _Chunk:
@@ -68,7 +88,7 @@ class Reader:
                           for _ in range(self.max_chunks)]
             self.allocated = self.max_chunks
         self.pins: dict[tuple[int, int, int], int] = {}
-        self.loading: dict[tuple[int, int, int], trio.Event] = {}
+        self.loading: dict[tuple[int, int, int], _Load] = {}
         self.gen: dict[tuple[int, int], int] = {}  # bumped when a log range is (re)written
         self.log_end: dict[tuple[int, int], int] = {}  # end of the known runs in each log
         # per log, shared by all readers: (the last chunk a sequential READ touched, the end of
@@ -77,7 +97,6 @@ class Reader:
         # or at or past the end starts anew, and so does the log's next write (invalidate).
         # Chunks asked for and evicted before use are not asked for again while in the window.
         self.ra_window: dict[tuple[int, int], tuple[int, int]] = {}
-        self.limiter = trio.CapacityLimiter(LOAD_THREADS)
         self.bad: dict[Run, str] = {}  # runs that failed their check -> what failed
         # Recycling: a chunk whose every live byte has been served (to handles that had not
         # read those bytes before) is "consumed": its buffer is reused before new memory is
@@ -91,18 +110,29 @@ class Reader:
         # to the end) moves it to the MRU end, where a scan from the LRU end would not find it.
         self.consumed: dict[tuple[int, int, int], None] = {}
         self.recycled = 0
-        # Checksums are checked in worker threads as soon as all chunks of a run are loaded
-        # (readahead), so READ handlers on the trio thread rarely compute one; one checker
-        # task takes those asked for meanwhile in one job (_check_ahead).
+        # Checksums are checked in the loader threads as soon as all chunks of a run are
+        # loaded (readahead), so READ handlers on the trio thread rarely compute one; the
+        # first loader thread free takes all those asked for meanwhile in one job (_CHECK).
         self.chunk_runs: dict[tuple[int, int, int], list[Run]] = {}
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
-        # the checks readahead asks for, waiting for the checker (_check_ahead): (the runs,
-        # their chunks, pinned); the checker's wake-up while it waits (None: not started)
-        self.checks: list[tuple[list[Run], list]] = []
-        self.check_wake: trio.Event | None = None
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
-        self.nursery = None  # set by the daemon: where readahead (and note_replayed) runs
+        # set by the daemon: readahead runs, and checks ahead of the READs (without it, a
+        # READ loads what it needs and checks it itself)
+        self.background = False
+        # The loader threads (started at the first load): their jobs (chunk loads in the
+        # order asked for; a check job goes first) and the checks asked for, both under
+        # `cond`; what they completed, handed to the trio thread by one call (_landed) for
+        # all that completed before it runs (`posted` while that call is on its way).
+        self.cond = threading.Condition()
+        self.jobs: deque = deque()
+        self.checks: list[tuple[list[Run], list]] = []  # (the runs, their chunks, pinned)
+        self.check_queued = False
+        self.done: list[tuple] = []
+        self.posted = False
+        self.stopping = False
+        self.threads: list[threading.Thread] = []
+        self.token: trio.lowlevel.TrioToken | None = None
         # a wait for the disk, as a context manager yielding its CancelScope: the daemon's is
         # cancelled when the READ's caller is being killed (fuse/interrupts.py), so that the
         # READ is answered while the worker thread's disk read goes on
@@ -153,6 +183,14 @@ class Reader:
             table.pop(key, None)
 
     def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.jobs.clear()
+            self.cond.notify_all()
+        end = time.monotonic() + 5
+        for t in self.threads:  # (one stuck in a read of a store that hangs is left behind)
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        self.threads = []
         self.logs.close()
         self.chunks.clear()
         self.spare.clear()
@@ -432,14 +470,10 @@ class Reader:
                     missing = [k for k in keys if k not in self.chunks]
                     if missing:
                         t0 = time.perf_counter()
-                        if self.nursery is None:  # (no daemon: one load after the other)
-                            for k in missing:
-                                await self._load(k)
-                        else:
-                            with self.interruptible() as scope:
-                                await self._wait_loads(missing)
-                            if scope.cancelled_caught:
-                                raise InterruptedError(errno.EINTR, "the reader is being killed")
+                        with self.interruptible() as scope:
+                            await self._wait_loads(missing)
+                        if scope.cancelled_caught:
+                            raise InterruptedError(errno.EINTR, "the reader is being killed")
                         self.wait_seconds += time.perf_counter() - t0
                     if any(k not in self.chunks for k in keys):
                         continue  # invalidated while loading: look again
@@ -522,9 +556,9 @@ class Reader:
         run.verified = True
 
     def _verify_ahead(self, key: tuple[int, int, int]) -> None:
-        """Chunk `key` just arrived: have the checker check, in a worker thread, every run
-        over it whose chunks are now all cached (its chunks stay pinned meanwhile)."""
-        if self.nursery is None:
+        """Chunk `key` just arrived: have a loader thread check every run over it whose
+        chunks are now all cached (its chunks stay pinned meanwhile)."""
+        if not self.background:
             return
         runs = self.chunk_runs[key]
         keep, ready, pinned = [], [], {}
@@ -546,33 +580,13 @@ class Reader:
         if ready:  # (a chunk may hold hundreds of small runs: one check for all of them)
             self.verifying.update(ready)
             self._pin(pinned)
-            self.checks.append((ready, list(pinned)))
-            if self.check_wake is None:
-                self.check_wake = trio.Event()
-                self.nursery.start_soon(self._check_ahead)
-            else:
-                self.check_wake.set()
-
-    async def _check_ahead(self) -> None:
-        """The checker: the checks asked for since its last worker job, in one job (a
-        restore's chunks come faster than a task and a worker hand-off each are worth on
-        this thread)."""
-        try:
-            while True:
-                if not self.checks:
-                    self.check_wake = trio.Event()
-                    await self.check_wake.wait()
-                    continue
-                batch, self.checks = self.checks, []
-                try:
-                    self.verified_ahead += await trio.to_thread.run_sync(
-                        self._verify_quietly, [r for runs, _ in batch for r in runs],
-                        limiter=self.limiter)
-                finally:
-                    self._checked(batch)
-        finally:  # (cancelled: the mount ends; what waited is let go, a next checker starts)
-            self._checked(self.checks)
-            self.checks, self.check_wake = [], None
+            self._start_threads()
+            with self.cond:
+                self.checks.append((ready, list(pinned)))
+                if not self.check_queued:  # (before the loads: a READ may wait for it)
+                    self.check_queued = True
+                    self.jobs.appendleft(_CHECK)
+                    self.cond.notify()
 
     def _checked(self, batch: list) -> None:
         for runs, keys in batch:
@@ -580,7 +594,7 @@ class Reader:
             self.verifying.difference_update(runs)
 
     def _verify_quietly(self, runs: list[Run]) -> int:
-        """Worker thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
+        """Loader thread. A mismatch puts the run in self.bad (the READ reports EIO); a chunk
         dropped meanwhile (its log range rewritten) leaves the check to the READ path."""
         done = 0
         for run in runs:
@@ -630,25 +644,104 @@ class Reader:
         self.allocated += 1  # everything pinned (tiny cache): grow rather than fail
         return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
 
-    async def _load(self, key: tuple[int, int, int]) -> None:
-        ev = self.loading.get(key)
-        if ev is not None:
-            await ev.wait()
-            return
-        if key in self.chunks:
-            return
-        ev = self.loading[key] = trio.Event()
-        try:
-            layer, logno, idx = key
-            gen = self.gen.get((layer, logno), 0)
-            buf = self._buffer()
+    def _start_load(self, key: tuple[int, int, int]) -> _Load:
+        """Have a loader thread read chunk `key` (not cached, not loading)."""
+        self._start_threads()
+        ld = self.loading[key] = _Load()
+        job = (key, self._buffer(), self.gen.get(key[:2], 0), ld)
+        with self.cond:
+            self.jobs.append(job)
+            self.cond.notify()
+        return ld
+
+    async def _wait_loads(self, keys) -> None:
+        """Load `keys` (those not cached) and wait for them here: this wait can be cancelled
+        (the READ's caller is being killed) while a disk read cannot; the loads go on
+        without it. Raises the first load's error."""
+        loads = []
+        for k in keys:
+            ld = self.loading.get(k)
+            if ld is None:
+                if k in self.chunks:
+                    continue
+                ld = self._start_load(k)
+            loads.append(ld)
+        for ld in loads:
+            await ld.done.wait()
+        for ld in loads:
+            if ld.error is not None:
+                raise ld.error
+
+    def _start_threads(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()  # (the run that gets the results)
+        if not self.threads and not self.stopping:
+            self.threads = [threading.Thread(target=self._loader, name=f"ckptfs-load-{i}",
+                                             daemon=True) for i in range(LOAD_THREADS)]
+            for t in self.threads:
+                t.start()
+
+    def _loader(self) -> None:
+        """A loader thread: jobs until the reader closes; each result goes into `done`, and
+        the trio thread is called (_landed) unless a call is on its way already."""
+        cond, jobs = self.cond, self.jobs
+        while True:
+            with cond:
+                while not jobs and not self.stopping:
+                    cond.wait()
+                if self.stopping:
+                    return
+                job = jobs.popleft()
+                if job is _CHECK:
+                    batch, self.checks, self.check_queued = self.checks, [], False
+            if job is _CHECK:
+                runs = [r for rs, _ in batch for r in rs]
+                try:
+                    result = (_CHECK, batch, self._verify_quietly(runs))
+                except BaseException:  # (a defect: the pins still go)
+                    log.exception("checking runs ahead")
+                    result = (_CHECK, batch, 0)
+            else:
+                key, buf, gen, ld = job
+                try:
+                    result = (key, buf, gen, ld, self._pread(*key, buf), None)
+                except Exception as exc:
+                    result = (key, buf, gen, ld, 0, exc)
+            with cond:
+                self.done.append(result)
+                if self.posted:
+                    continue
+                self.posted = True
             try:
-                n = await trio.to_thread.run_sync(self._pread, layer, logno, idx, buf,
-                                                  limiter=self.limiter)
-            except BaseException:
+                self.token.run_sync_soon(self._landed)
+            except trio.RunFinishedError:  # (the mount ended meanwhile)
+                pass
+
+    def _landed(self) -> None:
+        """Trio thread: what the loader threads completed since the last call. A chunk goes
+        into the cache unless its log range was written meanwhile; its load's waiters are
+        woken; the runs now whole in the cache are checked ahead. Failed loads are the
+        waiters' errors (readahead's are not errors: a READ that needs the chunk reports
+        its own)."""
+        with self.cond:
+            done, self.done = self.done, []
+            self.posted = False
+        for item in done:
+            try:
+                if item[0] is _CHECK:
+                    self.verified_ahead += item[2]
+                    self._checked(item[1])
+                else:
+                    self._chunk_landed(*item)
+            except Exception:  # (a defect; the other results still land)
+                log.exception("a chunk load's result")
+
+    def _chunk_landed(self, key, buf, gen: int, ld: _Load, n: int, exc) -> None:
+        try:
+            if exc is not None:
                 self.spare.append(buf)
-                raise
-            if self.gen.get((layer, logno), 0) == gen:
+                ld.error = exc
+                log.debug("loading chunk %s failed: %s", key, exc)
+            elif self.gen.get(key[:2], 0) == gen:
                 self.chunks[key] = _Chunk(buf, n)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
                 self.consumed.pop(key, None)
@@ -662,33 +755,12 @@ class Reader:
             else:
                 self.spare.append(buf)
         finally:
-            del self.loading[key]
-            ev.set()
-
-    async def _wait_loads(self, keys) -> None:
-        """Load `keys` in the reader's nursery and wait for them here: this wait can be
-        cancelled (the READ's caller is being killed) while a worker thread's disk read
-        cannot; the loads go on without it. Raises the first load's error."""
-        left, errors, done = [len(keys)], [], trio.Event()
-
-        async def one(key) -> None:
-            try:
-                await self._load(key)
-            except Exception as exc:  # for the waiter (a task of this nursery must not raise)
-                errors.append(exc)
-            finally:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
-        for k in keys:
-            self.nursery.start_soon(one, k)
-        await done.wait()
-        if errors:
-            raise errors[0]
+            if self.loading.get(key) is ld:
+                del self.loading[key]
+            ld.done.set()
 
     def _pread(self, layer: int, logno: int, idx: int, buf) -> int:
-        """Worker thread: one chunk from the log (short at its end)."""
+        """Loader thread: one chunk from the log (short at its end)."""
         t0 = time.perf_counter()
         n = self.logs.read_into(layer, logno, buf, idx * CHUNK_BYTES)
         self.disk_reads += 1
@@ -699,7 +771,7 @@ class Reader:
     def _readahead(self, keys, ahead: int) -> None:
         """Start loading the `ahead` chunks after the last of `keys` in each log, except
         those asked for before in the log's window (ra_window), cached or being loaded."""
-        if self.nursery is None:
+        if not self.background:
             return
         last: dict[tuple[int, int], int] = {}
         for layer, logno, idx in keys:
@@ -720,11 +792,4 @@ class Reader:
             for i in range(first, stop):
                 k = (layer, logno, i)
                 if k not in self.chunks and k not in self.loading:
-                    self.nursery.start_soon(self._load_quietly, k)
-
-    async def _load_quietly(self, key) -> None:
-        # Readahead is a guess: its failures are not errors (a needed read reports them).
-        try:
-            await self._load(key)
-        except OSError as exc:
-            log.debug("readahead of %s failed: %s", key, exc)
+                    self._start_load(k)
