@@ -162,7 +162,7 @@ METRICS = {
     "read_runs_verified_ahead": ("read_runs_verified_ahead_total", "counter",
                                  "Run checksums checked by readahead, off the request path"),
     "read_load_seconds": ("read_load_seconds_total", "counter",
-                          "Time spent reading data logs (worker threads)"),
+                          "Time spent reading data logs (the reader's loader threads)"),
     "read_wait_seconds": ("read_wait_seconds_total", "counter",
                           "Time READ requests waited for the disk"),
     "requests_found_queued": ("requests_found_queued_total", "counter",

@@ -344,6 +344,78 @@ def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_pat
     assert ahead_of(43) == [44, 45, 46, 47]  # so they are asked for again
 
 
+@pytest.mark.parametrize("pick", ["lru", "consumed"])
+def test_readahead_takes_no_buffer_of_the_chunk_being_served(tmp_path, pick):
+    """A load's buffer is taken when readahead asks for it (the reader's loader threads), and
+    may be a cached chunk's: the least recently used, or a consumed one. The chunk the READ
+    is about to serve is neither while readahead asks (it is pinned): here it is both, in a
+    cache with no free buffer, and the READ still gets its bytes."""
+    import trio
+
+    from ckptfs.datapath.reader import Reader, _Chunk
+    from ckptfs.datapath.staging import ExtentMap, Run
+
+    r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=4 * CHUNK)
+    r.background = True
+    for idx in (0, 10, 11, 12, 13, 14, 15, 16):  # (chunk 0 first: the least recently used)
+        r.chunks[(0, 1, idx)] = _Chunk(bytearray(b"x" * CHUNK), CHUNK)
+    r.allocated = 8
+    if pick == "consumed":
+        r.consumed[(0, 1, 0)] = None
+    r.log_end[(0, 1)] = 20 * CHUNK  # (readahead asks for chunks 1..4: the log is missing)
+    emap = ExtentMap()
+    emap.insert(0, 4096, Run(None, 0, 4096, log=1, loff=0, crc=0, verified=True), 0)
+
+    async def main() -> bytes:
+        out = bytes(await r.read(emap, 0, 4096, 4096, ahead=None))
+        await trio.sleep(0.1)  # (the loads fail: no log; their buffers go back)
+        return out
+
+    try:
+        assert trio.run(main) == b"x" * 4096
+        assert (0, 1, 0) in r.chunks and not r.loading and not r.pins
+    finally:
+        r.close()
+
+
+def test_a_load_that_gets_no_buffer_is_not_left_listed(tmp_path):
+    """A chunk load whose buffer cannot be had (no memory) fails the READ that asked for it and
+    is not listed as loading: the next READ of the chunk loads it again, not waits for ever."""
+    import trio
+
+    from ckptfs.datapath.reader import Reader
+    from ckptfs.datapath.staging import ExtentMap, Run
+
+    r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=0)
+    emap = ExtentMap()
+    emap.insert(0, 4096, Run(None, 0, 4096, log=1, loff=0, crc=0, verified=True), 0)
+    buffer, calls = r._buffer, []
+
+    def no_memory_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return buffer()
+
+    r._buffer = no_memory_once
+
+    async def main() -> list[int]:
+        errs = []
+        for _ in range(2):
+            with trio.fail_after(10):
+                try:
+                    await r.read(emap, 0, 4096, 4096, ahead=0)
+                except OSError as exc:
+                    errs.append(exc.errno)
+        return errs
+
+    try:  # (the second load runs, and finds no log)
+        assert trio.run(main) == [errno.ENOMEM, errno.EIO]
+        assert not r.loading
+    finally:
+        r.close()
+
+
 def test_a_second_pass_gets_readahead_again(mounts):
     """Readahead asks only for chunks past what it asked for before while a reader moves on;
     a reader that starts over (a second restore through the same mount, the cache recycled
@@ -363,7 +435,7 @@ def test_a_second_pass_gets_readahead_again(mounts):
 
 @pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "pagecache"])
 def test_damage_found_by_readahead_is_eio_for_that_file_only(mounts, direct_reads):
-    """Checksums checked ahead of the reader (in worker threads) must report damage exactly
+    """Checksums checked ahead of the reader (in its loader threads) must report damage exactly
     like the READ path does: EIO for the damaged file, every other file intact."""
     backing = mounts.backing()
     w = mounts.mount(backing)

@@ -397,7 +397,7 @@ def test_killing_processes_when_every_request_task_is_held(failing, mounts):
 
 def test_killing_a_process_blocked_in_a_read(failing, mounts):
     """A read that waits for a disk read from a store that stopped answering can be killed: the
-    READ is answered EINTR while the daemon's worker thread goes on waiting for the store;
+    READ is answered EINTR while the daemon's loader thread goes on waiting for the store;
     once the store answers, the same data reads back whole through the same mount."""
     m2, path, data = _stored_file(failing, mounts)
     kid = None

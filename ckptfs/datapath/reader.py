@@ -135,11 +135,11 @@ class Reader:
         self.token: trio.lowlevel.TrioToken | None = None
         # a wait for the disk, as a context manager yielding its CancelScope: the daemon's is
         # cancelled when the READ's caller is being killed (fuse/interrupts.py), so that the
-        # READ is answered while the worker thread's disk read goes on
+        # READ is answered while the loader thread's disk read goes on
         self.interruptible = interruptible
         self.disk_reads = 0
         self.disk_bytes = 0
-        self.load_seconds = 0.0  # time spent in disk reads (worker threads)
+        self.load_seconds = 0.0  # time spent in disk reads (loader threads)
         self.wait_seconds = 0.0  # time READ handlers waited for disk reads
 
     @property
@@ -185,8 +185,12 @@ class Reader:
     def close(self) -> None:
         with self.cond:
             self.stopping = True
+            dropped = [j for j in self.jobs if j is not _CHECK]
             self.jobs.clear()
             self.cond.notify_all()
+        for _, _, _, ld in dropped:  # (no READ waits for them once the mount ended)
+            ld.error = OSError(errno.EIO, "the reader is closed")
+            ld.done.set()
         end = time.monotonic() + 5
         for t in self.threads:  # (one stuck in a read of a store that hangs is left behind)
             t.join(timeout=max(0.0, end - time.monotonic()))
@@ -245,7 +249,7 @@ class Reader:
             ch = self.chunks.pop((layer, logno, idx), None)
             if ch is not None:
                 if (layer, logno, idx) in self.pins:
-                    self.allocated -= 1  # a worker may still read it: not reused, freed later
+                    self.allocated -= 1  # a loader may still check it: not reused, freed later
                 else:
                     self.spare.append(ch.buf)
         if loff + length > self.log_end.get(key, 0):
@@ -583,7 +587,8 @@ class Reader:
             self._start_threads()
             with self.cond:
                 self.checks.append((ready, list(pinned)))
-                if not self.check_queued:  # (before the loads: a READ may wait for it)
+                if not self.check_queued:  # (ahead of the loads: the sooner a run is
+                    # checked, the less often a READ must check it itself)
                     self.check_queued = True
                     self.jobs.appendleft(_CHECK)
                     self.cond.notify()
@@ -645,10 +650,13 @@ class Reader:
         return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
 
     def _start_load(self, key: tuple[int, int, int]) -> _Load:
-        """Have a loader thread read chunk `key` (not cached, not loading)."""
+        """Have a loader thread read chunk `key` (not cached, not loading) into a buffer
+        taken now (_buffer: a cached chunk may go for it, so the caller pins the chunks it
+        is about to serve)."""
         self._start_threads()
+        buf = self._buffer()
         ld = self.loading[key] = _Load()
-        job = (key, self._buffer(), self.gen.get(key[:2], 0), ld)
+        job = (key, buf, self.gen.get(key[:2], 0), ld)
         with self.cond:
             self.jobs.append(job)
             self.cond.notify()
@@ -669,11 +677,22 @@ class Reader:
         for ld in loads:
             await ld.done.wait()
         for ld in loads:
-            if ld.error is not None:
-                raise ld.error
+            err = ld.error
+            if err is not None:  # (a copy: several READs may raise it)
+                if isinstance(err, RunError):
+                    raise RunError(err.strerror)
+                if isinstance(err, OSError) and err.errno:
+                    raise OSError(err.errno, err.strerror)
+                raise RunError(f"reading the data log: {err}")
 
     def _start_threads(self) -> None:
-        self.token = trio.lowlevel.current_trio_token()  # (the run that gets the results)
+        token = trio.lowlevel.current_trio_token()  # (the run that gets the results)
+        if token is not self.token:
+            self.token = token
+            with self.cond:
+                left = bool(self.done)
+            if left:  # (results a run that ended left behind: their loads are still listed)
+                self._landed()
         if not self.threads and not self.stopping:
             self.threads = [threading.Thread(target=self._loader, name=f"ckptfs-load-{i}",
                                              daemon=True) for i in range(LOAD_THREADS)]
@@ -713,8 +732,9 @@ class Reader:
                 self.posted = True
             try:
                 self.token.run_sync_soon(self._landed)
-            except trio.RunFinishedError:  # (the mount ended meanwhile)
-                pass
+            except trio.RunFinishedError:  # (the run ended: the next one lands them)
+                with cond:
+                    self.posted = False
 
     def _landed(self) -> None:
         """Trio thread: what the loader threads completed since the last call. A chunk goes
@@ -725,6 +745,11 @@ class Reader:
         with self.cond:
             done, self.done = self.done, []
             self.posted = False
+        if self.stopping:  # (closed: only the waiters are let go)
+            for item in done:
+                if item[0] is not _CHECK:
+                    item[3].done.set()
+            return
         for item in done:
             try:
                 if item[0] is _CHECK:
@@ -737,11 +762,13 @@ class Reader:
 
     def _chunk_landed(self, key, buf, gen: int, ld: _Load, n: int, exc) -> None:
         try:
-            if exc is not None:
+            if self.gen.get(key[:2], 0) != gen:  # (its log range was written meanwhile)
+                self.spare.append(buf)
+            elif exc is not None:
                 self.spare.append(buf)
                 ld.error = exc
                 log.debug("loading chunk %s failed: %s", key, exc)
-            elif self.gen.get(key[:2], 0) == gen:
+            else:
                 self.chunks[key] = _Chunk(buf, n)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
                 self.consumed.pop(key, None)
@@ -752,8 +779,6 @@ class Reader:
                     self.spare.append(self.chunks.pop(victim).buf)
                 if key in self.chunk_runs:
                     self._verify_ahead(key)
-            else:
-                self.spare.append(buf)
         finally:
             if self.loading.get(key) is ld:
                 del self.loading[key]
@@ -773,6 +798,13 @@ class Reader:
         those asked for before in the log's window (ra_window), cached or being loaded."""
         if not self.background:
             return
+        self._pin(keys)  # (a load's buffer may be a cached chunk's: not one being served)
+        try:
+            self._start_ahead(keys, ahead)
+        finally:
+            self._unpin(keys)
+
+    def _start_ahead(self, keys, ahead: int) -> None:
         last: dict[tuple[int, int], int] = {}
         for layer, logno, idx in keys:
             if idx > last.get((layer, logno), -1):

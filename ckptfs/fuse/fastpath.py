@@ -946,7 +946,8 @@ class FastPath(RequestWait):
         """Before a request is served (and on the idle tick, and before the status): the
         LOOKUPs the queue threads answered are counted, the handles of the OPENs they
         answered and the files they created are made, the RELEASEs they answered join the
-        releases to run, their READs are accounted for, the writes they landed are recorded
+        releases to run (a read-only handle's run in this pass), their READs are accounted
+        for, the writes they landed are recorded
         (those of a released handle landed before its RELEASE came; those of a created file
         after it was made), and the tails are offered again (while nothing
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
@@ -964,7 +965,20 @@ class FastPath(RequestWait):
         if ring.opened():
             self.make_opened(ring.take_opened())
         if released:
-            self.hold_releases(released)  # (run later: after the reads are accounted for)
+            # (a handle that can write has its work held, to run after the requests that do
+            # not depend on it, as a RELEASE served here; a read-only one, only a count to
+            # lower, is let go in this pass, once its READs are accounted for: a LOOKUP of
+            # its file served now, which goes before held releases, sees it closed)
+            handles = self.ops.handles
+            done = [fh for fh in released if (h := handles.get(fh)) is not None
+                    and h.flags & os.O_ACCMODE == os.O_RDONLY]
+            if done:
+                ro = set(done)
+                held = [fh for fh in released if fh not in ro]
+            else:
+                held = released
+            if held:
+                self.hold_releases(held)
         if reads:
             self.reads_served(reads, released or ())
         if ring.created():
@@ -972,6 +986,13 @@ class FastPath(RequestWait):
         if released and self.windows:
             for fh in released:
                 self.drop_window(fh)
+        if released and done:
+            release_now = self.ops.release_now
+            for fh in done:
+                try:
+                    release_now(fh)
+                except Exception:  # (what fs._guard does for pyfuse3's calls)
+                    log.exception("internal error in release")
         if not self.zone_live or ring.landed():
             self.claim_landed()
             self.offer_zone()

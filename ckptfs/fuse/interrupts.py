@@ -8,8 +8,8 @@ with what answering it early takes:
 - a WRITE waiting for staging space (fastpath.py; the flusher frees space, so the store): its
   wait is cancelled and the fast path answers it with the bytes it had recorded (a short
   write; EINTR if none); what was recorded stays written and lands.
-- a READ waiting for the disk (datapath/reader.py: chunk loads in worker threads): its wait is
-  cancelled and it is answered EINTR; the worker thread's disk read goes on, and a later read
+- a READ waiting for the disk (datapath/reader.py: chunk loads in its loader threads): its wait
+  is cancelled and it is answered EINTR; the loader thread's disk read goes on, and a later read
   of the same bytes waits for it or finds them cached.
 - a barrier (fsync, fsyncdir, the sync xattr: ops._barrier), which the fast path hands to
   pyfuse3: it is answered EINTR here at once and libfuse's later answer is dropped; the

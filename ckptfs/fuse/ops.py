@@ -3,7 +3,7 @@
 Handlers run on the trio thread, check the request (POSIX errnos), then call into the namespace
 (namespace.py), the staging area (staging.py), the journal/flusher (flusher.py) or the reader
 (reader.py). They never block on disk I/O: writes only copy into staging (or wait for a free
-segment), reads of durable data go through a worker thread.
+segment), reads of durable data go through the reader's loader threads.
 """
 
 from __future__ import annotations
