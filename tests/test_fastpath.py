@@ -74,8 +74,10 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
     assert st["writes_in_place"] == st["write_requests"] > 0
     assert st["reads_direct"] == st["read_requests"] > 0
     # the payload went straight into segments; only what ran past a segment's end was copied
+    # (on the ring, also a 1 MiB WRITE or two that came while the trio thread renewed a full
+    # landing zone, at each of the ~4 segment ends: up to ~6 MiB of the 29 on a slow turn)
     assert st["bytes_in_place"] + st["bytes_copied_in"] == st["bytes_written"]
-    assert st["bytes_in_place"] > 4 * st["bytes_copied_in"]
+    assert st["bytes_in_place"] > 2 * st["bytes_copied_in"]
     assert st["requests_forwarded"] > 0 and st["requests_answered_here"] > st["requests_forwarded"]
     fwd = st["forwarded_by_opcode"]
     for op in ("15", "16", "1", "3", "14", "35"):  # READ WRITE LOOKUP GETATTR OPEN CREATE
