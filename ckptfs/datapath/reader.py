@@ -798,17 +798,11 @@ class Reader:
         those asked for before in the log's window (ra_window), cached or being loaded."""
         if not self.background:
             return
-        self._pin(keys)  # (a load's buffer may be a cached chunk's: not one being served)
-        try:
-            self._start_ahead(keys, ahead)
-        finally:
-            self._unpin(keys)
-
-    def _start_ahead(self, keys, ahead: int) -> None:
         last: dict[tuple[int, int], int] = {}
         for layer, logno, idx in keys:
             if idx > last.get((layer, logno), -1):
                 last[(layer, logno)] = idx
+        wanted = []
         for (layer, logno), idx in last.items():
             # (up to the end of the log's known runs: a log still growing is asked again)
             end = -(-self.log_end.get((layer, logno), 0) // CHUNK_BYTES)
@@ -824,4 +818,11 @@ class Reader:
             for i in range(first, stop):
                 k = (layer, logno, i)
                 if k not in self.chunks and k not in self.loading:
+                    wanted.append(k)
+        if wanted:  # (a load's buffer may be a cached chunk's: not one of `keys`, being served)
+            self._pin(keys)
+            try:
+                for k in wanted:
                     self._start_load(k)
+            finally:
+                self._unpin(keys)

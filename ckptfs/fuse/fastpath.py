@@ -970,13 +970,9 @@ class FastPath(RequestWait):
             # lower, is let go in this pass, once its READs are accounted for: a LOOKUP of
             # its file served now, which goes before held releases, sees it closed)
             handles = self.ops.handles
-            done = [fh for fh in released if (h := handles.get(fh)) is not None
-                    and h.flags & os.O_ACCMODE == os.O_RDONLY]
-            if done:
-                ro = set(done)
-                held = [fh for fh in released if fh not in ro]
-            else:
-                held = released
+            ro = {fh for fh in released if (h := handles.get(fh)) is not None
+                  and h.flags & os.O_ACCMODE == os.O_RDONLY}
+            held = [fh for fh in released if fh not in ro] if ro else released
             if held:
                 self.hold_releases(held)
         if reads:
@@ -986,9 +982,11 @@ class FastPath(RequestWait):
         if released and self.windows:
             for fh in released:
                 self.drop_window(fh)
-        if released and done:
+        if released and ro:
             release_now = self.ops.release_now
-            for fh in done:
+            for fh in released:  # (in the order they came)
+                if fh not in ro:
+                    continue
                 try:
                     release_now(fh)
                 except Exception:  # (what fs._guard does for pyfuse3's calls)
