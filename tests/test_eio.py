@@ -52,8 +52,13 @@ class FailingMount:
             time.sleep(0.05)
 
     def fail(self, ops: str = "write fsync") -> None:
-        with open(self.control, "w") as f:
+        # Written beside the source and renamed into place: failing_fs reads the control file
+        # on every operation, and an empty one (open's truncation, before the write) means
+        # "write fsync", which would fail a flush that was meant to hang.
+        tmp = os.path.join(os.path.dirname(self.source), ".fail.tmp")
+        with open(tmp, "w") as f:
             f.write(ops)
+        os.replace(tmp, self.control)
 
     def heal(self) -> None:
         try:
