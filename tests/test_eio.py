@@ -291,6 +291,12 @@ def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
             f"import os; fd = os.open({os.path.join(mnt, 'w')!r}, os.O_WRONLY | os.O_CREAT)\n"
             "print('ready', flush=True)\n"
             "for i in range(64): os.write(fd, bytes([i]) * (1 << 20))")))
+        # (its thread seen in a request may be a WRITE on its way: the kill is for one that
+        # waits for staging space)
+        deadline = time.monotonic() + 20
+        while m.status()["writers_waiting"] < 1:
+            assert time.monotonic() < deadline, "the writer never waited for staging space"
+            time.sleep(0.05)
         for what, proc in kids:
             proc.kill()
             try:
