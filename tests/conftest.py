@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -108,6 +109,12 @@ class Mounts:
                     pass
             if api.is_mounted(m.mountpoint):
                 api.fusermount(m.mountpoint, lazy=True)
+            if m.proc is not None:
+                try:  # (reaped: its status socket, named after the reused device number,
+                    # must be gone before the next test's daemon binds it)
+                    m.proc.wait(timeout=10)
+                except (subprocess.TimeoutExpired, ChildProcessError):
+                    pass
 
 
 @pytest.fixture
