@@ -110,6 +110,16 @@ def wait_unmounted(path: str, timeout: float = 10) -> bool:
     return False
 
 
+def status_reaches(m, key: str, least: int, timeout: float = 30.0) -> int:
+    """Mount m's status figure `key` once it is at least `least` (the daemon's background
+    work moves it); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (now := m.status()[key]) < least:
+        assert time.monotonic() < deadline, f"{key} stayed at {now}, below {least}"
+        time.sleep(0.05)
+    return now
+
+
 def read_all(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from ckptfs.bench import models  # noqa: E402
 from ckptfs.datapath.reader import CHUNK_BYTES as CHUNK  # noqa: E402
 from ckptfs.fuse.ops import IO_BLOCK_BYTES  # noqa: E402
+from helpers_reliability import status_reaches  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,7 +284,7 @@ def _saved_big(mounts, size: int, seed: int) -> tuple[str, bytes]:
 
 def _settled(m, key: str) -> int:
     """A status figure once it stopped moving for 0.5 s (for a bound from above: a figure
-    that must grow is waited for with _reaches)."""
+    that must grow is waited for with status_reaches)."""
     last, since = m.status()[key], time.monotonic()
     while time.monotonic() - since < 0.5:
         time.sleep(0.05)
@@ -291,16 +292,6 @@ def _settled(m, key: str) -> int:
         if now != last:
             last, since = now, time.monotonic()
     return last
-
-
-def _reaches(m, key: str, least: int, timeout: float = 30.0) -> int:
-    """A status figure once it is at least `least` (a readahead's chunk read from a slow
-    disk can pause it longer than _settled waits); fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while (now := m.status()[key]) < least:
-        assert time.monotonic() < deadline, (key, now, least)
-        time.sleep(0.05)
-    return now
 
 
 def test_readahead_grows_with_the_streak(mounts):
@@ -318,7 +309,7 @@ def test_readahead_grows_with_the_streak(mounts):
         item = _settled(m, "read_disk_bytes")  # readahead runs in the background
         assert item <= 40 * MiB, item  # the runs touched (checked whole), not 64 MiB more
         assert os.pread(fd, MiB, 0) == data[:MiB]  # a file's start: the full window
-        _reaches(m, "read_disk_bytes", item + 60 * MiB)
+        status_reaches(m, "read_disk_bytes", item + 60 * MiB)
     finally:
         os.close(fd)
 
@@ -442,7 +433,7 @@ def test_a_second_pass_gets_readahead_again(mounts):
     assert first <= len(data) + 16 * MiB
     with open(p, "rb", buffering=0) as f:
         assert f.read(MiB) == data[:MiB]  # the start again: evicted, read ahead again
-        _reaches(m, "read_disk_bytes", first + 16 * MiB)
+        status_reaches(m, "read_disk_bytes", first + 16 * MiB)
         assert f.read() == data[MiB:]
 
 

@@ -22,6 +22,7 @@ from helpers_reliability import (
     cli,
     content,
     read_all,
+    status_reaches,
     sync_until_ok,
     verify_and_remount,
 )
@@ -293,10 +294,7 @@ def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
             "for i in range(64): os.write(fd, bytes([i]) * (1 << 20))")))
         # (its thread seen in a request may be a WRITE on its way: the kill is for one that
         # waits for staging space)
-        deadline = time.monotonic() + 20
-        while m.status()["writers_waiting"] < 1:
-            assert time.monotonic() < deadline, "the writer never waited for staging space"
-            time.sleep(0.05)
+        status_reaches(m, "writers_waiting", 1, timeout=20)
         for what, proc in kids:
             proc.kill()
             try:

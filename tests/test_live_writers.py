@@ -158,10 +158,10 @@ def idle_and_quiet(mounts, backing: str, other: str) -> None:
     # and another pause: quiet means nothing moved over more than a --refresh period)
     s0 = a.status()
     t0 = time.monotonic()
+    keys = LOOK_COUNTS + ("refresh_idle_pauses",)
     while True:
         time.sleep(0.3)
         s = a.status()
-        keys = LOOK_COUNTS + ("refresh_idle_pauses",)
         if {k: s[k] for k in keys} == {k: s0[k] for k in keys}:
             break
         assert time.monotonic() - t0 < 0.8 + SLACK_S, "the idle mount went on looking"
