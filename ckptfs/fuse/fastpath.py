@@ -683,16 +683,20 @@ class FastPath(RequestWait):
         """The work of the RELEASEs answered so far, in order: before any request but those
         in PAST_RELEASES, once no request came for RELEASE_GRACE_S (`until`: stop when it
         says a request waits), before the loop sleeps and before the fast path stops."""
-        ops, releases = self.ops, self.releases
+        releases = self.releases
         while releases:
-            fh = releases.popleft()
-            try:
-                ops.release_now(fh)
-            except Exception:  # (what fs._guard does for pyfuse3's calls)
-                log.exception("internal error in release")
+            self.release_now(releases.popleft())
             if until is not None and until(0):
                 break
         self.released_at = time.perf_counter()
+
+    def release_now(self, fh: int) -> None:
+        """A released handle's work, now (ops.release_now); an error is logged, as
+        fs._guard does for pyfuse3's calls: the RELEASE was answered already."""
+        try:
+            self.ops.release_now(fh)
+        except Exception:
+            log.exception("internal error in release")
 
     def quiesce(self) -> None:
         """Before the unmount's last commit: the replies of requests pyfuse3 served last go
@@ -983,14 +987,9 @@ class FastPath(RequestWait):
             for fh in released:
                 self.drop_window(fh)
         if released and ro:
-            release_now = self.ops.release_now
             for fh in released:  # (in the order they came)
-                if fh not in ro:
-                    continue
-                try:
-                    release_now(fh)
-                except Exception:  # (what fs._guard does for pyfuse3's calls)
-                    log.exception("internal error in release")
+                if fh in ro:
+                    self.release_now(fh)
         if not self.zone_live or ring.landed():
             self.claim_landed()
             self.offer_zone()
