@@ -1076,13 +1076,21 @@ class FastPath(RequestWait):
         if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
             self.drop_lookups()
         ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
+        prepared, prepared_ino, now = self.prepared, self.prepared_ino, time.monotonic()
         for ahead, n in enumerate(names[i + 1:i + 1 + LOOKUPS_AHEAD], 1):
             y = inodes.get(children.get(n, 0))
             if (y is None or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
-            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer)
-            self.prepare_open(y, ahead)
+            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer,
+            # and stands for this one as _prepare_open would have it: most of a restore's
+            # names ahead were prepared by the LOOKUPs before)
+            fh = prepared_ino.get(y.ino)
+            if fh is not None:
+                del prepared[fh]
+                prepared[fh] = (now, ahead, y.ino)
+            else:
+                self.prepare_open(y, ahead)
             if y.ino in lookups:
                 continue
             if not ring.lookup_put(parent, n, y.ino,

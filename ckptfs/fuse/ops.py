@@ -16,6 +16,7 @@ import math
 import os
 import stat
 import time
+from operator import itemgetter
 
 import pyfuse3
 import trio
@@ -804,30 +805,37 @@ class CkptOperations(pyfuse3.Operations):
     def read_served(self, fh: int, reads: list) -> None:
         """READs of handle fh the queue threads answered from its read window (fuse/ring.c),
         in order, as (off, size, n): what read() does besides the bytes (its counts,
-        readahead, the read cache's use). A run of them each on from the last goes to the
-        reader as one range (a restore's 1 MiB READs come a window's worth at a time); a READ
-        from offset 0 stays one of its own (its readahead, a whole window, counts from it)."""
+        readahead, the read cache's use). The bytes they answered go to the reader as their
+        union, range by range: a restore's 1 MiB READs come a window's worth at a time, and
+        `torch.load` reads a file's zip records out of order (its start twice, its end
+        backwards in small steps, then its tensors), ~10 READs that make one range. A range's
+        readahead is the most any of its READs asked for (a READ from offset 0: a whole
+        window, from the range's end)."""
         h = self.handles.get(fh)
         if h is None:
             return
         x = h.inode
         self.read_requests += len(reads)
-        lo = hi = -1
-        ahead: int | None = 0
+        spans = []
         for off, size, n in reads:
             self.bytes_read += n
-            a = self._ahead(h, off, size)
-            if not n:
+            a = self._ahead(h, off, size)  # (in the order they came: the handle's streak)
+            if n:
+                spans.append((off, off + n, a))
+        if not spans:
+            return
+        if len(spans) > 1:
+            spans.sort(key=itemgetter(0))
+        lo, hi, ahead = spans[0]
+        for off, end, a in spans:
+            if off > hi:
+                self._window_served(h, x, lo, hi, ahead)
+                lo, hi, ahead = off, end, a
                 continue
-            if off != hi or ahead is None:  # (a READ from 0: its window's readahead from it)
-                if hi > lo:
-                    self._window_served(h, x, lo, hi, ahead)
-                lo, ahead = off, 0
-            hi = off + n
-            # (the range's readahead: the most any of its READs asked for; None: a window)
+            if end > hi:
+                hi = end
             ahead = None if a is None or ahead is None else max(ahead, a)
-        if hi > lo:
-            self._window_served(h, x, lo, hi, ahead)
+        self._window_served(h, x, lo, hi, ahead)
 
     def _window_served(self, h: _Handle, x: Inode, lo: int, hi: int, ahead) -> None:
         if x.emap is not None:
