@@ -47,9 +47,10 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------------ the daemon's CPU
-def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
-    """tid -> (name, user s, system s) of every thread of `pid`, from /proc (in clock ticks,
-    so a phase shorter than a tick of CPU reads 0)."""
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float, int]]:
+    """tid -> (name, user s, system s, times it slept and was woken) of every thread of
+    `pid`, from /proc (CPU in clock ticks, so a phase shorter than a tick of CPU reads 0;
+    the sleeps are the kernel's voluntary context switches)."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -62,19 +63,36 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
         except OSError:
             continue
         fields = s.rsplit(")", 1)[1].split()
+        woke = 0
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        woke = int(line.split()[1])
+        except OSError:
+            pass
         out[int(tid)] = (s[s.index("(") + 1:s.rindex(")")], int(fields[11]) / TICK,
-                         int(fields[12]) / TICK)
+                         int(fields[12]) / TICK, woke)
     return out
 
 
 def cpu_delta(before: dict, after: dict) -> dict[str, tuple[float, float]]:
     """Per thread (name/tid): user and system seconds between two thread_cpu() looks."""
     d = {}
-    for tid, (name, u, s) in after.items():
-        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+    for tid, (name, u, s, _) in after.items():
+        _, u0, s0, _ = before.get(tid, (name, 0.0, 0.0, 0))
         if u - u0 + s - s0 > 0:
             d[f"{name}/{tid}"] = (round(u - u0, 3), round(s - s0, 3))
     return d
+
+
+def request_thread(pid: int, before: dict, after: dict) -> dict:
+    """The daemon's request thread (trio's: the process's first thread) between two
+    thread_cpu() looks: its CPU seconds and how often it slept and was woken (each wake-up
+    costs it ~40-60 us of trio's run loop on this VM: docs/performance-notes.md)."""
+    name, u, s, woke = after.get(pid, ("", 0.0, 0.0, 0))
+    _, u0, s0, woke0 = before.get(pid, (name, 0.0, 0.0, 0))
+    return {"cpu_s": round(u - u0 + s - s0, 3), "wakeups": woke - woke0}
 
 
 WAIT_COUNTS = ("requests_found_queued", "requests_caught_spinning", "requests_waited_for",
@@ -401,6 +419,7 @@ def phase(mount: api.Mount, kind: str, stem: str, step) -> tuple[object, dict]:
     threads = cpu_delta(before, after)
     res = {"wall_s": t1 - t0, "user_s": sum(u for u, _ in threads.values()),
            "sys_s": sum(s for _, s in threads.values()), "threads": threads,
+           "request_thread": request_thread(mount.pid, before, after),
            "waits": {k: st1.get(k, 0) - st0.get(k, 0) for k in WAIT_COUNTS},
            "python_side": python_side(st0, st1)}
     if kind != "none":
@@ -525,6 +544,9 @@ def main(argv: list[str]) -> int:
                     print(f"round {rnd + 1} {opts} {ph}: {r['wall_s']:.2f} s, daemon CPU "
                           f"{cpu:.3f} s/GB (user {r['user_s']:.2f} s, system "
                           f"{r['sys_s']:.2f} s), waits {r['waits']}", flush=True)
+                    rt = r["request_thread"]
+                    print(f"  the request thread: {rt['cpu_s']:.2f} s of CPU, woken "
+                          f"{rt['wakeups']} times", flush=True)
                     py = r["python_side"]
                     if py:
                         print(f"  the Python side served {py['handed']} of the queue threads' "

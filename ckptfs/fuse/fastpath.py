@@ -873,6 +873,7 @@ class FastPath(RequestWait):
         if dev:  # (a request wakes the queue threads, not this side)
             self.epoll.unregister(self.fd)
         self.ring = ring
+        self.ops.reader.land_lazily(True)  # (chunk loads land at every settle_ring)
         self.staging.claim_hook = self.claim_landed
         ExtentMap.on_change = self.emap_changed
         ops = self.ops
@@ -957,6 +958,7 @@ class FastPath(RequestWait):
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring = self.ring
+        self.ops.reader.land()  # (the chunks read ahead: windows open over them below)
         looked = ring.take_looked() if ring.looked() else None
         if looked:  # (counted before any request: a FORGET among them)
             self.count_looked(looked)
@@ -1358,6 +1360,7 @@ class FastPath(RequestWait):
         ExtentMap.on_change = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
+        self.ops.reader.land_lazily(False)
         self.zone_live = False
         self.ring_uniques.clear()
         try:
