@@ -143,7 +143,8 @@ PREPARED_TTL_S = 2.0
 # and how many may stand at most (more: all go, the next ones are prepared anew). A
 # checkpoint is often loaded from several directories in turn (a model's tensors and each
 # optimizer state's: one file of each in turn), each with its names prepared ahead: room for
-# twelve such directories (fuse/ring.c holds 64).
+# twelve such directories (fuse/ring.c holds 64, and wakes this side once a directory has
+# LOOKUPS_LEFT of them left: every second file, with four ahead).
 LOOKUPS_AHEAD = 4
 LOOKUPS_MAX = 48
 NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
