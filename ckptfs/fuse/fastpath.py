@@ -587,10 +587,13 @@ class FastPath(RequestWait):
         # views into the read cache and staging, gathered by writev: sent before any other
         # task runs (no await since they were taken)
         n = sum(map(len, parts))
+        if self.ring is not None and n:
+            # (before the reply, which the reader's next READ may follow at once; also after a
+            # short one, at the file's end: torch.load reads a zip's directory there first, in
+            # several small READs. Neither loads nor reuses a chunk: the views stand)
+            self.open_window(fh, off)
         if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
             self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
-        elif self.ring is not None and n == size:
-            self.open_window(fh, off)
 
     entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
 
@@ -1164,7 +1167,9 @@ class FastPath(RequestWait):
     # read windows: the queue threads answer a handle's READs from the read cache
     def open_window(self, fh: int, off: int) -> None:
         """After a READ of handle fh at `off` answered here: the queue threads answer its next
-        READs of the bytes from there (from 0 for a file that fits in one window) that are
+        READs of the bytes from there (from 0 for a file that fits in one window, unless the
+        bytes cached from 0 stop short of `off`: `torch.load` reads a zip's directory at the
+        end in several small READs first) that are
         in the read cache, checked, from the cache's buffers (fuse/ring.c, fr_read), until the
         window runs out (the READ past it comes here and opens the next), the handle is
         released, or the file may change (a write, a truncate, a handle that can write, a look
@@ -1206,6 +1211,11 @@ class FastPath(RequestWait):
             self._drop_prepared()
         got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                  budget, pins) if budget > 0 and start < x.size else None
+        if got is not None and start < off and start + sum(map(len, got[0])) <= off:
+            reader.unpin(got[1])  # (short of the reader: from where it reads then)
+            got = reader.read_window(x.emap, off, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
+                                     budget, pins)
+            start = off
         if got is None:
             self.drop_window(fh)
             return
