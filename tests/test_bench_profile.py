@@ -28,6 +28,10 @@ def test_alternating_variants_are_measured_and_verified(tmp_path):
     for r in runs:
         assert r["verified"] and r["wall_s"] > 0 and r["user_s"] >= 0 and r["sys_s"] >= 0
         assert r["waits"]["requests_answered_here"] > 0
+        # (the request thread's own CPU is part of the daemon's, and it slept between
+        # requests: a save and a restore each wait for the caller)
+        rt = r["request_thread"]
+        assert 0 <= rt["cpu_s"] <= r["user_s"] + r["sys_s"] + 0.02 and rt["wakeups"] > 0, rt
         py = r["python_side"]  # (the default transport: queue threads on /dev/fuse)
         if fring.threads_unavailable() is not None:
             assert py == {}

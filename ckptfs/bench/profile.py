@@ -4,7 +4,8 @@ cold restore (docs/benchmarks.md, "Where the daemon's CPU goes").
 The steps are the end-to-end benchmark's ckptfs steps (``torch.save`` per tensor into a fresh
 mount, ``sync``; unmount, caches dropped, a fresh mount, ``torch.load`` of every tensor, checked
 bit for bit), on the GPT-2-shaped state or ``--small N`` tensors. Per phase it reports the wall
-time, the daemon's user and system CPU (all threads, and per thread), how its request waits
+time, the daemon's user and system CPU (all threads, and per thread; the request thread's
+with how often it slept and was woken), how its request waits
 ended (found queued, caught spinning, slept in epoll), which requests the queue threads handed
 to the Python side (by opcode; the rest they answered in C), and what one profiler saw:
 
