@@ -513,3 +513,110 @@ def test_checksum_blocks_bound_what_a_jump_loads(mounts):
     assert max(lengths["8M"]) > 4 * MiB, lengths["8M"]  # whole segments without the cap
     assert loaded["1M"] <= 2 * CHUNK, loaded
     assert loaded["1M"] < loaded["8M"], loaded
+
+
+@pytest.mark.parametrize("case", ["nobody waits", "waits before it lands", "waits after",
+                                  "lazy turned off"])
+def test_lazy_landing_hands_over_only_the_loads_a_read_waits_for(tmp_path, case):
+    """With `lazy` (set by the fast path with its queue threads), a chunk load no READ waits
+    for is not handed to the trio thread by a call of its own (each a wake-up of it): it
+    lands at the next land() (the fast path's settle). A READ that waits for a load still gets
+    it at once, whether the load finished before it began to wait or after; turning `lazy`
+    off lands what is left. The disk read is held back on an Event, the calls counted."""
+    import threading
+
+    import trio
+
+    from ckptfs.datapath.reader import Reader
+    from ckptfs.datapath.staging import ExtentMap, Run
+
+    r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=0)
+    gate = threading.Event()
+
+    def pread(layer: int, logno: int, idx: int, buf) -> int:
+        assert gate.wait(10)
+        buf[:4096] = b"y" * 4096
+        return 4096
+
+    r._pread = pread
+    landed, land = [], r._landed
+    r._landed = lambda: (landed.append(1), land())[1]
+    key = (0, 1, 0)
+    emap = ExtentMap()
+    emap.insert(0, 4096, Run(None, 0, 4096, log=1, loff=0, crc=0, verified=True), 0)
+
+    async def finished() -> None:
+        with trio.fail_after(10):
+            while not r.done:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)  # (a call on its way would have run by now)
+
+    async def main() -> bytes | None:
+        r.land_lazily(True)
+        if case == "waits before it lands":
+            async with trio.open_nursery() as n:
+                got = []
+
+                async def reader() -> None:
+                    got.append(bytes(await r.read(emap, 0, 4096, 4096, ahead=0)))
+
+                n.start_soon(reader)
+                with trio.fail_after(10):
+                    while key not in r.loading or not r.loading[key].waited:
+                        await trio.sleep(0.01)
+                gate.set()  # (finished now, waited for: handed over by a call of its own)
+            assert landed == [1]
+            return got[0]
+        r._start_load(key)  # (readahead's way: nobody waits)
+        gate.set()
+        await finished()
+        assert landed == [] and key not in r.chunks  # (no call: it waits for land())
+        if case == "nobody waits":
+            r.land()
+        elif case == "lazy turned off":
+            r.land_lazily(False)
+        else:  # (the READ lands it itself)
+            with trio.fail_after(10):
+                return bytes(await r.read(emap, 0, 4096, 4096, ahead=0))
+        assert landed == [1] and key in r.chunks and not r.loading
+        return None
+
+    try:
+        got = trio.run(main)
+        if case.startswith("waits"):
+            assert got == b"y" * 4096 and key in r.chunks
+    finally:
+        r.close()
+
+
+def test_reads_answered_in_c_are_accounted_for_as_their_union():
+    """The READs of a handle the queue threads answered go to the reader as the union of
+    their bytes, range by range (ops.read_served): torch.load's READs of one file (its
+    start twice, its zip directory at the end backwards in small steps, then its tensors)
+    make one range, with a READ from 0's whole-window readahead; ranges apart stay apart,
+    each with the most readahead its READs asked for; every READ and byte is counted."""
+    from types import SimpleNamespace
+
+    from ckptfs.fuse.ops import CkptOperations, _Handle
+
+    calls = []
+    ops = CkptOperations.__new__(CkptOperations)  # (read_served needs only these)
+    ops.reader = SimpleNamespace(
+        window_served=lambda emap, lo, hi, ahead, seen: calls.append((lo, hi, ahead)))
+    ops.read_requests = ops.bytes_read = 0
+    x = SimpleNamespace(ino=5, emap=object(), opens=1, size=2361077)
+    ops.handles = {7: _Handle(x, os.O_RDONLY)}
+    torch_load = [(0, 524288, 524288), (0, 524288, 524288), (2356981, 524288, 4096),
+                  (2361055, 524288, 22), (2361035, 524288, 42), (2360979, 524288, 98),
+                  (2360376, 524288, 701), (304, 524288, 524288), (0, 524288, 524288),
+                  (524288, 1046144, 1046144), (1570432, 789632, 789632)]
+    ops.read_served(7, torch_load)
+    assert calls == [(0, 2361077, None)]
+    assert ops.read_requests == 11 and ops.bytes_read == sum(n for _, _, n in torch_load)
+
+    calls.clear()
+    ops.handles[8] = _Handle(x, os.O_RDONLY)
+    ops.read_served(8, [(50 * MiB, 512, 512), (10 * MiB, MiB, MiB), (11 * MiB, MiB, MiB),
+                        (60 * MiB, 4096, 0)])
+    assert calls == [(10 * MiB, 12 * MiB, MiB), (50 * MiB, 50 * MiB + 512, 0)]
+    assert ops.read_requests == 15

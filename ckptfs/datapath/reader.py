@@ -714,7 +714,8 @@ class Reader:
 
     def _loader(self) -> None:
         """A loader thread: jobs until the reader closes; each result goes into `done`, and
-        the trio thread is called (_landed) unless a call is on its way already."""
+        the trio thread is called (_landed) unless a call is on its way already, or, with
+        `lazy`, unless no READ waits for it (it lands at the fast path's next settle)."""
         cond, jobs = self.cond, self.jobs
         while True:
             with cond:
@@ -750,8 +751,8 @@ class Reader:
                     self.posted = False
 
     def land_lazily(self, on: bool) -> None:
-        """Trio thread: set `lazy` (off: what it left completed lands now, and every load
-        from then on is handed over by a call of its own)."""
+        """Trio thread: set `lazy` (off: what it left completed lands now, and from then on
+        every result calls the trio thread, one call for all that completed meanwhile)."""
         with self.cond:
             self.lazy = on
         if not on:

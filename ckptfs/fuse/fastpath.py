@@ -260,7 +260,9 @@ class FastPath(RequestWait):
         self.prepared_ino: dict[int, int] = {}
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
         self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
-        self.lookup_next = None  # (parent, name) of the last LOOKUP answered from them
+        # directory -> the name of the last LOOKUP answered from them there (a pass may take
+        # those of several directories read in turn: each has its next names prepared)
+        self.lookup_next: dict[int, bytes] = {}
         self.lookups_put = False  # some put since the last clear (one may stand unlisted)
         self.name_order: dict[int, tuple[list, dict]] = {}  # directory -> (names, name -> i)
         self.transport = "/dev/fuse"
@@ -999,12 +1001,12 @@ class FastPath(RequestWait):
         if not self.zone_live or ring.landed():
             self.claim_landed()
             self.offer_zone()
-        if looked and self.lookup_next is not None:
-            # (the names after the last one answered, once the writes are recorded: a file's
-            # size is what its landed writes made it)
-            parent, name = self.lookup_next
-            self.lookup_next = None
-            self.prepare_lookups(parent, name)
+        if looked and self.lookup_next:
+            # (the names after the last one answered in each directory, once the writes are
+            # recorded: a file's size is what its landed writes made it)
+            following, self.lookup_next = self.lookup_next, {}
+            for parent, name in following.items():
+                self.prepare_lookups(parent, name)
 
     def make_created(self, created: list[tuple]) -> None:
         """Make the files the queue threads created (fuse/ring.c), in order, as the CREATE
@@ -1044,7 +1046,7 @@ class FastPath(RequestWait):
                 continue
             x.lookups += 1
             if key is not None:
-                self.lookup_next = key
+                self.lookup_next[key[0]] = key[1]
 
     def prepare_lookups(self, parent: int, name: bytes) -> None:
         """After a LOOKUP found `name` in directory `parent`: the answers to LOOKUPs of the
@@ -1166,11 +1168,11 @@ class FastPath(RequestWait):
 
     # read windows: the queue threads answer a handle's READs from the read cache
     def open_window(self, fh: int, off: int) -> None:
-        """After a READ of handle fh at `off` answered here: the queue threads answer its next
-        READs of the bytes from there (from 0 for a file that fits in one window, unless the
-        bytes cached from 0 stop short of `off`: `torch.load` reads a zip's directory at the
-        end in several small READs first) that are
-        in the read cache, checked, from the cache's buffers (fuse/ring.c, fr_read), until the
+        """For a READ of handle fh at `off` answered here (before its reply): the queue threads
+        answer its next READs of the bytes from there (from 0 for a file that fits in one
+        window, unless the bytes cached from 0 stop short of `off`: `torch.load` reads a
+        zip's directory at its end in several small READs first) that are in the read cache,
+        checked, from the cache's buffers (fuse/ring.c, fr_read), until the
         window runs out (the READ past it comes here and opens the next), the handle is
         released, or the file may change (a write, a truncate, a handle that can write, a look
         at other writers that brings changes). Only for a handle that reads alone: the only
@@ -1211,8 +1213,10 @@ class FastPath(RequestWait):
             self._drop_prepared()
         got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                  budget, pins) if budget > 0 and start < x.size else None
-        if got is not None and start < off and start + sum(map(len, got[0])) <= off:
-            reader.unpin(got[1])  # (short of the reader: from where it reads then)
+        if start < off and budget > 0 and (got is None
+                                            or start + sum(map(len, got[0])) <= off):
+            if got is not None:  # (short of the reader: from where it reads then)
+                reader.unpin(got[1])
             got = reader.read_window(x.emap, off, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                      budget, pins)
             start = off

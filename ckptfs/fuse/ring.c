@@ -60,8 +60,9 @@
  * once and noted, so that the Python side counts the kernel's lookup before it serves any
  * request (a FORGET among them); every change of a directory or of a file's attributes
  * takes them all back first. So a restore's small file need not wait for the Python side.
- * Nor does it wake it more than once: of these notes, a LOOKUP's wakes the Python side (it
- * prepares the next names then), and a RELEASE of a handle that can write, and a READ past
+ * Nor does it wake it for every file: of these notes, a LOOKUP's wakes the Python side once
+ * its directory has LOOKUPS_LEFT prepared answers or fewer left (it prepares the next names
+ * then), and a RELEASE of a handle that can write, and a READ past
  * the middle of a window that ends before the file does (the next window is opened then);
  * the others (an OPEN, a read-only RELEASE, the READs of a window to the file's end) wait
  * for the next wake, request or idle tick, unless their list is half full: every request
