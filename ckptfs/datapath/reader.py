@@ -684,9 +684,7 @@ class Reader:
         with self.cond:  # (a load that completes from now on is handed over at once)
             for ld in loads:
                 ld.waited = True
-            left = bool(self.done)
-        if left:  # (completed before: not handed over yet with `lazy`)
-            self._landed()
+        self.land()  # (one completed before: not handed over yet with `lazy`)
         for ld in loads:
             await ld.done.wait()
         for ld in loads:
@@ -702,10 +700,7 @@ class Reader:
         token = trio.lowlevel.current_trio_token()  # (the run that gets the results)
         if token is not self.token:
             self.token = token
-            with self.cond:
-                left = bool(self.done)
-            if left:  # (results a run that ended left behind: their loads are still listed)
-                self._landed()
+            self.land()  # (results a run that ended left behind: their loads are still listed)
         if not self.threads and not self.stopping:
             self.threads = [threading.Thread(target=self._loader, name=f"ckptfs-load-{i}",
                                              daemon=True) for i in range(LOAD_THREADS)]

@@ -1084,19 +1084,17 @@ class FastPath(RequestWait):
         if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
             self.drop_lookups()
         ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
-        prepared, prepared_ino, now = self.prepared, self.prepared_ino, time.monotonic()
+        now = time.monotonic()
         for ahead, n in enumerate(names[i + 1:i + 1 + LOOKUPS_AHEAD], 1):
             y = inodes.get(children.get(n, 0))
             if (y is None or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
-            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer,
-            # and stands for this one as _prepare_open would have it: most of a restore's
-            # names ahead were prepared by the LOOKUPs before)
-            fh = prepared_ino.get(y.ino)
+            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer:
+            # most of a restore's names ahead were prepared by the LOOKUPs before)
+            fh = self.prepared_ino.get(y.ino)
             if fh is not None:
-                del prepared[fh]
-                prepared[fh] = (now, ahead, y.ino)
+                self._prepared_nearer(fh, y.ino, ahead, now)
             else:
                 self.prepare_open(y, ahead)
             if y.ino in lookups:
@@ -1272,11 +1270,7 @@ class FastPath(RequestWait):
             self.ring.absent_until(ops.fresh_until())
         fh = self.prepared_ino.get(x.ino)
         if fh is not None:
-            # (one prepared before whose OPEN did not come yet, or came here once a look was
-            # due: it stands for this one, the newest, as far ahead as it is now; no other
-            # window of a file no one has open stands)
-            del self.prepared[fh]
-            self.prepared[fh] = (time.monotonic(), ahead, x.ino)
+            self._prepared_nearer(fh, x.ino, ahead, time.monotonic())
             return
         reader = ops.reader
         budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
@@ -1291,6 +1285,14 @@ class FastPath(RequestWait):
         self.prepared_ino[x.ino] = fh
         while len(self.prepared) > PREPARED_MAX:
             self._drop_prepared()
+
+    def _prepared_nearer(self, fh: int, ino: int, ahead: int, now: float) -> None:
+        """A window prepared before for inode ino (handle fh), whose OPEN did not come yet or
+        came here once a look was due, stands for the one asked for now: the newest, as far
+        ahead as it is now (no other window of a file no one has open stands)."""
+        prepared = self.prepared
+        del prepared[fh]
+        prepared[fh] = (now, ahead, ino)
 
     def _drop_prepared(self) -> None:
         """The prepared window of a file furthest ahead of its directory's last LOOKUP goes

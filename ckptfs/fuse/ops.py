@@ -824,8 +824,7 @@ class CkptOperations(pyfuse3.Operations):
                 spans.append((off, off + n, a))
         if not spans:
             return
-        if len(spans) > 1:
-            spans.sort(key=itemgetter(0))
+        spans.sort(key=itemgetter(0))
         lo, hi, ahead = spans[0]
         for off, end, a in spans:
             if off > hi:
