@@ -1,7 +1,8 @@
 """Staging without a mount: the extent map (newest wins, punch, truncate, find, stored bytes),
 the segment pool (appends across segments, sealing, backpressure, in-place landing), the
-checksums writes leave owing (summed later, bounded, settled before a buffer is reused) and
-the journal's committable prefix (never past an extent whose segment is not durable)."""
+checksums writes leave owing (summed later, bounded, settled before a buffer is reused) or
+bring along (a queue thread's, fuse/crc32c.c: taken in, split where a block ends) and the
+journal's committable prefix (never past an extent whose segment is not durable)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from crc32c import crc32c
 
 from ckptfs.datapath.flusher import ExtentEntry, Journal, fold_setattrs
 from ckptfs.datapath import writes
-from ckptfs.datapath.staging import Checksums, ExtentMap, Run, Segment, Staging, round_up
+from ckptfs.datapath.staging import (
+    Checksums,
+    ExtentMap,
+    Run,
+    Segment,
+    Staging,
+    round_up,
+    split_crc,
+)
+from ckptfs.io import uring
 from ckptfs.format import records
 from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, SetattrRec, SizeRec, UnlinkRec
 from ckptfs.namespace import Inode, Namespace
@@ -341,6 +351,72 @@ def test_writes_owe_their_checksums_until_summed_in_slices():
         while ck.owed:  # the request loop's idle slices, oldest run first
             ck.pay_idle()
         assert ck.paid_idle == len(payload) and not ck.runs
+        _runs_are_summed(x, payload)
+        st.close()
+
+    run_trio(main)
+
+
+needs_crc_c = pytest.mark.skipif(uring.lib is None, reason="ckptfs.io._uring_cffi not built")
+
+
+@needs_crc_c
+def test_the_queue_threads_crc32c_is_the_packages_and_joins():
+    """fuse/crc32c.c against the crc32c package: any length and alignment, continued from any
+    value; a shift joins two checksums into their concatenation's and undoes it."""
+    lib, ffi = uring.lib, uring.ffi
+    rnd = random.Random(11)
+    buf = rnd.randbytes(300_000)
+    mv = memoryview(buf)
+    for n in [0, 1, 7, 8, 9, 4095, 12_288, 12_289, 36_871, 200_003] + [
+            rnd.randrange(300_000) for _ in range(40)]:
+        at = rnd.randrange(len(buf) - n + 1)
+        c0 = rnd.getrandbits(32) if rnd.random() < 0.5 else 0
+        assert lib.ck_crc32c(c0, ffi.from_buffer(mv[at:at + n]), n) == crc32c(mv[at:at + n], c0)
+    for _ in range(50):
+        a, b = rnd.randbytes(rnd.randrange(5000)), rnd.randbytes(rnd.randrange(70_000))
+        whole = crc32c(a + b)
+        assert uring.crc32c_shift(crc32c(a), len(b)) ^ crc32c(b) == whole
+        assert uring.crc32c_shift(whole ^ crc32c(b), -len(b)) == crc32c(a)
+        piece = memoryview(a + b)
+        assert split_crc(piece, len(a), whole) == (crc32c(a), crc32c(b))
+
+
+@needs_crc_c
+def test_landed_checksums_are_taken_in_and_split_where_a_block_ends():
+    """Writes landed in place with their CRC32C (as the queue threads land them), some
+    without (taken before their thread summed them): every run ends with its own bytes'
+    checksum, the known ones taken in at once (never queued), a write split where a
+    checksum block ends or a segment fills, and a run that owes bytes owes what follows."""
+    async def main():
+        st = staging(8)
+        journal = Journal()
+        x = _file()
+        rnd = random.Random(12)
+        payload = rnd.randbytes(3 * SEG + 777)
+        block = 10_000  # not a divisor of the segment: blocks end inside writes
+        rec = writes.piece_recorder(journal, st.checksums, x, 0, block)
+        at = 0
+        while at < len(payload):
+            n = min(rnd.choice([1, 500, 4096, 9999, 25_000]), len(payload) - at)
+            t1, t2 = st.tails()
+            k1 = min(n, len(t1))
+            t1[:k1] = payload[at:at + k1]
+            k2 = n - k1
+            if k2:
+                t2[:k2] = payload[at + k1:at + n]
+            known = rnd.random() < 0.8
+            st.landed(k1, rec, base=at, crc=crc32c(payload[at:at + k1]) if known else None)
+            if k2:
+                st.landed(k2, rec, base=at + k1,
+                          crc=crc32c(payload[at + k1:at + n]) if known else None)
+            at += n
+        ck = st.checksums
+        assert ck.taken_landing > len(payload) // 2
+        assert ck.taken_landing + ck.owed == len(payload)
+        assert all(r.summed < r.length for r in ck.runs)  # (only runs that owe are queued)
+        assert len({p.run.seg.number for p in x.emap.pieces}) == 4
+        ck.pay(ck.owed)
         _runs_are_summed(x, payload)
         st.close()
 

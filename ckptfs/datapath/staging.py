@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import trio
 from crc32c import crc32c
 
-from ckptfs.io import alloc_aligned
+from ckptfs.io import alloc_aligned, crc32c_shift
 
 # The longest run of a file's bytes under one CRC32C (--checksum-block). A read of a place not
 # yet read loads and checks its whole run (and the 4 MiB read chunks it spans); a reader
@@ -275,7 +275,10 @@ class Checksums:
     is durable, and a durable segment has been released.
 
     Runs owe in landing order, and a run only grows while its segment is open, so the queue
-    is ordered by segment too. Trio thread only.
+    is ordered by segment too. The bytes a queue thread landed come with their CRC32C,
+    taken on that thread right after the WRITE's answer while they were still in its CPU's
+    cache (fuse/ring.c): a run that owes nothing takes it in (`grew` with a crc) and is
+    never queued; one that owes bytes already owes these too. Trio thread only.
     """
 
     def __init__(self, cap: int = CHECKSUMS_OWED_BYTES) -> None:
@@ -283,10 +286,17 @@ class Checksums:
         self.runs: deque[Run] = deque()  # the runs with summed < length, oldest first
         self.owed = 0
         self.paid_idle = 0  # bytes summed while the request loop had nothing else to do
+        self.taken_landing = 0  # bytes whose CRC32C came with them (the queue threads')
 
-    def owe(self, run: Run, n: int) -> None:
-        """`run` grew by `n` bytes (already added to run.length) that are not summed yet."""
+    def grew(self, run: Run, n: int, crc: int | None = None) -> None:
+        """`run` grew by `n` bytes (already added to run.length): owed, or summed already
+        where `crc` is their CRC32C."""
         if run.summed + n == run.length:  # (it owed nothing before)
+            if crc is not None:
+                run.crc = crc32c_shift(run.crc, n) ^ crc
+                run.summed = run.length
+                self.taken_landing += n
+                return
             self.runs.append(run)
         self.owed += n
         if self.owed > self.cap:
@@ -424,10 +434,11 @@ class Staging:
             return None, None
         return memoryview(free[0]), (memoryview(free[1]) if len(free) > 1 else None)
 
-    def landed(self, k: int, on_piece: Callable[[Segment, int, int, int], None],
-               base: int = 0) -> None:
+    def landed(self, k: int, on_piece: Callable[..., None], base: int = 0,
+               crc: int | None = None) -> None:
         """The first `k` bytes of the first of `tails()` not yet filled are file data now
-        (read there in place): data offset `base` on."""
+        (read there in place): data offset `base` on; `crc`: their CRC32C where it was taken
+        as they landed (passed on to on_piece)."""
         self.claim()
         seg = self.open
         if seg is None:  # tails() offered the first free buffer: it becomes the open segment
@@ -435,7 +446,10 @@ class Staging:
             seg = self.open = Segment(self.free.popleft(), self.numbers)
         soff = seg.used
         seg.used = soff + k
-        on_piece(seg, base, soff, k)
+        if crc is None:
+            on_piece(seg, base, soff, k)
+        else:
+            on_piece(seg, base, soff, k, crc)
         if seg.used == self.segment_bytes:
             self.seal()
         self.last_write = trio.current_time()
@@ -472,6 +486,18 @@ class Staging:
                 pass  # a memoryview still points at it; the mapping goes with the process
         self.buffers = []
         self.free.clear()
+
+
+def split_crc(piece: memoryview, m: int, crc: int) -> tuple[int, int]:
+    """The CRC32C of a piece's first `m` bytes and of the rest, given the whole piece's: the
+    shorter side is summed, the other follows (crc(A then B) = shift(crc(A), len(B)) ^
+    crc(B), fuse/crc32c.c)."""
+    rest = len(piece) - m
+    if m <= rest:
+        first = crc32c(piece[:m])
+        return first, crc ^ crc32c_shift(first, rest)
+    second = crc32c(piece[m:])
+    return crc32c_shift(crc ^ second, -rest), second
 
 
 def round_up(n: int, align: int) -> int:

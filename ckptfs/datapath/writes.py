@@ -5,7 +5,7 @@ handlers (fuse/ops.py) and the fast path's writes in place (fuse/fastpath.py). T
 from __future__ import annotations
 
 from ckptfs.datapath.flusher import ExtentEntry, Journal
-from ckptfs.datapath.staging import Checksums, Run
+from ckptfs.datapath.staging import Checksums, Run, split_crc
 from ckptfs.namespace import Inode
 
 
@@ -15,10 +15,12 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
     continues it in the same segment, up to `block` bytes, the --checksum-block: one index
     record per file and block of a segment), in x's extent map and, as an extent entry, in
     the journal. The run's CRC32C is owed to `checksums` (staging.Checksums), which take it
-    when the request loop is idle, off the writer's wait."""
+    when the request loop is idle, off the writer's wait; where the piece comes with its
+    CRC32C (`crc`: a queue thread took it as the bytes landed), the run takes that in, the
+    piece's split between runs (split_crc) where a block ends inside it."""
     emap = x.emap
 
-    def on_piece(seg, dpos, soff, k):
+    def on_piece(seg, dpos, soff, k, crc=None):
         while k > 0:
             foff = off + dpos
             run = x.tail_run
@@ -27,9 +29,10 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
                     and run.length < block and x.tail_end == foff
                     and type(tail) is ExtentEntry and tail.run is run):
                 m = min(k, block - run.length)
+                part, crc = _first(seg, soff, k, m, crc)
                 roff = run.length
                 run.length += m
-                checksums.owe(run, m)
+                checksums.grew(run, m, part)
                 last = emap.pieces[-1] if emap.pieces else None
                 if last is not None and last.run is run and last.start + last.length == foff:
                     emap.grow(m)
@@ -37,9 +40,10 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
                     emap.insert(foff, m, run, roff)
             else:
                 m = min(k, block)
+                part, crc = _first(seg, soff, k, m, crc)
                 run = Run(seg, soff, m)
                 run.summed = 0
-                checksums.owe(run, m)
+                checksums.grew(run, m, part)
                 seg.runs.append(run)
                 if x.nlink > 0:  # an unlinked, still open file needs no index record
                     journal.add(ExtentEntry(x.ino, foff, run))
@@ -50,3 +54,11 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
             soff += m
             k -= m
     return on_piece
+
+
+def _first(seg, soff: int, k: int, m: int, crc: int | None) -> tuple[int | None, int | None]:
+    """The CRC32C of the first `m` of the `k` bytes at `soff` and of the rest, from the k
+    bytes' `crc` (None: not known, for both)."""
+    if crc is None or m == k:
+        return crc, None
+    return split_crc(seg.view[soff:soff + k], m, crc)

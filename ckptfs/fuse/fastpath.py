@@ -155,7 +155,7 @@ REQUEST_MAX = 256 * 4096 + 4096
 SOCKET_BUFFER = 4 << 20
 
 
-def _dead(seg, dpos, soff, k) -> None:
+def _dead(seg, dpos, soff, k, crc=None) -> None:
     """The recorder of landed bytes that belong to no file (dead space in their segment)."""
 
 
@@ -924,7 +924,8 @@ class FastPath(RequestWait):
         ring.revoke()
         if ring.created():  # (a created file's writes land after its CREATE was answered)
             self.make_created(ring.take_created())
-        for i, answered, k1, k2, fh, off, size, write_flags, pid in ring.take_landed():
+        for (i, answered, k1, k2, fh, off, size, write_flags, pid, crc1,
+             crc2) in ring.take_landed():
             try:
                 h, x = ops.write_target(fh)
                 if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
@@ -941,9 +942,9 @@ class FastPath(RequestWait):
                     self.ring_landed[i] = (0, err)
                 record = _dead
             if k1:
-                staging.landed(k1, record)
+                staging.landed(k1, record, crc=crc1)
             if k2:
-                staging.landed(k2, record, base=k1)
+                staging.landed(k2, record, base=k1, crc=crc2)
             self.bytes_in_place += k1 + k2
             if record is not _dead:
                 if k1 + k2 == size:

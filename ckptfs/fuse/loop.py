@@ -66,6 +66,7 @@ FAST_STREAK = 16
 MAX_TASKS = 32
 NO_COUNTS = {"requests_found_queued": 0, "requests_waited_for": 0, "requests_caught_spinning": 0,
              "requests_caught_summing": 0, "checksum_bytes_summed_idle": 0,
+             "checksum_bytes_summed_landing": 0,
              "writes_in_place": 0, "bytes_in_place": 0, "bytes_copied_in": 0,
              "reads_direct": 0, "requests_forwarded": 0, "requests_answered_here": 0}
 
@@ -109,12 +110,15 @@ class RequestWait:
     def counts(self) -> dict:
         """For the mount's status: requests found queued (including those caught spinning
         or while owed checksums were summed), waited for in epoll, caught spinning, caught
-        summing; and the checksum bytes summed while no request waited."""
+        summing; and the checksum bytes summed while no request waited, and those the queue
+        threads summed as they landed them."""
         work = self.idle_work
         return dict(NO_COUNTS, requests_found_queued=self.fast, requests_waited_for=self.slow,
                     requests_caught_spinning=self.spun,
                     requests_caught_summing=self.caught_summing,
-                    checksum_bytes_summed_idle=work.paid_idle if work is not None else 0)
+                    checksum_bytes_summed_idle=work.paid_idle if work is not None else 0,
+                    checksum_bytes_summed_landing=(work.taken_landing if work is not None
+                                                   else 0))
 
     def probe(self, timeout: int) -> bool:
         """Whether a request waits (`timeout`: poll's, always 0 here)."""

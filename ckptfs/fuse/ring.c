@@ -193,6 +193,8 @@ struct ck_fring_landed {
     int id, answered;
     uint32_t k1, k2, size, flags, pid, pad;
     uint64_t fh, off;
+    uint32_t crc1, crc2;  /* the CRC32C of the k1 and k2 bytes, where summed (fr_sum_landed) */
+    int summed, pad2;
 };
 
 /* A read window: bytes [start, end) of the file open as handle fh - 1 (0: a free window), in
@@ -241,6 +243,9 @@ struct fr_slot {
     _Atomic int state;
     int waited;  /* its caller waits for the answer */
     uint32_t landed[2];  /* a WRITE's bytes copied into the zone's two parts */
+    const char *land_at[2];  /* where they went */
+    unsigned land_seq;  /* its landed record's place in the list (ltail then) */
+    int sum_due;  /* their checksum is still to be taken (fr_sum_landed) */
     /* /dev/fuse: a READ's answer straight from a window's buffers (held busy until sent) */
     struct fr_window *win;
     struct iovec body[WINDOW_PARTS];
@@ -296,6 +301,7 @@ struct ck_fring {
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
     _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
+    _Atomic int sum_landed;  /* landed bytes are checksummed here (fr_sum_landed) */
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
@@ -700,6 +706,8 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         pthread_mutex_lock(&f->lock);
         if (write_size && f->zone_on && f->ltail - f->lhead < LANDED_MAX) {
             /* (the second part only once the first is full: staging opens it then) */
+            s->land_at[0] = f->zone[0];
+            s->land_at[1] = f->zone[1];
             s->landed[0] = fr_land(f, 0, s->payload, write_size);
             if (s->landed[0] < write_size && !f->room[0])
                 s->landed[1] = fr_land(f, 1, s->payload + s->landed[0],
@@ -710,8 +718,11 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
         const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
         const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
+        s->land_seq = f->ltail;
+        s->sum_due = atomic_load(&f->sum_landed);
         struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
         r->id = idx;
+        r->summed = 0;
         r->k1 = s->landed[0];
         r->k2 = s->landed[1];
         r->fh = w[0];
@@ -738,6 +749,35 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
     if (!in_zone && (!answered || atomic_load(&f->landed_due)))
         fr_wake_python(f);  /* (in_zone: the caller does, once it let go of the lock) */
     return answered;
+}
+
+/* The checksum of the bytes slot s's WRITE landed (fr_hand_over), taken once its answer is
+ * on its way, while the bytes are still in this CPU's cache, and put in its landed record
+ * unless the Python side took the record meanwhile (it then sums the bytes itself: the
+ * record says they are not summed). The bytes cannot change before the record is taken:
+ * the Python side takes every landed record before it changes staging. */
+static void fr_sum_landed(struct ck_fring *f, struct fr_slot *s)
+{
+    if (!s->sum_due)
+        return;
+    s->sum_due = 0;
+    uint32_t crc1 = s->landed[0] ? ck_crc32c(0, s->land_at[0], s->landed[0]) : 0;
+    uint32_t crc2 = s->landed[1] ? ck_crc32c(0, s->land_at[1], s->landed[1]) : 0;
+    pthread_mutex_lock(&f->lock);
+    if (s->land_seq - f->lhead < f->ltail - f->lhead) {  /* (not taken yet) */
+        struct ck_fring_landed *r = &f->landed[s->land_seq % LANDED_MAX];
+        r->crc1 = crc1;
+        r->crc2 = crc2;
+        r->summed = 1;
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* fr_sum_landed for q's slots, once their answers are committed (FUSE over io_uring). */
+static void fr_sum_queue(struct fr_queue *q)
+{
+    for (int i = q->first_slot; i < q->first_slot + q->f->depth; i++)
+        fr_sum_landed(q->f, &q->f->slots[i]);
 }
 
 /* An answer written here: `error` (0 or -errno), then `len` bytes of body (from `body`). */
@@ -1148,6 +1188,7 @@ static void *fr_serve(void *arg)
     atomic_fetch_add(&f->registered, 1);
     while (!atomic_load(&f->stop)) {
         int work = fr_commit_answers(q);
+        fr_sum_queue(q);
         int r = fr_reap(q);
         if (r < 0) {
             if (r != -ENOTCONN && r != -ECANCELED && r != -ENODEV) {
@@ -1246,6 +1287,8 @@ static int fr_dev_read(struct ck_fring *f, int idx)
             memmove(s->payload + k0 + k1, s->payload, over);
         /* (the second part only once the first is full, as fr_land) */
         if (h->opcode == FR_OP_WRITE && *size == rest && (k0 || (!r0 && k1))) {
+            s->land_at[0] = f->zone[0];
+            s->land_at[1] = f->zone[1];
             f->zone[0] += k0;
             f->room[0] -= k0;
             f->zone[1] += k1;
@@ -1374,6 +1417,7 @@ static void *fr_serve_dev(void *arg)
                     if (r < 0)
                         fr_note_error(f, -r);
                 }
+                fr_sum_landed(f, &f->slots[idx]);
                 continue;
             }
         }
@@ -1444,6 +1488,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->spin_s = spin_s;
     f->attr_gen = 1;
     f->defer_here = 1;
+    atomic_store(&f->sum_landed, ck_crc32c_hw());
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
     f->slots = calloc(n, sizeof *f->slots);
@@ -1875,6 +1920,15 @@ void ck_fring_absent_until(struct ck_fring *f, double until)
 
 /* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
+
+/* Whether the queue threads checksum the bytes they land (on by default where the CPU has a
+ * CRC32C instruction: ck_crc32c_hw); returns the setting in force. */
+int ck_fring_sum_landed(struct ck_fring *f, int on)
+{
+    if (on >= 0)
+        atomic_store(&f->sum_landed, on && ck_crc32c_hw());
+    return atomic_load(&f->sum_landed);
+}
 
 /* Handle fh's read window: bytes [start, start + the parts' lengths) of its file are in the
  * nparts buffers (end to end), unchanged until the window is dropped; eof: the file ends there.

@@ -211,15 +211,19 @@ class Ring:
 
     def take_landed(self) -> list[tuple]:
         """The writes landed since the last call, in order: (entry, answered already, bytes in
-        the first part of the zone, bytes in the second, fh, offset, size, write_flags, pid).
-        An entry answered already is back with the kernel."""
+        the first part of the zone, bytes in the second, fh, offset, size, write_flags, pid,
+        the CRC32C of the bytes in the first part and in the second or None where their
+        queue thread had not taken it yet). An entry answered already is back with the
+        kernel."""
         rec = self._landed
         out: list[tuple] = []
         while True:
             n = lib.ck_fring_take_landed(self.handle, rec, TAKE)
             for j in range(n):
                 r = rec[j]
-                out.append((r.id, r.answered, r.k1, r.k2, r.fh, r.off, r.size, r.flags, r.pid))
+                summed = r.summed
+                out.append((r.id, r.answered, r.k1, r.k2, r.fh, r.off, r.size, r.flags, r.pid,
+                            r.crc1 if summed else None, r.crc2 if summed else None))
             if n < TAKE:
                 return out
 
@@ -464,6 +468,11 @@ class Ring:
         for i in range(lib.ck_fring_names_held(self.handle, held, NAME_DIRS)):
             if not keeps(held[i]):
                 lib.ck_fring_names_drop(self.handle, held[i])
+
+    def sum_landed(self, on: bool | None = None) -> bool:
+        """Whether the queue threads take the CRC32C of the bytes they land (on by default
+        where the CPU has an instruction for it); `on` changes it."""
+        return bool(lib.ck_fring_sum_landed(self.handle, -1 if on is None else int(on)))
 
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""

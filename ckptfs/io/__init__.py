@@ -26,13 +26,13 @@ from .buffers import (
     probe_direct_read,
 )
 from .posix import PosixEngine
-from .uring import DISABLE_ENV, UringEngine, uring_unavailable_reason
+from .uring import DISABLE_ENV, UringEngine, crc32c_shift, uring_unavailable_reason
 
 __all__ = [
     "open_engine", "alloc_aligned", "fault_in", "probe_direct", "probe_direct_read", "open_file",
     "DirectInfo", "Engine",
     "EngineError", "PosixEngine", "UringEngine", "uring_unavailable_reason", "DISABLE_ENV",
-    "PAGE_SIZE",
+    "PAGE_SIZE", "crc32c_shift",
 ]
 
 KINDS = ("auto", "io_uring", "posix")

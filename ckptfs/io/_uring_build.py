@@ -56,12 +56,19 @@ unsigned int ck_ring_sq_space(struct ck_ring *r);
 int ck_have_uring(void);
 const char *ck_build_info(void);
 
+/* CRC32C in C (fuse/crc32c.c): the queue threads' checksums of landed writes */
+int ck_crc32c_hw(void);
+uint32_t ck_crc32c(uint32_t crc, const void *p, size_t n);
+uint32_t ck_crc32c_shift(uint32_t crc, int64_t n);
+
 /* FUSE over io_uring's queue threads (fuse/ring.c, fuse/ring.py) */
 struct ck_fring;
 struct ck_fring_landed {
     int id, answered;
     uint32_t k1, k2, size, flags, pid, pad;
     uint64_t fh, off;
+    uint32_t crc1, crc2;
+    int summed, pad2;
 };
 struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t payload,
                                 int wake_fd, double spin_s, const int *cpus, int *err);
@@ -96,6 +103,7 @@ int ck_fring_error(struct ck_fring *f);
 int ck_fring_gone(struct ck_fring *f);
 void ck_fring_go(struct ck_fring *f);
 void ck_fring_flush_fails(struct ck_fring *f, int on);
+int ck_fring_sum_landed(struct ck_fring *f, int on);
 int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint32_t len);
 void ck_fring_attr_clear(struct ck_fring *f);
 int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, uint32_t len,
@@ -378,7 +386,7 @@ void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_
 { (void)f; (void)p1; (void)n1; (void)p2; (void)n2; }
 int ck_fring_revoke(struct ck_fring *f) { (void)f; return 0; }
 struct ck_fring_landed { int id, answered; uint32_t k1, k2, size, flags, pid, pad;
-                         uint64_t fh, off; };
+                         uint64_t fh, off; uint32_t crc1, crc2; int summed, pad2; };
 int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *o, int m)
 { (void)f; (void)o; (void)m; return 0; }
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
@@ -390,6 +398,7 @@ int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
 int ck_fring_gone(struct ck_fring *f) { (void)f; return 0; }
 void ck_fring_go(struct ck_fring *f) { (void)f; }
 void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
+int ck_fring_sum_landed(struct ck_fring *f, int on) { (void)f; (void)on; return 0; }
 int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
 { (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
 void ck_fring_attr_clear(struct ck_fring *f) { (void)f; }
@@ -479,10 +488,12 @@ def _c_string(s: str) -> str:
 
 
 # FUSE over io_uring's queue threads: C of their own file, in this module because it is the
-# one that links liburing.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fuse",
-                       "ring.c")) as _f:
+# one that links liburing; and their CRC32C (no liburing in it: the stub has it too).
+_FUSE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fuse")
+with open(os.path.join(_FUSE_DIR, "ring.c")) as _f:
     RING_SOURCE = _f.read()
+with open(os.path.join(_FUSE_DIR, "crc32c.c")) as _f:
+    CRC_SOURCE = _f.read()
 
 _cflags, _libs, _version = _pkg_config()
 _stub_reason = _probe_liburing(_cflags, _libs)
@@ -492,7 +503,7 @@ ffibuilder.cdef(CDEF)
 if _stub_reason is None:
     ffibuilder.set_source(
         "ckptfs.io._uring_cffi",
-        SOURCE + RING_SOURCE,
+        SOURCE + CRC_SOURCE + RING_SOURCE,
         define_macros=[("CK_URING_VERSION", _c_string(_version)), ("_GNU_SOURCE", None)],
         extra_compile_args=["-O2"] + _cflags,
         extra_link_args=_libs + ["-pthread"],
@@ -500,9 +511,10 @@ if _stub_reason is None:
 else:
     ffibuilder.set_source(
         "ckptfs.io._uring_cffi",
-        STUB_SOURCE,
+        STUB_SOURCE + CRC_SOURCE,
         define_macros=[("CK_STUB_REASON", _c_string(_stub_reason))],
         extra_compile_args=["-O2"],
+        extra_link_args=["-pthread"],
     )
 
 

@@ -33,7 +33,14 @@ except ImportError as _e:  # extension not built (e.g. running from a plain sour
     ffi = lib = None
     _IMPORT_ERROR = "ckptfs.io._uring_cffi is not built (%s)" % _e
 
-__all__ = ["UringEngine", "uring_unavailable_reason"]
+__all__ = ["UringEngine", "uring_unavailable_reason", "crc32c_shift"]
+
+
+def crc32c_shift(crc: int, n: int) -> int:
+    """`crc` times x^(8n) (fuse/crc32c.c): crc32c_shift(crc(A), len(B)) ^ crc(B) is the CRC32C
+    of A then B; a negative n undoes a shift by -n. Only for checksums the queue threads
+    took, which exist only where this module is built."""
+    return lib.ck_crc32c_shift(crc, n)
 
 _OP_WRITE = 1
 _OP_READ = 2
