@@ -25,7 +25,10 @@
  * wake the Python side: its record waits for the next request served there (or the Python
  * side's idle tick), unless the zone's first part (the open segment's rest, or a whole free
  * buffer) is full, a segment to seal and flush, or the landed list is half full (landed_due);
- * so a large file's WRITEs cost the Python side about one turn per segment, not one each. (On /dev/fuse a queue
+ * so a large file's WRITEs cost the Python side about one turn per segment, not one each. Once
+ * a landed WRITE's answer is on its way, its thread takes the CRC32C of the bytes it landed
+ * (still in its CPU's cache: fr_sum_landed) and leaves it in the record, if the Python side
+ * has not taken the record yet (it then sums them itself). (On /dev/fuse a queue
  * thread reads a WRITE straight into the zone when no other thread holds it, so that the
  * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
