@@ -249,6 +249,7 @@ struct fr_slot {
     const char *land_at[2];  /* where they went */
     unsigned land_seq;  /* its landed record's place in the list (ltail then) */
     int sum_due;  /* their checksum is still to be taken (fr_sum_landed) */
+    int due_after_sum;  /* then the landed records are due (landed_due) */
     /* /dev/fuse: a READ's answer straight from a window's buffers (held busy until sent) */
     struct fr_window *win;
     struct iovec body[WINDOW_PARTS];
@@ -737,9 +738,13 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         r->answered = answered;
         atomic_fetch_add(&f->landed_count, 1);
         /* (a segment to seal and flush, or a list to empty before it fills: else the records
-         * wait for the next request the Python side serves, which takes them first) */
-        if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2)
-            atomic_store(&f->landed_due, 1);
+         * wait for the next request the Python side serves, which takes them first; due
+         * once this one's checksum is in its record, if it is answered here and summed) */
+        if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2) {
+            s->due_after_sum = answered && s->sum_due;
+            if (!s->due_after_sum)
+                atomic_store(&f->landed_due, 1);
+        }
     }
     if (!answered) {
         f->fifo[f->tail] = idx;
@@ -758,7 +763,9 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
  * on its way, while the bytes are still in this CPU's cache, and put in its landed record
  * unless the Python side took the record meanwhile (it then sums the bytes itself: the
  * record says they are not summed). The bytes cannot change before the record is taken:
- * the Python side takes every landed record before it changes staging. */
+ * the Python side takes every landed record before it changes staging. A WRITE that made
+ * the records due (its segment full) makes them due only now, so that the Python side, woken
+ * for them, finds its checksum in the last one. */
 static void fr_sum_landed(struct ck_fring *f, struct fr_slot *s)
 {
     if (!s->sum_due)
@@ -766,14 +773,21 @@ static void fr_sum_landed(struct ck_fring *f, struct fr_slot *s)
     s->sum_due = 0;
     uint32_t crc1 = s->landed[0] ? ck_crc32c(0, s->land_at[0], s->landed[0]) : 0;
     uint32_t crc2 = s->landed[1] ? ck_crc32c(0, s->land_at[1], s->landed[1]) : 0;
+    int wake = 0;
     pthread_mutex_lock(&f->lock);
     if (s->land_seq - f->lhead < f->ltail - f->lhead) {  /* (not taken yet) */
         struct ck_fring_landed *r = &f->landed[s->land_seq % LANDED_MAX];
         r->crc1 = crc1;
         r->crc2 = crc2;
         r->summed = 1;
+        wake = s->due_after_sum;
+        if (wake)
+            atomic_store(&f->landed_due, 1);
     }
+    s->due_after_sum = 0;
     pthread_mutex_unlock(&f->lock);
+    if (wake)
+        fr_wake_python(f);
 }
 
 /* fr_sum_landed for q's slots, once their answers are committed (FUSE over io_uring). */
