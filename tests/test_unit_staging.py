@@ -386,8 +386,10 @@ def test_the_queue_threads_crc32c_is_the_packages_and_joins():
 def test_landed_checksums_are_taken_in_and_split_where_a_block_ends():
     """Writes landed in place with their CRC32C (as the queue threads land them), some
     without (taken before their thread summed them): every run ends with its own bytes'
-    checksum, the known ones taken in at once (never queued), a write split where a
-    checksum block ends or a segment fills, and a run that owes bytes owes what follows."""
+    checksum, the known ones taken in at once (never queued), a write larger than a
+    checksum block split where the block ends, one that a segment's end splits landed as two
+    pieces, and a run that owes bytes owes what follows; only checksums taken in whole count
+    as the queue threads'."""
     async def main():
         st = staging(8)
         journal = Journal()
@@ -398,7 +400,7 @@ def test_landed_checksums_are_taken_in_and_split_where_a_block_ends():
         rec = writes.piece_recorder(journal, st.checksums, x, 0, block)
         at = 0
         while at < len(payload):
-            n = min(rnd.choice([1, 500, 4096, 9999, 25_000]), len(payload) - at)
+            n = min(rnd.choice([1, 500, 4096, 9999, 9999, 25_000]), len(payload) - at)
             t1, t2 = st.tails()
             k1 = min(n, len(t1))
             t1[:k1] = payload[at:at + k1]
@@ -412,11 +414,48 @@ def test_landed_checksums_are_taken_in_and_split_where_a_block_ends():
                           crc=crc32c(payload[at + k1:at + n]) if known else None)
             at += n
         ck = st.checksums
-        assert ck.taken_landing > len(payload) // 2
-        assert ck.taken_landing + ck.owed == len(payload)
+        assert len(payload) // 4 < ck.taken_landing < len(payload) - ck.owed
         assert all(r.summed < r.length for r in ck.runs)  # (only runs that owe are queued)
         assert len({p.run.seg.number for p in x.emap.pieces}) == 4
         ck.pay(ck.owed)
+        _runs_are_summed(x, payload)
+        st.close()
+
+    run_trio(main)
+
+
+@needs_crc_c
+def test_a_landed_piece_that_fits_a_block_starts_a_run_rather_than_split_its_checksum(
+        monkeypatch):
+    """A piece that comes with its checksum and fits in a checksum block but not in the rest
+    of the file's last run starts a run of its own: nothing is summed here, every byte's
+    checksum is the queue thread's, and no run is longer than a block."""
+    def no_split(*a):
+        raise AssertionError("a checksum split that a new run avoids")
+
+    monkeypatch.setattr(writes, "split_crc", no_split)
+
+    async def main():
+        st = staging(8)
+        journal = Journal()
+        x = _file()
+        rnd = random.Random(13)
+        payload = rnd.randbytes(2 * SEG)
+        block = 10_000
+        rec = writes.piece_recorder(journal, st.checksums, x, 0, block)
+        at = 0
+        while at < len(payload):
+            t1, _ = st.tails()
+            n = min(rnd.choice([1, 700, 3000, 6001, 9999, 10_000]), len(payload) - at,
+                    len(t1))
+            t1[:n] = payload[at:at + n]
+            st.landed(n, rec, base=at, crc=crc32c(payload[at:at + n]))
+            at += n
+        ck = st.checksums
+        assert ck.taken_landing == len(payload) and ck.owed == 0 and not ck.runs
+        runs = {id(p.run): p.run for p in x.emap.pieces}.values()
+        assert max(r.length for r in runs) <= block
+        assert len(runs) < len(payload) // 3000  # (pieces still join into runs)
         _runs_are_summed(x, payload)
         st.close()
 

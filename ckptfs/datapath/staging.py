@@ -265,7 +265,7 @@ class Checksums:
     A 1 MiB WRITE's payload is cold in the CPU cache once the kernel copied it into the
     segment: its CRC32C costs ~85 us, a quarter of the request, and the writer waits for the
     reply all that time (a 2.1 GB torch.save is ~7% faster with no checksum at all,
-    docs/performance-notes.md). So a write only records what it owes (`owe`), and the
+    docs/performance-notes.md). So a write only records what it owes (`grew`), and the
     request loop sums owed bytes in slices whenever no request is waiting (fuse/loop.py):
     between a reply and the writer's next request, and while torch.save serialises its next
     tensor. What is owed is bounded (CHECKSUMS_OWED_BYTES: past it, the oldest bytes are
@@ -288,14 +288,16 @@ class Checksums:
         self.paid_idle = 0  # bytes summed while the request loop had nothing else to do
         self.taken_landing = 0  # bytes whose CRC32C came with them (the queue threads')
 
-    def grew(self, run: Run, n: int, crc: int | None = None) -> None:
+    def grew(self, run: Run, n: int, crc: int | None = None, landing: bool = True) -> None:
         """`run` grew by `n` bytes (already added to run.length): owed, or summed already
-        where `crc` is their CRC32C."""
+        where `crc` is their CRC32C (`landing`: by the queue thread that landed them, not
+        split here)."""
         if run.summed + n == run.length:  # (it owed nothing before)
             if crc is not None:
                 run.crc = crc32c_shift(run.crc, n) ^ crc
                 run.summed = run.length
-                self.taken_landing += n
+                if landing:
+                    self.taken_landing += n
                 return
             self.runs.append(run)
         self.owed += n

@@ -16,23 +16,30 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
     record per file and block of a segment), in x's extent map and, as an extent entry, in
     the journal. The run's CRC32C is owed to `checksums` (staging.Checksums), which take it
     when the request loop is idle, off the writer's wait; where the piece comes with its
-    CRC32C (`crc`: a queue thread took it as the bytes landed), the run takes that in, the
-    piece's split between runs (split_crc) where a block ends inside it."""
+    CRC32C (`crc`: a queue thread took it as the bytes landed), the run takes that in. Such a
+    piece that fits in a block but not in the rest of the file's last run starts a run of
+    its own (runs may be shorter than a block), so that its checksum need not be split; one
+    larger than a block (a --checksum-block smaller than a WRITE) is split between runs
+    (split_crc: the shorter side summed here)."""
     emap = x.emap
 
     def on_piece(seg, dpos, soff, k, crc=None):
+        landing = True  # (the checksums taken in came whole from the queue thread)
         while k > 0:
             foff = off + dpos
             run = x.tail_run
             tail = journal.entries[-1][1] if journal.entries else None
             if (run is not None and run.seg is seg and run.soff + run.length == soff
                     and run.length < block and x.tail_end == foff
-                    and type(tail) is ExtentEntry and tail.run is run):
+                    and type(tail) is ExtentEntry and tail.run is run
+                    and (crc is None or k > block or run.length + k <= block)):
                 m = min(k, block - run.length)
+                if crc is not None and m < k:
+                    landing = False
                 part, crc = _first(seg, soff, k, m, crc)
                 roff = run.length
                 run.length += m
-                checksums.grew(run, m, part)
+                checksums.grew(run, m, part, landing)
                 last = emap.pieces[-1] if emap.pieces else None
                 if last is not None and last.run is run and last.start + last.length == foff:
                     emap.grow(m)
@@ -40,10 +47,12 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
                     emap.insert(foff, m, run, roff)
             else:
                 m = min(k, block)
+                if crc is not None and m < k:
+                    landing = False
                 part, crc = _first(seg, soff, k, m, crc)
                 run = Run(seg, soff, m)
                 run.summed = 0
-                checksums.grew(run, m, part)
+                checksums.grew(run, m, part, landing)
                 seg.runs.append(run)
                 if x.nlink > 0:  # an unlinked, still open file needs no index record
                     journal.add(ExtentEntry(x.ino, foff, run))

@@ -66,7 +66,7 @@ static uint32_t crc_shift_by(uint32_t reg, uint64_t n, const uint32_t *pows)
     return reg;
 }
 
-static uint32_t crc_lane(uint32_t reg)
+static __attribute__((unused)) uint32_t crc_lane(uint32_t reg)
 {
     return crc_lane_shift[0][reg & 0xff] ^ crc_lane_shift[1][(reg >> 8) & 0xff]
         ^ crc_lane_shift[2][(reg >> 16) & 0xff] ^ crc_lane_shift[3][reg >> 24];
@@ -123,7 +123,7 @@ static uint32_t crc_hw(uint32_t reg, const unsigned char *p, size_t n)
 static int crc_have_hw(void)
 {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2");
+    return !!__builtin_cpu_supports("sse4.2");
 }
 #else
 static uint32_t crc_hw(uint32_t reg, const unsigned char *p, size_t n)

@@ -12,8 +12,9 @@
  * it with the same handlers as a request read from /dev/fuse and writes the answer into the
  * entry's buffers; the queue thread commits it.
  *
- * One thing is done here: a WRITE's payload is copied into staging, on the caller's CPU while
- * its bytes are still in that CPU's cache, where the Python side said the next bytes go (the
+ * One thing is done here (with its checksum, below): a WRITE's payload is copied into
+ * staging, on the caller's CPU while its bytes are still in that CPU's cache, where the
+ * Python side said the next bytes go (the
  * landing zone: the staging's tails, as a /dev/fuse request is read into them in place). The
  * copy and the note of where it went (the landed list) are made under one lock, so the
  * Python side records landed writes in the order they took the zone. It takes the zone back
@@ -26,9 +27,11 @@
  * side's idle tick), unless the zone's first part (the open segment's rest, or a whole free
  * buffer) is full, a segment to seal and flush, or the landed list is half full (landed_due);
  * so a large file's WRITEs cost the Python side about one turn per segment, not one each. Once
- * a landed WRITE's answer is on its way, its thread takes the CRC32C of the bytes it landed
- * (still in its CPU's cache: fr_sum_landed) and leaves it in the record, if the Python side
- * has not taken the record yet (it then sums them itself). (On /dev/fuse a queue
+ * a WRITE answered here is on its way back, its thread takes the CRC32C of the bytes it
+ * landed (still in its CPU's cache: fr_sum_landed, fuse/crc32c.c) and leaves it in the
+ * record, if the Python side has not taken the record yet (it then sums them itself); a
+ * WRITE that fills the zone's first part makes the records due only then, so that the
+ * Python side woken to seal the segment finds its checksum there. (On /dev/fuse a queue
  * thread reads a WRITE straight into the zone when no other thread holds it, so that the
  * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
@@ -305,7 +308,7 @@ struct ck_fring {
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
     _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
-    _Atomic int sum_landed;  /* landed bytes are checksummed here (fr_sum_landed) */
+    int sum_landed;  /* landed bytes are checksummed here (fr_sum_landed): ck_crc32c_hw() */
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
@@ -723,7 +726,6 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
         const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
         s->land_seq = f->ltail;
-        s->sum_due = atomic_load(&f->sum_landed);
         struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
         r->id = idx;
         r->summed = 0;
@@ -736,6 +738,8 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         r->pid = h->pid;
         answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
         r->answered = answered;
+        /* (one handed over: the Python side takes its record before it serves it) */
+        s->sum_due = answered && f->sum_landed;
         atomic_fetch_add(&f->landed_count, 1);
         /* (a segment to seal and flush, or a list to empty before it fills: else the records
          * wait for the next request the Python side serves, which takes them first; due
@@ -790,11 +794,20 @@ static void fr_sum_landed(struct ck_fring *f, struct fr_slot *s)
         fr_wake_python(f);
 }
 
-/* fr_sum_landed for q's slots, once their answers are committed (FUSE over io_uring). */
+/* fr_sum_landed for q's slots (FUSE over io_uring), once their answers are on their way: the
+ * commands that carry them are submitted first. */
 static void fr_sum_queue(struct fr_queue *q)
 {
-    for (int i = q->first_slot; i < q->first_slot + q->f->depth; i++)
-        fr_sum_landed(q->f, &q->f->slots[i]);
+    struct ck_fring *f = q->f;
+    int due = 0;
+    for (int i = q->first_slot; i < q->first_slot + f->depth && !due; i++)
+        due = f->slots[i].sum_due;
+    if (!due)
+        return;
+    if (io_uring_sq_ready(&q->ring))
+        io_uring_submit(&q->ring);
+    for (int i = q->first_slot; i < q->first_slot + f->depth; i++)
+        fr_sum_landed(f, &f->slots[i]);
 }
 
 /* An answer written here: `error` (0 or -errno), then `len` bytes of body (from `body`). */
@@ -1505,7 +1518,7 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->spin_s = spin_s;
     f->attr_gen = 1;
     f->defer_here = 1;
-    atomic_store(&f->sum_landed, ck_crc32c_hw());
+    f->sum_landed = ck_crc32c_hw();
     pthread_mutex_init(&f->lock, NULL);
     int n = nqueues * depth;
     f->slots = calloc(n, sizeof *f->slots);
@@ -1937,15 +1950,6 @@ void ck_fring_absent_until(struct ck_fring *f, double until)
 
 /* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
-
-/* Whether the queue threads checksum the bytes they land (on by default where the CPU has a
- * CRC32C instruction: ck_crc32c_hw); returns the setting in force. */
-int ck_fring_sum_landed(struct ck_fring *f, int on)
-{
-    if (on >= 0)
-        atomic_store(&f->sum_landed, on && ck_crc32c_hw());
-    return atomic_load(&f->sum_landed);
-}
 
 /* Handle fh's read window: bytes [start, start + the parts' lengths) of its file are in the
  * nparts buffers (end to end), unchanged until the window is dropped; eof: the file ends there.

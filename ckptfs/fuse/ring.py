@@ -469,11 +469,6 @@ class Ring:
             if not keeps(held[i]):
                 lib.ck_fring_names_drop(self.handle, held[i])
 
-    def sum_landed(self, on: bool | None = None) -> bool:
-        """Whether the queue threads take the CRC32C of the bytes they land (on by default
-        where the CPU has an instruction for it); `on` changes it."""
-        return bool(lib.ck_fring_sum_landed(self.handle, -1 if on is None else int(on)))
-
     def flush_fails(self, failing: bool) -> None:
         """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
         lib.ck_fring_flush_fails(self.handle, 1 if failing else 0)

@@ -103,7 +103,6 @@ int ck_fring_error(struct ck_fring *f);
 int ck_fring_gone(struct ck_fring *f);
 void ck_fring_go(struct ck_fring *f);
 void ck_fring_flush_fails(struct ck_fring *f, int on);
-int ck_fring_sum_landed(struct ck_fring *f, int on);
 int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint32_t len);
 void ck_fring_attr_clear(struct ck_fring *f);
 int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, uint32_t len,
@@ -398,7 +397,6 @@ int ck_fring_error(struct ck_fring *f) { (void)f; return ENOSYS; }
 int ck_fring_gone(struct ck_fring *f) { (void)f; return 0; }
 void ck_fring_go(struct ck_fring *f) { (void)f; }
 void ck_fring_flush_fails(struct ck_fring *f, int on) { (void)f; (void)on; }
-int ck_fring_sum_landed(struct ck_fring *f, int on) { (void)f; (void)on; return 0; }
 int ck_fring_attr_put(struct ck_fring *f, uint64_t n, const void *o, uint32_t l)
 { (void)f; (void)n; (void)o; (void)l; return -ENOSYS; }
 void ck_fring_attr_clear(struct ck_fring *f) { (void)f; }
