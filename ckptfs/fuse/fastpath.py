@@ -919,8 +919,10 @@ class FastPath(RequestWait):
         place in the segment, as dead bytes: the writes after it landed behind it."""
         if not self.zone_live:
             return
-        self.zone_live = False
         ring, ops, staging = self.ring, self.ops, self.staging
+        if ring.landed():  # (their checksums, in C, before the zone is taken back)
+            ring.sum_landed()
+        self.zone_live = False
         ring.revoke()
         if ring.created():  # (a created file's writes land after its CREATE was answered)
             self.make_created(ring.take_created())

@@ -12,7 +12,7 @@
  * it with the same handlers as a request read from /dev/fuse and writes the answer into the
  * entry's buffers; the queue thread commits it.
  *
- * One thing is done here (with its checksum, below): a WRITE's payload is copied into
+ * One thing is done here: a WRITE's payload is copied into
  * staging, on the caller's CPU while its bytes are still in that CPU's cache, where the
  * Python side said the next bytes go (the
  * landing zone: the staging's tails, as a /dev/fuse request is read into them in place). The
@@ -26,12 +26,10 @@
  * wake the Python side: its record waits for the next request served there (or the Python
  * side's idle tick), unless the zone's first part (the open segment's rest, or a whole free
  * buffer) is full, a segment to seal and flush, or the landed list is half full (landed_due);
- * so a large file's WRITEs cost the Python side about one turn per segment, not one each. Once
- * a WRITE answered here is on its way back, its thread takes the CRC32C of the bytes it
- * landed (still in its CPU's cache: fr_sum_landed, fuse/crc32c.c) and leaves it in the
- * record, if the Python side has not taken the record yet (it then sums them itself); a
- * WRITE that fills the zone's first part makes the records due only then, so that the
- * Python side woken to seal the segment finds its checksum there. (On /dev/fuse a queue
+ * so a large file's WRITEs cost the Python side about one turn per segment, not one each. The
+ * landed bytes' CRC32C is taken in C before the Python side takes their records
+ * (ck_fring_sum_landed, fuse/crc32c.c), on its thread, not on the writer's CPU where the
+ * queue thread that landed them runs. (On /dev/fuse a queue
  * thread reads a WRITE straight into the zone when no other thread holds it, so that the
  * kernel's copy is the only one: fr_dev_read.) Two more requests are
  * answered here, as the fast path would: IOCTL (ENOTTY: ckptfs files have none; Python's
@@ -137,6 +135,7 @@
 #define FH_EMPTY 0
 #define FH_GONE UINT64_MAX
 #define LANDED_MAX 4096  /* landed writes not yet recorded by the Python side */
+#define SUMS_MAX 1024  /* landed writes whose checksums are still to take (ck_fring_sum_landed) */
 #define RELEASED_MAX 4096  /* handles released here whose release the Python side has not run */
 #define ATTR_SLOTS 256  /* the directory attribute cache: open addressing, short probes */
 #define ATTR_PROBE 8
@@ -199,7 +198,7 @@ struct ck_fring_landed {
     int id, answered;
     uint32_t k1, k2, size, flags, pid, pad;
     uint64_t fh, off;
-    uint32_t crc1, crc2;  /* the CRC32C of the k1 and k2 bytes, where summed (fr_sum_landed) */
+    uint32_t crc1, crc2;  /* the CRC32C of the k1, k2 bytes where summed (ck_fring_sum_landed) */
     int summed, pad2;
 };
 
@@ -250,14 +249,19 @@ struct fr_slot {
     int waited;  /* its caller waits for the answer */
     uint32_t landed[2];  /* a WRITE's bytes copied into the zone's two parts */
     const char *land_at[2];  /* where they went */
-    unsigned land_seq;  /* its landed record's place in the list (ltail then) */
-    int sum_due;  /* their checksum is still to be taken (fr_sum_landed) */
-    int due_after_sum;  /* then the landed records are due (landed_due) */
     /* /dev/fuse: a READ's answer straight from a window's buffers (held busy until sent) */
     struct fr_window *win;
     struct iovec body[WINDOW_PARTS];
     int nbody;
     int wake;  /* wake the Python side once the answer is sent */
+};
+
+/* The checksums of a landed WRITE, still to take (ck_fring_sum_landed): its bytes in the
+ * zone's two parts and its landed record's place in the list (ltail then). */
+struct fr_sum {
+    const char *at[2];
+    uint32_t n[2];
+    unsigned seq;
 };
 
 struct fr_queue {
@@ -308,7 +312,9 @@ struct ck_fring {
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
     _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
-    int sum_landed;  /* landed bytes are checksummed here (fr_sum_landed): ck_crc32c_hw() */
+    int sum_landed;  /* landed bytes are checksummed in C (ck_fring_sum_landed): ck_crc32c_hw() */
+    struct fr_sum *sums;  /* (under lock) */
+    unsigned shead, stail;
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
@@ -725,7 +731,14 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
         const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
         const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
-        s->land_seq = f->ltail;
+        if (f->sum_landed && f->stail - f->shead < SUMS_MAX) {
+            struct fr_sum *j = &f->sums[f->stail++ % SUMS_MAX];
+            j->at[0] = s->land_at[0];
+            j->at[1] = s->land_at[1];
+            j->n[0] = s->landed[0];
+            j->n[1] = s->landed[1];
+            j->seq = f->ltail;
+        }
         struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
         r->id = idx;
         r->summed = 0;
@@ -738,17 +751,11 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         r->pid = h->pid;
         answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
         r->answered = answered;
-        /* (one handed over: the Python side takes its record before it serves it) */
-        s->sum_due = answered && f->sum_landed;
         atomic_fetch_add(&f->landed_count, 1);
         /* (a segment to seal and flush, or a list to empty before it fills: else the records
-         * wait for the next request the Python side serves, which takes them first; due
-         * once this one's checksum is in its record, if it is answered here and summed) */
-        if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2) {
-            s->due_after_sum = answered && s->sum_due;
-            if (!s->due_after_sum)
-                atomic_store(&f->landed_due, 1);
-        }
+         * wait for the next request the Python side serves, which takes them first) */
+        if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2)
+            atomic_store(&f->landed_due, 1);
     }
     if (!answered) {
         f->fifo[f->tail] = idx;
@@ -761,53 +768,6 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
     if (!in_zone && (!answered || atomic_load(&f->landed_due)))
         fr_wake_python(f);  /* (in_zone: the caller does, once it let go of the lock) */
     return answered;
-}
-
-/* The checksum of the bytes slot s's WRITE landed (fr_hand_over), taken once its answer is
- * on its way, while the bytes are still in this CPU's cache, and put in its landed record
- * unless the Python side took the record meanwhile (it then sums the bytes itself: the
- * record says they are not summed). The bytes cannot change before the record is taken:
- * the Python side takes every landed record before it changes staging. A WRITE that made
- * the records due (its segment full) makes them due only now, so that the Python side, woken
- * for them, finds its checksum in the last one. */
-static void fr_sum_landed(struct ck_fring *f, struct fr_slot *s)
-{
-    if (!s->sum_due)
-        return;
-    s->sum_due = 0;
-    uint32_t crc1 = s->landed[0] ? ck_crc32c(0, s->land_at[0], s->landed[0]) : 0;
-    uint32_t crc2 = s->landed[1] ? ck_crc32c(0, s->land_at[1], s->landed[1]) : 0;
-    int wake = 0;
-    pthread_mutex_lock(&f->lock);
-    if (s->land_seq - f->lhead < f->ltail - f->lhead) {  /* (not taken yet) */
-        struct ck_fring_landed *r = &f->landed[s->land_seq % LANDED_MAX];
-        r->crc1 = crc1;
-        r->crc2 = crc2;
-        r->summed = 1;
-        wake = s->due_after_sum;
-        if (wake)
-            atomic_store(&f->landed_due, 1);
-    }
-    s->due_after_sum = 0;
-    pthread_mutex_unlock(&f->lock);
-    if (wake)
-        fr_wake_python(f);
-}
-
-/* fr_sum_landed for q's slots (FUSE over io_uring), once their answers are on their way: the
- * commands that carry them are submitted first. */
-static void fr_sum_queue(struct fr_queue *q)
-{
-    struct ck_fring *f = q->f;
-    int due = 0;
-    for (int i = q->first_slot; i < q->first_slot + f->depth && !due; i++)
-        due = f->slots[i].sum_due;
-    if (!due)
-        return;
-    if (io_uring_sq_ready(&q->ring))
-        io_uring_submit(&q->ring);
-    for (int i = q->first_slot; i < q->first_slot + f->depth; i++)
-        fr_sum_landed(f, &f->slots[i]);
 }
 
 /* An answer written here: `error` (0 or -errno), then `len` bytes of body (from `body`). */
@@ -1218,7 +1178,6 @@ static void *fr_serve(void *arg)
     atomic_fetch_add(&f->registered, 1);
     while (!atomic_load(&f->stop)) {
         int work = fr_commit_answers(q);
-        fr_sum_queue(q);
         int r = fr_reap(q);
         if (r < 0) {
             if (r != -ENOTCONN && r != -ECANCELED && r != -ENODEV) {
@@ -1447,7 +1406,6 @@ static void *fr_serve_dev(void *arg)
                     if (r < 0)
                         fr_note_error(f, -r);
                 }
-                fr_sum_landed(f, &f->slots[idx]);
                 continue;
             }
         }
@@ -1525,12 +1483,13 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n + 1, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
+    f->sums = calloc(SUMS_MAX, sizeof *f->sums);
     f->reads = calloc(READS_MAX, sizeof *f->reads);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
     f->opened = calloc(OPENED_MAX, sizeof *f->opened);
     f->looked = calloc(LOOKED_MAX, sizeof *f->looked);
-    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->reads || !f->released
+    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->sums || !f->reads || !f->released
         || !f->created || !f->opened || !f->looked)
         goto fail;
     for (int i = 0; i < nqueues; i++)
@@ -1781,6 +1740,44 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
         atomic_store(&f->landed_due, 0);
     pthread_mutex_unlock(&f->lock);
     return n;
+}
+
+/* The Python side, before it takes the landed writes (its claim): the CRC32C of the bytes of
+ * each one not summed yet goes into its record (crc1, crc2, summed), in C and with the GIL
+ * released (cffi), while the queue threads go on landing: the bytes of a record not taken
+ * cannot change (the Python side takes every record before it changes staging, and only
+ * this side takes them). A record taken before (or one past SUMS_MAX) is not summed: the
+ * Python side sums its bytes itself. Returns how many were summed. */
+int ck_fring_sum_landed(struct ck_fring *f)
+{
+    enum { BATCH = 64 };
+    struct fr_sum jobs[BATCH];
+    uint32_t crcs[BATCH][2];
+    int total = 0;
+    for (;;) {
+        int n = 0;
+        pthread_mutex_lock(&f->lock);
+        while (n < BATCH && f->shead != f->stail) {
+            struct fr_sum *j = &f->sums[f->shead++ % SUMS_MAX];
+            if (j->seq - f->lhead < f->ltail - f->lhead)  /* (its record not taken yet) */
+                jobs[n++] = *j;
+        }
+        pthread_mutex_unlock(&f->lock);
+        if (!n)
+            return total;
+        for (int i = 0; i < n; i++)
+            for (int k = 0; k < 2; k++)
+                crcs[i][k] = jobs[i].n[k] ? ck_crc32c(0, jobs[i].at[k], jobs[i].n[k]) : 0;
+        pthread_mutex_lock(&f->lock);
+        for (int i = 0; i < n; i++) {
+            struct ck_fring_landed *r = &f->landed[jobs[i].seq % LANDED_MAX];
+            r->crc1 = crcs[i][0];
+            r->crc2 = crcs[i][1];
+            r->summed = 1;
+        }
+        pthread_mutex_unlock(&f->lock);
+        total += n;
+    }
 }
 
 void *ck_fring_header(struct ck_fring *f, int id) { return f->slots[id].hdr; }
@@ -2165,6 +2162,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->queues);
     free(f->fifo);
     free(f->landed);
+    free(f->sums);
     free(f->reads);
     free(f->released);
     free(f->created);

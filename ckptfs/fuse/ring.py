@@ -227,6 +227,11 @@ class Ring:
             if n < TAKE:
                 return out
 
+    def sum_landed(self) -> int:
+        """The CRC32C of the landed writes not taken yet into their records, in C (GIL
+        released) while the queue threads go on landing; how many (fuse/ring.c)."""
+        return lib.ck_fring_sum_landed(self.handle)
+
     def released(self) -> int:
         """RELEASEs the queue threads answered whose handles were not taken yet."""
         return lib.ck_fring_released(self.handle)
