@@ -178,8 +178,8 @@ METRICS = {
                                    "Bytes whose CRC32C the request loop took while no request "
                                    "waited"),
     "checksum_bytes_summed_landing": ("checksum_landing_bytes_total", "counter",
-                                      "Bytes whose CRC32C a queue thread took as it landed "
-                                      "them"),
+                                      "Bytes the queue threads landed whose CRC32C was taken "
+                                      "in C before they were recorded"),
     "writes_in_place": ("writes_in_place_total", "counter",
                         "WRITE requests read straight into staging segments"),
     "bytes_in_place": ("in_place_bytes_total", "counter",

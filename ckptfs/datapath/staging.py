@@ -276,9 +276,9 @@ class Checksums:
 
     Runs owe in landing order, and a run only grows while its segment is open, so the queue
     is ordered by segment too. The bytes a queue thread landed come with their CRC32C,
-    taken on that thread right after the WRITE's answer while they were still in its CPU's
-    cache (fuse/ring.c): a run that owes nothing takes it in (`grew` with a crc) and is
-    never queued; one that owes bytes already owes these too. Trio thread only.
+    taken in C before their records are taken (fuse/ring.c, ck_fring_sum_landed: no Python
+    per slice): a run that owes nothing takes it in (`grew` with a crc) and is never queued;
+    one that owes bytes already owes these too. Trio thread only.
     """
 
     def __init__(self, cap: int = CHECKSUMS_OWED_BYTES) -> None:
@@ -440,7 +440,7 @@ class Staging:
                crc: int | None = None) -> None:
         """The first `k` bytes of the first of `tails()` not yet filled are file data now
         (read there in place): data offset `base` on; `crc`: their CRC32C where it was taken
-        as they landed (passed on to on_piece)."""
+        in C before their record was taken (passed on to on_piece)."""
         self.claim()
         seg = self.open
         if seg is None:  # tails() offered the first free buffer: it becomes the open segment

@@ -111,7 +111,7 @@ class RequestWait:
         """For the mount's status: requests found queued (including those caught spinning
         or while owed checksums were summed), waited for in epoll, caught spinning, caught
         summing; and the checksum bytes summed while no request waited, and those the queue
-        threads summed as they landed them."""
+        threads landed, summed in C before they were recorded."""
         work = self.idle_work
         return dict(NO_COUNTS, requests_found_queued=self.fast, requests_waited_for=self.slow,
                     requests_caught_spinning=self.spun,
