@@ -288,16 +288,14 @@ class Checksums:
         self.paid_idle = 0  # bytes summed while the request loop had nothing else to do
         self.taken_landing = 0  # bytes whose CRC32C came with them (the queue threads')
 
-    def grew(self, run: Run, n: int, crc: int | None = None, landing: bool = True) -> None:
+    def grew(self, run: Run, n: int, crc: int | None = None) -> None:
         """`run` grew by `n` bytes (already added to run.length): owed, or summed already
-        where `crc` is their CRC32C (`landing`: by the queue thread that landed them, not
-        split here)."""
+        where `crc` is their CRC32C."""
         if run.summed + n == run.length:  # (it owed nothing before)
             if crc is not None:
                 run.crc = crc32c_shift(run.crc, n) ^ crc
                 run.summed = run.length
-                if landing:
-                    self.taken_landing += n
+                self.taken_landing += n
                 return
             self.runs.append(run)
         self.owed += n
@@ -488,18 +486,6 @@ class Staging:
                 pass  # a memoryview still points at it; the mapping goes with the process
         self.buffers = []
         self.free.clear()
-
-
-def split_crc(piece: memoryview, m: int, crc: int) -> tuple[int, int]:
-    """The CRC32C of a piece's first `m` bytes and of the rest, given the whole piece's: the
-    shorter side is summed, the other follows (crc(A then B) = shift(crc(A), len(B)) ^
-    crc(B), fuse/crc32c.c)."""
-    rest = len(piece) - m
-    if m <= rest:
-        first = crc32c(piece[:m])
-        return first, crc ^ crc32c_shift(first, rest)
-    second = crc32c(piece[m:])
-    return crc32c_shift(crc ^ second, -rest), second
 
 
 def round_up(n: int, align: int) -> int:

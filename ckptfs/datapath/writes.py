@@ -5,7 +5,7 @@ handlers (fuse/ops.py) and the fast path's writes in place (fuse/fastpath.py). T
 from __future__ import annotations
 
 from ckptfs.datapath.flusher import ExtentEntry, Journal
-from ckptfs.datapath.staging import Checksums, Run, split_crc
+from ckptfs.datapath.staging import Checksums, Run
 from ckptfs.namespace import Inode
 
 
@@ -17,15 +17,15 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
     the journal. The run's CRC32C is owed to `checksums` (staging.Checksums), which take it
     when the request loop is idle, off the writer's wait; where the piece comes with its
     CRC32C (`crc`: of bytes a queue thread landed, taken in C before their record was,
-    fuse/ring.c ck_fring_sum_landed), the run takes that in. Such a
-    piece that fits in a block but not in the rest of the file's last run starts a run of
-    its own (runs may be shorter than a block), so that its checksum need not be split; one
-    larger than a block (a --checksum-block smaller than a WRITE) is split between runs
-    (split_crc: the shorter side summed here)."""
+    fuse/ring.c ck_fring_sum_landed), the run takes that in. Such a piece that fits in a
+    block but not in the rest of the file's last run starts a run of its own (runs may be
+    shorter than a block), so that its checksum is never split; one larger than a block (a
+    --checksum-block smaller than a WRITE) is owed like any other."""
     emap = x.emap
 
     def on_piece(seg, dpos, soff, k, crc=None):
-        landing = True  # (the checksums taken in came whole from the queue thread)
+        if crc is not None and k > block:
+            crc = None
         while k > 0:
             foff = off + dpos
             run = x.tail_run
@@ -33,14 +33,11 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
             if (run is not None and run.seg is seg and run.soff + run.length == soff
                     and run.length < block and x.tail_end == foff
                     and type(tail) is ExtentEntry and tail.run is run
-                    and (crc is None or k > block or run.length + k <= block)):
+                    and (crc is None or run.length + k <= block)):
                 m = min(k, block - run.length)
-                if crc is not None and m < k:
-                    landing = False
-                part, crc = _first(seg, soff, k, m, crc)
                 roff = run.length
                 run.length += m
-                checksums.grew(run, m, part, landing)
+                checksums.grew(run, m, crc)
                 last = emap.pieces[-1] if emap.pieces else None
                 if last is not None and last.run is run and last.start + last.length == foff:
                     emap.grow(m)
@@ -48,12 +45,9 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
                     emap.insert(foff, m, run, roff)
             else:
                 m = min(k, block)
-                if crc is not None and m < k:
-                    landing = False
-                part, crc = _first(seg, soff, k, m, crc)
                 run = Run(seg, soff, m)
                 run.summed = 0
-                checksums.grew(run, m, part, landing)
+                checksums.grew(run, m, crc)
                 seg.runs.append(run)
                 if x.nlink > 0:  # an unlinked, still open file needs no index record
                     journal.add(ExtentEntry(x.ino, foff, run))
@@ -64,11 +58,3 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
             soff += m
             k -= m
     return on_piece
-
-
-def _first(seg, soff: int, k: int, m: int, crc: int | None) -> tuple[int | None, int | None]:
-    """The CRC32C of the first `m` of the `k` bytes at `soff` and of the rest, from the k
-    bytes' `crc` (None: not known, for both)."""
-    if crc is None or m == k:
-        return crc, None
-    return split_crc(seg.view[soff:soff + k], m, crc)

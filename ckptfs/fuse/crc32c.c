@@ -1,21 +1,19 @@
-/* CRC32C (Castagnoli) for the queue threads (fuse/ring.c): the checksum of a WRITE's bytes
- * taken right after they landed in staging, while they are still in this CPU's cache (~27
- * GB/s here, against ~13 GB/s once they are cold: docs/performance-notes.md), and the
- * arithmetic the Python side needs to put such checksums together into a run's
+/* CRC32C (Castagnoli) in C, for the bytes the queue threads land in staging (fuse/ring.c,
+ * ck_fring_sum_landed: summed before the Python side records them, with no Python per slice),
+ * and the arithmetic the Python side needs to join such checksums into a run's
  * (staging.Checksums). The values are those of the `crc32c` package: ck_crc32c(0, p, n) is
  * crc32c(p[:n]), ck_crc32c(c, p, n) continues c over p.
  *
  * With SSE4.2 (x86-64) the CPU's crc32 instruction does the work in three independent
  * streams (one stream waits for each instruction's result: a third of the speed), whose
  * registers are joined by shifting one over the other's length. Where there is no such
- * instruction ck_crc32c_hw() is 0 and the queue threads take no checksum: the Python side then
- * sums the bytes itself, as it does those of a WRITE it landed.
+ * instruction ck_crc32c_hw() is 0 and nothing is summed here: the Python side sums the bytes
+ * itself, as it does those of a WRITE it landed.
  *
  * A register is the CRC's raw state (no inversion), a polynomial over GF(2) in the reflected
  * bit order: bit 31 is the coefficient of x^0. Taking n zero bytes into a register is a
  * multiplication by x^(8n) modulo the polynomial, which is linear: so the CRC of A then B
- * is crc(A) * x^(8|B|) + crc(B) (the inversions at both ends cancel), and that product can
- * also be undone (x has an inverse modulo a polynomial with a constant term). */
+ * is crc(A) * x^(8|B|) + crc(B) (the inversions at both ends cancel). */
 
 #include <stdint.h>
 #include <stddef.h>
@@ -27,7 +25,7 @@
 #define CRC_LANE 4096         /* bytes per stream and round of the three-stream loop */
 
 static uint32_t crc_table[256];             /* one byte at a time (the software path) */
-static uint32_t crc_pow[64], crc_invpow[64];  /* x^(8*2^k), x^(-8*2^k) */
+static uint32_t crc_pow[64];               /* x^(8*2^k) */
 static uint32_t crc_lane_shift[4][256];     /* a register times x^(8*CRC_LANE), by byte */
 static int crc_hw_ok;
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
@@ -44,12 +42,6 @@ static uint32_t crc_mul(uint32_t a, uint32_t b)
     return product;
 }
 
-/* a / x: the one b with b * x == a (b * x sets x^0 only through the polynomial's x^0 term) */
-static uint32_t crc_div_x(uint32_t a)
-{
-    return a & CRC_ONE ? ((a ^ CRC_POLY) << 1) | 1 : a << 1;
-}
-
 static uint32_t crc_sw(uint32_t reg, const unsigned char *p, size_t n)
 {
     while (n--)
@@ -57,12 +49,12 @@ static uint32_t crc_sw(uint32_t reg, const unsigned char *p, size_t n)
     return reg;
 }
 
-/* reg times x^(8n), n >= 0 (inverse: times x^(-8n)) */
-static uint32_t crc_shift_by(uint32_t reg, uint64_t n, const uint32_t *pows)
+/* reg times x^(8n) */
+static uint32_t crc_shift_by(uint32_t reg, uint64_t n)
 {
     for (int k = 0; n && k < 64; k++, n >>= 1)
         if (n & 1)
-            reg = crc_mul(pows[k], reg);
+            reg = crc_mul(crc_pow[k], reg);
     return reg;
 }
 
@@ -142,25 +134,20 @@ static void crc_init(void)
             r = r & 1 ? (r >> 1) ^ CRC_POLY : r >> 1;
         crc_table[i] = r;
     }
-    uint32_t x8 = CRC_ONE, inv8 = CRC_ONE;
-    for (int k = 0; k < 8; k++) {
+    uint32_t x8 = CRC_ONE;
+    for (int k = 0; k < 8; k++)
         x8 = x8 & 1 ? (x8 >> 1) ^ CRC_POLY : x8 >> 1;
-        inv8 = crc_div_x(inv8);
-    }
     crc_pow[0] = x8;
-    crc_invpow[0] = inv8;
-    for (int k = 1; k < 64; k++) {
+    for (int k = 1; k < 64; k++)
         crc_pow[k] = crc_mul(crc_pow[k - 1], crc_pow[k - 1]);
-        crc_invpow[k] = crc_mul(crc_invpow[k - 1], crc_invpow[k - 1]);
-    }
-    uint32_t lane = crc_shift_by(CRC_ONE, CRC_LANE, crc_pow);
+    uint32_t lane = crc_shift_by(CRC_ONE, CRC_LANE);
     for (int j = 0; j < 4; j++)
         for (uint32_t b = 0; b < 256; b++)
             crc_lane_shift[j][b] = crc_mul(lane, b << (8 * j));
     crc_hw_ok = crc_have_hw();
 }
 
-/* Whether the CPU's own instruction takes the checksums (else the queue threads take none). */
+/* Whether the CPU's own instruction takes the checksums (else none are taken in C). */
 int ck_crc32c_hw(void)
 {
     pthread_once(&crc_once, crc_init);
@@ -176,11 +163,9 @@ uint32_t ck_crc32c(uint32_t crc, const void *p, size_t n)
     return ~reg;
 }
 
-/* crc times x^(8n): ck_crc32c_shift(crc(A), |B|) ^ crc(B) is crc(A then B). n < 0 undoes a
- * shift by -n: crc(A) is ck_crc32c_shift(crc(A then B) ^ crc(B), -|B|). */
-uint32_t ck_crc32c_shift(uint32_t crc, int64_t n)
+/* crc times x^(8n): ck_crc32c_shift(crc(A), |B|) ^ crc(B) is crc(A then B). */
+uint32_t ck_crc32c_shift(uint32_t crc, uint64_t n)
 {
     pthread_once(&crc_once, crc_init);
-    return n >= 0 ? crc_shift_by(crc, (uint64_t)n, crc_pow)
-                  : crc_shift_by(crc, (uint64_t)(-(n + 1)) + 1, crc_invpow);
+    return crc_shift_by(crc, n);
 }

@@ -12,9 +12,8 @@
  * it with the same handlers as a request read from /dev/fuse and writes the answer into the
  * entry's buffers; the queue thread commits it.
  *
- * One thing is done here: a WRITE's payload is copied into
- * staging, on the caller's CPU while its bytes are still in that CPU's cache, where the
- * Python side said the next bytes go (the
+ * One thing is done here: a WRITE's payload is copied into staging, on the caller's CPU while
+ * its bytes are still in that CPU's cache, where the Python side said the next bytes go (the
  * landing zone: the staging's tails, as a /dev/fuse request is read into them in place). The
  * copy and the note of where it went (the landed list) are made under one lock, so the
  * Python side records landed writes in the order they took the zone. It takes the zone back
@@ -135,7 +134,6 @@
 #define FH_EMPTY 0
 #define FH_GONE UINT64_MAX
 #define LANDED_MAX 4096  /* landed writes not yet recorded by the Python side */
-#define SUMS_MAX 1024  /* landed writes whose checksums are still to take (ck_fring_sum_landed) */
 #define RELEASED_MAX 4096  /* handles released here whose release the Python side has not run */
 #define ATTR_SLOTS 256  /* the directory attribute cache: open addressing, short probes */
 #define ATTR_PROBE 8
@@ -256,12 +254,9 @@ struct fr_slot {
     int wake;  /* wake the Python side once the answer is sent */
 };
 
-/* The checksums of a landed WRITE, still to take (ck_fring_sum_landed): its bytes in the
- * zone's two parts and its landed record's place in the list (ltail then). */
-struct fr_sum {
+/* Where a landed WRITE's bytes went in the zone's two parts (beside its landed record). */
+struct fr_land_at {
     const char *at[2];
-    uint32_t n[2];
-    unsigned seq;
 };
 
 struct fr_queue {
@@ -312,9 +307,9 @@ struct ck_fring {
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
     _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
+    struct fr_land_at *land_at;  /* (as landed, under lock) */
     int sum_landed;  /* landed bytes are checksummed in C (ck_fring_sum_landed): ck_crc32c_hw() */
-    struct fr_sum *sums;  /* (under lock) */
-    unsigned shead, stail;
+    unsigned lsum;  /* the landed records before it are summed, or taken (under lock) */
     uint64_t *released;  /* handles of RELEASEs answered here (under lock) */
     unsigned rhead, rtail;
     _Atomic int released_count;  /* not taken yet */
@@ -731,14 +726,9 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         const struct fr_in_header *h = (const void *)s->hdr->in_out;
         const uint64_t *w = (const void *)s->hdr->op_in;  /* fh, offset */
         const uint32_t *w32 = (const void *)(s->hdr->op_in + 16);  /* size, write_flags */
-        if (f->sum_landed && f->stail - f->shead < SUMS_MAX) {
-            struct fr_sum *j = &f->sums[f->stail++ % SUMS_MAX];
-            j->at[0] = s->land_at[0];
-            j->at[1] = s->land_at[1];
-            j->n[0] = s->landed[0];
-            j->n[1] = s->landed[1];
-            j->seq = f->ltail;
-        }
+        struct fr_land_at *a = &f->land_at[f->ltail % LANDED_MAX];
+        a->at[0] = s->land_at[0];
+        a->at[1] = s->land_at[1];
         struct ck_fring_landed *r = &f->landed[f->ltail++ % LANDED_MAX];
         r->id = idx;
         r->summed = 0;
@@ -1483,13 +1473,13 @@ struct ck_fring *ck_fring_start(int fuse_fd, int nqueues, int depth, uint32_t pa
     f->queues = calloc(nqueues, sizeof *f->queues);
     f->fifo = calloc(n + 1, sizeof *f->fifo);
     f->landed = calloc(LANDED_MAX, sizeof *f->landed);
-    f->sums = calloc(SUMS_MAX, sizeof *f->sums);
+    f->land_at = calloc(LANDED_MAX, sizeof *f->land_at);
     f->reads = calloc(READS_MAX, sizeof *f->reads);
     f->released = calloc(RELEASED_MAX, sizeof *f->released);
     f->created = calloc(CREATED_MAX, sizeof *f->created);
     f->opened = calloc(OPENED_MAX, sizeof *f->opened);
     f->looked = calloc(LOOKED_MAX, sizeof *f->looked);
-    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->sums || !f->reads || !f->released
+    if (!f->slots || !f->queues || !f->fifo || !f->landed || !f->land_at || !f->reads || !f->released
         || !f->created || !f->opened || !f->looked)
         goto fail;
     for (int i = 0; i < nqueues; i++)
@@ -1743,36 +1733,41 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
 }
 
 /* The Python side, before it takes the landed writes (its claim): the CRC32C of the bytes of
- * each one not summed yet goes into its record (crc1, crc2, summed), in C and with the GIL
+ * each record not summed yet goes into it (crc1, crc2, summed), in C and with the GIL
  * released (cffi), while the queue threads go on landing: the bytes of a record not taken
  * cannot change (the Python side takes every record before it changes staging, and only
- * this side takes them). A record taken before (or one past SUMS_MAX) is not summed: the
- * Python side sums its bytes itself. Returns how many were summed. */
+ * this side takes them). A record taken before is not summed: the Python side sums its
+ * bytes itself. Returns how many were summed. */
 int ck_fring_sum_landed(struct ck_fring *f)
 {
     enum { BATCH = 64 };
-    struct fr_sum jobs[BATCH];
-    uint32_t crcs[BATCH][2];
+    struct { unsigned seq; struct fr_land_at a; uint32_t n[2], crc[2]; } jobs[BATCH];
     int total = 0;
+    if (!f->sum_landed)
+        return 0;
     for (;;) {
         int n = 0;
         pthread_mutex_lock(&f->lock);
-        while (n < BATCH && f->shead != f->stail) {
-            struct fr_sum *j = &f->sums[f->shead++ % SUMS_MAX];
-            if (j->seq - f->lhead < f->ltail - f->lhead)  /* (its record not taken yet) */
-                jobs[n++] = *j;
+        if (f->ltail - f->lsum > f->ltail - f->lhead)  /* (behind the records taken) */
+            f->lsum = f->lhead;
+        for (; n < BATCH && f->lsum != f->ltail; n++, f->lsum++) {
+            const struct ck_fring_landed *r = &f->landed[f->lsum % LANDED_MAX];
+            jobs[n].seq = f->lsum;
+            jobs[n].a = f->land_at[f->lsum % LANDED_MAX];
+            jobs[n].n[0] = r->k1;
+            jobs[n].n[1] = r->k2;
         }
         pthread_mutex_unlock(&f->lock);
         if (!n)
             return total;
         for (int i = 0; i < n; i++)
             for (int k = 0; k < 2; k++)
-                crcs[i][k] = jobs[i].n[k] ? ck_crc32c(0, jobs[i].at[k], jobs[i].n[k]) : 0;
+                jobs[i].crc[k] = jobs[i].n[k] ? ck_crc32c(0, jobs[i].a.at[k], jobs[i].n[k]) : 0;
         pthread_mutex_lock(&f->lock);
         for (int i = 0; i < n; i++) {
             struct ck_fring_landed *r = &f->landed[jobs[i].seq % LANDED_MAX];
-            r->crc1 = crcs[i][0];
-            r->crc2 = crcs[i][1];
+            r->crc1 = jobs[i].crc[0];
+            r->crc2 = jobs[i].crc[1];
             r->summed = 1;
         }
         pthread_mutex_unlock(&f->lock);
@@ -2162,7 +2157,7 @@ void ck_fring_free(struct ck_fring *f)
     free(f->queues);
     free(f->fifo);
     free(f->landed);
-    free(f->sums);
+    free(f->land_at);
     free(f->reads);
     free(f->released);
     free(f->created);

@@ -56,10 +56,10 @@ unsigned int ck_ring_sq_space(struct ck_ring *r);
 int ck_have_uring(void);
 const char *ck_build_info(void);
 
-/* CRC32C in C (fuse/crc32c.c): the queue threads' checksums of landed writes */
+/* CRC32C in C (fuse/crc32c.c): the checksums of the writes the queue threads land */
 int ck_crc32c_hw(void);
 uint32_t ck_crc32c(uint32_t crc, const void *p, size_t n);
-uint32_t ck_crc32c_shift(uint32_t crc, int64_t n);
+uint32_t ck_crc32c_shift(uint32_t crc, uint64_t n);
 
 /* FUSE over io_uring's queue threads (fuse/ring.c, fuse/ring.py) */
 struct ck_fring;

@@ -38,8 +38,8 @@ __all__ = ["UringEngine", "uring_unavailable_reason", "crc32c_shift"]
 
 def crc32c_shift(crc: int, n: int) -> int:
     """`crc` times x^(8n) (fuse/crc32c.c): crc32c_shift(crc(A), len(B)) ^ crc(B) is the CRC32C
-    of A then B; a negative n undoes a shift by -n. Only for checksums the queue threads
-    took, which exist only where this module is built."""
+    of A then B. Only for checksums taken in C, which exist only where this module is
+    built."""
     return lib.ck_crc32c_shift(crc, n)
 
 _OP_WRITE = 1
