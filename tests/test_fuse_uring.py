@@ -622,6 +622,9 @@ def test_a_lookup_served_by_the_python_side_takes_back_its_prepared_answer(mount
         o1, l1 = counts()
         assert (o1, l1) == (o0 + 1, l0)
         assert drop_caches(2)  # (the kernel lets f1's entry go: its next open asks again)
+        # (a look due again, which the LOOKUP makes first: the OPEN after it then falls
+        # within the second that follows, however long drop_caches took under load)
+        time.sleep(1.5)
         os.stat(os.path.join(m.mountpoint, "f1"))
         assert read("f1") == data["f1"]
         # (its LOOKUP came here again, which prepared its OPEN: the answer standing from
