@@ -30,6 +30,7 @@ from collections import OrderedDict, deque
 
 import trio
 
+from ckptfs.datapath.readplan import ReadPlan
 from ckptfs.datapath.staging import ExtentMap, Run
 from ckptfs.format.logs import RunError, RunReader
 from ckptfs.io import alloc_aligned
@@ -118,6 +119,12 @@ class Reader:
         self.chunk_runs: dict[tuple[int, int, int], list[Run]] = {}
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
+        self.plan_loads = 0  # chunks loaded ahead by a read plan (readplan.py)
+        # The read plan in use (the last one a READ followed) and, per chunk of its file, the
+        # plan positions of the items that read it: the chunk to let go when the cache is full
+        # is then one the plan does not read again, else the one it reads again last (_evict).
+        self.plan: ReadPlan | None = None
+        self.plan_uses: dict[tuple[int, int, int], list[int]] = {}
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         # set by the daemon: readahead runs, and checks ahead of the READs (without it, a
         # READ loads what it needs and checks it itself)
@@ -275,8 +282,9 @@ class Reader:
         hi = min(off + size, file_size)
         if off >= hi:
             return [] if gather else b""
-        window = self.window
-        ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
+        if not isinstance(ahead, ReadPlan):
+            window = self.window
+            ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
         out = self._cached(emap, off, hi, ahead)
         if out is None:
             out = await self._read(emap, off, hi, ahead, gather)
@@ -309,7 +317,7 @@ class Reader:
         if ch is None:
             return None
         if ahead:
-            self._readahead((key,), ahead)
+            self._ahead_of(emap, (key,), off, hi, ahead)
         return self._served(key, ch, lo % CHUNK_BYTES, n)
 
     def read_window(self, emap: ExtentMap, start: int, file_size: int, limit: int,
@@ -377,8 +385,9 @@ class Reader:
         """Bytes [off, hi) of a file were served from a read_window() (fuse/ring.c): what read()
         does besides the bytes (the chunks become the most recently used, readahead as
         `ahead` says, the handle's `seen` for recycling)."""
-        window = self.window
-        ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
+        if not isinstance(ahead, ReadPlan):
+            window = self.window
+            ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
         keys: dict[tuple[int, int, int], None] = {}
         for _, n, run, roff in emap.find(off, hi):
             if run.log < 0 or run.memory() is not None:
@@ -391,7 +400,7 @@ class Reader:
             if ch is not None:
                 self._served(key, ch, 0, 0)
         if ahead and keys:
-            self._readahead(keys, ahead)
+            self._ahead_of(emap, keys, off, hi, ahead)
         if seen is not None:
             self._account(emap, off, hi, seen)
 
@@ -473,7 +482,7 @@ class Reader:
                     keys[(run.layer, run.log, idx)] = None
             if keys:
                 if ahead:
-                    self._readahead(keys, ahead)
+                    self._ahead_of(emap, keys, off, hi, ahead)
                 self._pin(keys)
                 mine = [r for r in verify if r not in self.verifying]
                 self.verifying.update(mine)  # checked below: not again by _verify_ahead
@@ -650,11 +659,49 @@ class Reader:
         if self.allocated < self.max_chunks:
             self.allocated += 1
             return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
-        for key in self.chunks:  # least recently used first
-            if key not in self.pins:
-                return self.chunks.pop(key).buf
+        key = self._evict()
+        if key is not None:
+            return self.chunks.pop(key).buf
         self.allocated += 1  # everything pinned (tiny cache): grow rather than fail
         return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
+
+    def _evict(self) -> tuple[int, int, int] | None:
+        """The cached chunk to let go of: the least recently used one not pinned; with a read
+        plan in use, the least recently used one it does not read again, else the one it
+        reads again last."""
+        plan, uses, pins = self.plan, self.plan_uses, self.pins
+        far, pick = -1, None
+        for key in self.chunks:  # least recently used first
+            if key in pins:
+                continue
+            if plan is None:
+                return key
+            at = uses.get(key)
+            nxt = None if at is None else plan.next_use(at)
+            if nxt is None:
+                return key
+            if nxt > far:
+                far, pick = nxt, key
+        return pick
+
+    def use_plan(self, emap: ExtentMap, plan: ReadPlan) -> None:
+        """Read plan `plan` (of the file whose extents are `emap`) is the one READs follow now."""
+        uses: dict[tuple[int, int, int], list[int]] = {}
+        for pos, (s, n) in enumerate(plan.items):
+            for _, m, run, roff in emap.find(s, s + n):
+                if run.log < 0 or run.memory() is not None:
+                    continue
+                a = run.loff + roff
+                for idx in range(a // CHUNK_BYTES, (a + m - 1) // CHUNK_BYTES + 1):
+                    at = uses.setdefault((run.layer, run.log, idx), [])
+                    if not at or at[-1] != pos:
+                        at.append(pos)
+        self.plan, self.plan_uses = plan, uses
+
+    def drop_plan(self, plan: ReadPlan) -> None:
+        """The handle that followed `plan` is gone."""
+        if self.plan is plan:
+            self.plan, self.plan_uses = None, {}
 
     def _start_load(self, key: tuple[int, int, int]) -> _Load:
         """Have a loader thread read chunk `key` (not cached, not loading) into a buffer
@@ -815,6 +862,56 @@ class Reader:
         self.disk_bytes += n
         self.load_seconds += time.perf_counter() - t0
         return n
+
+    def _ahead_of(self, emap: ExtentMap, keys, off: int, hi: int, ahead) -> None:
+        """Readahead after a READ of [off, hi) of a file (its chunks: `keys`): by the file's
+        read plan (`ahead` a ReadPlan), else `ahead` chunks on in log order."""
+        if isinstance(ahead, ReadPlan):
+            self._plan_ahead(emap, keys, off, hi, ahead)
+        else:
+            self._readahead(keys, ahead)
+
+    def _plan_ahead(self, emap: ExtentMap, keys, off: int, hi: int, plan: ReadPlan) -> None:
+        """Load what the file's read plan says comes after [off, hi), in that order, up to the
+        readahead window (--prefetch); what is cached of it already becomes the most recently
+        used (kept over chunks read before)."""
+        if not self.background or not self.window:
+            return
+        if plan is not self.plan:
+            self.use_plan(emap, plan)
+        chunks, loading, window = self.chunks, self.loading, self.window
+        wanted: dict[tuple[int, int, int], None] = {}
+        seen: set = set()
+        for lo, up in plan.ahead(off, hi, window * CHUNK_BYTES):
+            for _, n, run, roff in emap.find(lo, up):
+                if run.log < 0 or run.memory() is not None or run in self.bad:
+                    continue
+                a = run.loff + roff
+                for idx in range(a // CHUNK_BYTES, (a + n - 1) // CHUNK_BYTES + 1):
+                    k = (run.layer, run.log, idx)
+                    if k in seen:
+                        continue
+                    seen.add(k)
+                    if k in chunks:
+                        chunks.move_to_end(k)
+                    elif k not in loading:
+                        wanted[k] = None
+                    if len(seen) >= window:
+                        break
+                if len(seen) >= window:
+                    break
+            if len(seen) >= window:
+                break
+        if wanted:  # (a load's buffer may be a cached chunk's: not one of `keys`, being served)
+            self.plan_loads += len(wanted)
+            self._pin(keys)
+            self._pin(seen)
+            try:
+                for k in wanted:
+                    self._start_load(k)
+            finally:
+                self._unpin(seen)
+                self._unpin(keys)
 
     def _readahead(self, keys, ahead: int) -> None:
         """Start loading the `ahead` chunks after the last of `keys` in each log, except

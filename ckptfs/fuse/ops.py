@@ -22,6 +22,7 @@ import pyfuse3
 import trio
 
 from ckptfs.datapath.flusher import Flusher, Journal
+from ckptfs.datapath.readplan import DCP_DATA_SUFFIX, DCP_METADATA, ReadPlan, dcp_plans
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Staging
 from ckptfs.format.records import (
@@ -63,6 +64,7 @@ IO_BLOCK_BYTES = 512 << 10
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
+DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (note_dcp_name)
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
@@ -77,7 +79,8 @@ def _err(e: int):
 
 
 class _Handle:
-    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid")
+    __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid",
+                 "plan")
 
     def __init__(self, inode: Inode, flags: int, kill_setid: bool = False) -> None:
         self.ino = inode.ino
@@ -89,6 +92,7 @@ class _Handle:
         self.next_off = 0  # where a sequential reader's next READ starts
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
+        self.plan: ReadPlan | None = None  # the order its reader reads the file in (readplan.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +179,9 @@ class CkptOperations(pyfuse3.Operations):
         self.write_requests = 0
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
+        self.read_plans = 0  # read-only opens given a read plan (readplan.py)
+        self.dcp_plans: tuple | None = None  # ((.metadata's ino, mtime, size), its plans)
+        self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (note_dcp_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
         self.request_wait: loop.RequestWait | None = None
@@ -403,7 +410,17 @@ class CkptOperations(pyfuse3.Operations):
             if name == CTL_NAME and parent.ino == ROOT_INO:
                 return self.ns.inodes[CTL_DIR_INO]
             return None
+        if name.endswith(DCP_DATA_SUFFIX):
+            self.note_dcp_name(parent_inode, name, ino)
         return self.ns.inodes[ino]
+
+    def note_dcp_name(self, parent: int, name: bytes, ino: int) -> None:
+        """A DCP data file found by a LOOKUP: where its open finds the `.metadata` for its
+        read plan (a file's inode does not say which directory holds it)."""
+        names = self.dcp_names
+        if len(names) >= DCP_NAMES_MAX:
+            names.clear()
+        names[ino] = (parent, name)
 
     def refresh_due(self) -> bool:
         """Whether an open, lookup or listing has to look at other writers' changes first:
@@ -713,7 +730,44 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
-        return self._file_info(x, self._open_handle(x, flags, ctx), flags)
+        fh = self._open_handle(x, flags, ctx)
+        if flags & os.O_ACCMODE == os.O_RDONLY and x.size > DIRECT_READ_MIN_BYTES:
+            self.handles[fh].plan = await self._read_plan(x)
+        return self._file_info(x, fh, flags)
+
+    async def _read_plan(self, x: Inode) -> ReadPlan | None:
+        """The order a DCP reader reads data file x in, from the `.metadata` beside it
+        (readplan.py); None for any other file, or when the metadata cannot be read or is not
+        DCP's (the reads then go as any other's)."""
+        where = self.dcp_names.get(x.ino)
+        if where is None:
+            return None
+        parent = self.ns.inodes.get(where[0])
+        name = where[1]
+        if parent is None or not parent.children or parent.children.get(name) != x.ino:
+            return None
+        meta = self.ns.inodes.get(parent.children.get(DCP_METADATA, 0))
+        if meta is None or meta.emap is None or not meta.size:
+            return None
+        key = (meta.ino, meta.mtime_ns, meta.size)
+        cached = self.dcp_plans
+        if cached is None or cached[0] != key:
+            try:
+                data = await self.reader.read(meta.emap, 0, meta.size, meta.size, 0)
+            except OSError as exc:  # (not kept: the next open tries again)
+                log.info("no read plan for %r: reading .metadata: %s", name, exc)
+                return None
+            try:
+                plans = dcp_plans(bytes(data))
+            except ValueError as exc:
+                log.info("no read plan for %r: %s", name, exc)
+                plans = {}
+            cached = self.dcp_plans = (key, plans)
+        items = cached[1].get(name)
+        if not items:
+            return None
+        self.read_plans += 1
+        return ReadPlan(items)
 
     def may_prepare_open(self, x: Inode) -> bool:
         """Whether a read-only open of x can be prepared before it comes (prepare_open): its
@@ -772,7 +826,7 @@ class CkptOperations(pyfuse3.Operations):
         # item, evicting what it reads next (a 1 GB DCP restore read 2.75 GB from disk, now
         # 2.2). A READ at offset 0 starts a file: the full window, which covers the next files
         # in the logs (a restore reads files in about the order they were written).
-        ahead = self._ahead(h, off, size)
+        ahead = self._ahead(h, off, size) if h.plan is None else h.plan
         try:
             out = await self.reader.read(x.emap, off, size, x.size, ahead, self._seen(h, x),
                                          gather)
@@ -817,9 +871,11 @@ class CkptOperations(pyfuse3.Operations):
         x = h.inode
         self.read_requests += len(reads)
         spans = []
+        plan = h.plan
         for off, size, n in reads:
             self.bytes_read += n
-            a = self._ahead(h, off, size)  # (in the order they came: the handle's streak)
+            # (in the order they came: the handle's streak)
+            a = self._ahead(h, off, size) if plan is None else plan
             if n:
                 spans.append((off, off + n, a))
         if not spans:
@@ -833,7 +889,8 @@ class CkptOperations(pyfuse3.Operations):
                 continue
             if end > hi:
                 hi = end
-            ahead = None if a is None or ahead is None else max(ahead, a)
+            if plan is None:
+                ahead = None if a is None or ahead is None else max(ahead, a)
         self._window_served(h, x, lo, hi, ahead)
 
     def _window_served(self, h: _Handle, x: Inode, lo: int, hi: int, ahead) -> None:
@@ -911,6 +968,8 @@ class CkptOperations(pyfuse3.Operations):
             self.ns.change(SetattrRec(x.ino, x.mode, x.uid, x.gid, x.atime_ns, x.mtime_ns,
                                       x.ctime_ns))
         if h is not None:
+            if h.plan is not None:
+                self.reader.drop_plan(h.plan)
             h.inode.opens -= 1
             self.ns.maybe_forget(h.inode)
 

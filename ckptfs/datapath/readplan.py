@@ -1,0 +1,182 @@
+"""Read plans: the order a reader will read a big file's pieces in, known before it reads them.
+
+A checkpoint saved by torch.distributed.checkpoint (DCP) with its FileSystemWriter is a
+`.metadata` file beside one `.distcp` file per rank. DCP's reader loads the items of a `.distcp`
+file one after the other, in the order `dcp.load` gives them (the state dict's top-level keys
+sorted, the names under each in the order they were saved), each at its offset: a zip per
+item, read at its end first (the zip's directory), then its start, then its data. The writer
+put the items in the file by size, so readahead in file order guesses wrong at every item: a
+2.1 GB DCP restore read 5.1 GB from disk and waited for one disk read per item
+(docs/performance-notes.md, "DCP's order known").
+
+With the order known (`dcp_plans`, from the `.metadata` the reader has just read itself), the
+read cache loads the rest of the item being read and the next items in DCP's order while DCP
+deserialises the current one (`ReadPlan.ahead`), nothing past an item's end, and when full
+lets go first of the chunks the plan does not read again, else of the one it reads again
+last (Reader._evict).
+
+The `.metadata` is a pickle. It is read by an unpickler that builds every object it names as an
+inert record (`_Record`: its arguments and state kept, no code of the pickle's run), so a file a
+user wrote cannot make the daemon run anything; anything unexpected in it (another format,
+another torch version's fields, a file that is not DCP's) means no plan, and the reads go as
+they would without one. A plan only decides what is loaded ahead: the bytes every READ returns
+never depend on it.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from bisect import bisect_right
+
+# The file names DCP's FileSystemWriter uses.
+DCP_METADATA = b".metadata"
+DCP_DATA_SUFFIX = b".distcp"
+# A larger `.metadata` is not read for a plan (a 7B model's is ~100 KB per rank).
+METADATA_MAX_BYTES = 64 << 20
+# The end of an item loaded first, before its start: the zip directory DCP reads first.
+ITEM_TAIL_BYTES = 64 << 10
+# How many items ahead of the one being read a plan looks at most (besides its byte budget):
+# a state dict's small items (norms, biases) would otherwise make one READ walk hundreds.
+AHEAD_ITEMS_MAX = 32
+
+
+class _Record:
+    """An object a pickle names, as data: how it was made (`args`) and its state."""
+
+    __slots__ = ("args", "state")
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args = args
+        self.state = None
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+    def field(self, name: str):
+        st = self.state
+        if isinstance(st, tuple) and len(st) == 2:  # (dict, slots) of a class with __slots__
+            st = {**(st[0] or {}), **(st[1] or {})}
+        if not isinstance(st, dict) or name not in st:
+            raise ValueError(f"no field {name!r}")
+        return st[name]
+
+
+_KINDS: dict[tuple[str, str], type] = {}
+
+
+def _kind(module: str, name: str) -> type:
+    """A class of its own per name (so that NEWOBJ's cls.__new__ works), made once."""
+    k = (module, name)
+    t = _KINDS.get(k)
+    if t is None:
+        if len(_KINDS) > 256:  # (a file naming thousands of classes is not DCP's)
+            raise pickle.UnpicklingError("too many classes")
+        t = _KINDS[k] = type(name if name.isidentifier() else "_", (_Record,),
+                             {"__slots__": ()})
+    return t
+
+
+class _InertUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return _kind(module, name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids")
+
+
+def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
+    """The items of each data file a DCP `.metadata` lists, (offset, length) in the order DCP
+    loads them, by the file's name; ValueError when it is not a DCP metadata file this
+    understands."""
+    if len(metadata) > METADATA_MAX_BYTES:
+        raise ValueError("metadata too large for a read plan")
+    try:
+        md = _InertUnpickler(io.BytesIO(metadata)).load()
+        if not isinstance(md, _Record):
+            raise ValueError("not DCP metadata")
+        order = md.field("state_dict_metadata")
+        storage = md.field("storage_data")
+        if not isinstance(order, dict) or not isinstance(storage, dict):
+            raise ValueError("not DCP metadata")
+        rank = _load_order(order, md.field("planner_data"))
+        items = []
+        for n, (index, info) in enumerate(storage.items()):
+            if not isinstance(index, _Record) or not isinstance(info, _Record):
+                raise ValueError("not DCP metadata")
+            fqn = index.field("fqn")
+            path, off, length = (info.field("relative_path"), info.field("offset"),
+                                 info.field("length"))
+            if (not isinstance(path, str) or type(off) is not int or type(length) is not int
+                    or off < 0 or length <= 0):
+                raise ValueError("not DCP metadata")
+            items.append((rank.get(fqn, len(rank)), n, path, off, length))
+    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, IndexError,
+            KeyError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not DCP metadata: {exc}") from None
+    items.sort()
+    plans: dict[bytes, list[tuple[int, int]]] = {}
+    for _, _, path, off, length in items:
+        plans.setdefault(path.encode(), []).append((off, length))
+    return plans
+
+
+def _load_order(fqns: dict, paths) -> dict:
+    """The position DCP's load gives each item name: `dcp.load` sorts the top-level keys of
+    the state dict it fills, and a flattened name (`planner_data`: name -> its path in the
+    nested state dict) comes in the order it was saved under its top-level key."""
+    def top(fqn):
+        p = paths.get(fqn) if isinstance(paths, dict) else None
+        return p[0] if isinstance(p, (tuple, list)) and p else fqn
+
+    tops = {fqn: top(fqn) for fqn in fqns}
+    if not all(isinstance(t, str) for t in tops.values()):
+        raise ValueError("not DCP metadata")
+    ranked = sorted(enumerate(fqns), key=lambda ifqn: (tops[ifqn[1]], ifqn[0]))
+    return {fqn: i for i, (_, fqn) in enumerate(ranked)}
+
+
+class ReadPlan:
+    """One file's items, (offset, length) in the order they will be read."""
+
+    __slots__ = ("items", "starts", "at", "now")
+
+    def __init__(self, items: list[tuple[int, int]]) -> None:
+        self.items = items
+        by_offset = sorted(range(len(items)), key=lambda i: items[i][0])
+        self.starts = [items[i][0] for i in by_offset]
+        self.at = by_offset  # (the plan position of the i-th item by offset)
+        self.now = -1  # the position of the item read last
+
+    def next_use(self, uses: list[int]) -> int | None:
+        """Of the plan positions `uses` (sorted), the first after the item read last."""
+        i = bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else None
+
+    def ahead(self, off: int, hi: int, budget: int) -> list[tuple[int, int]]:
+        """After a read of [off, hi): the file's byte ranges to have loaded next, in the order
+        they will be read, up to `budget` bytes: the rest of the item read, then the next
+        items (each its last ITEM_TAIL_BYTES first: DCP reads an item's zip directory first).
+        Nothing when [off, hi) is in no item."""
+        i = bisect_right(self.starts, off) - 1
+        if i < 0:
+            return []
+        p = self.at[i]
+        s, n = self.items[p]
+        if off >= s + n:
+            return []
+        if p > self.now:  # (READs accounted together come by offset, not in read order)
+            self.now = p
+        out = []
+        if hi < s + n:
+            out.append((hi, s + n))
+            budget -= s + n - hi
+        items = self.items
+        for q in range(p + 1, min(len(items), p + 1 + AHEAD_ITEMS_MAX)):
+            if budget <= 0:
+                break
+            s, n = items[q]
+            if n > ITEM_TAIL_BYTES:
+                out.append((s + n - ITEM_TAIL_BYTES, s + n))
+            out.append((s, s + n))
+            budget -= n
+        return out

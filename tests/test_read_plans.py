@@ -1,0 +1,169 @@
+"""Read plans (ckptfs/datapath/readplan.py): a DCP checkpoint's `.metadata` says in which order
+DCP's reader will read the items of each `.distcp` file; the read cache loads ahead in that
+order and lets go first of what the plan does not read again. What must hold: the order is
+the one DCP really reads in (flat and nested state dicts); a `.metadata` that is not DCP's,
+or a pickle that names anything it likes, runs nothing and gives no plan; a restore through a
+mount follows the plan and reads every byte back exact, also with a read cache much smaller
+than the checkpoint; a damaged `.metadata` leaves the reads as they were."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+import torch.distributed.checkpoint.filesystem as dcp_fs  # noqa: E402
+
+from ckptfs.bench import drop_caches  # noqa: E402
+from ckptfs.datapath.readplan import ITEM_TAIL_BYTES, ReadPlan, dcp_plans  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+
+
+def _save(sd: dict, path: str) -> None:
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True,
+                                                     thread_count=1), no_dist=True)
+
+
+def _load(like: dict, path: str) -> dict:
+    out = {k: ({kk: torch.empty_like(vv) for kk, vv in v.items()} if isinstance(v, dict)
+               else torch.empty_like(v)) for k, v in like.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return out
+
+
+def _read_order(like: dict, path: str, monkeypatch) -> list[int]:
+    """The offsets of the items DCP's reader reads, in the order it reads them."""
+    seen = []
+    slice_file = dcp_fs.FileSystemReader._slice_file
+
+    def recorded(self, file, info):
+        seen.append(info.offset)
+        return slice_file(self, file, info)
+
+    monkeypatch.setattr(dcp_fs.FileSystemReader, "_slice_file", recorded)
+    _load(like, path)
+    return seen
+
+
+def _state(n: int = 40, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    # (names whose save order is not their sorted order, sizes that do not follow it either)
+    return {f"{'zyx'[i % 3]}.layer{i:02d}.w": torch.randn(97 * (1 + (i * 7) % 11), generator=g)
+            for i in range(n)}
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_the_plan_is_the_order_dcp_reads_in(tmp_path, monkeypatch, nested):
+    flat = _state()
+    sd = ({"optim": dict(list(flat.items())[:20]), "model": dict(list(flat.items())[20:])}
+          if nested else flat)
+    path = str(tmp_path / "ckpt")
+    _save(sd, path)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        plans = dcp_plans(f.read())
+    assert list(plans) == [b"__0_0.distcp"]
+    order = _read_order(sd, path, monkeypatch)
+    assert [off for off, _ in plans[b"__0_0.distcp"]] == order
+    # (not the file's order, nor the order of the metadata's names: the plan has to know)
+    assert order != sorted(order)
+
+
+class _Mark:
+    """A callable that leaves a file behind where it runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_metadata_that_is_not_dcps_runs_nothing_and_gives_no_plan(tmp_path):
+    mark = str(tmp_path / "ran")
+    for data in (pickle.dumps(_Mark(mark)), pickle.dumps({"state_dict_metadata": {}}),
+                 pickle.dumps([1, 2, 3]), b"not a pickle", b"", os.urandom(4096),
+                 pickle.dumps(_Mark(mark))[:-3]):
+        with pytest.raises(ValueError):
+            dcp_plans(data)
+    assert not os.path.exists(mark)
+    # (the same pickle unpickled as Python would: it does run, so the check above can fail)
+    pickle.loads(pickle.dumps(_Mark(mark))).close()
+    assert os.path.exists(mark)
+
+
+def test_a_plan_looks_ahead_in_its_order():
+    # items by plan position: (offset, length); the file holds them as 30, 0, 10, 40
+    plan = ReadPlan([(30, 10), (0, 10), (10 * MiB, 4 * MiB), (40, 5)])
+    # inside the first item: its rest, then the others, each's tail first where it has one
+    assert plan.ahead(31, 33, 1 << 30) == [
+        (33, 40), (0, 10), (14 * MiB - ITEM_TAIL_BYTES, 14 * MiB), (10 * MiB, 14 * MiB),
+        (40, 45)]
+    # as far as the budget goes (the item that crosses it still whole)
+    assert plan.ahead(0, 10, 100) == [(14 * MiB - ITEM_TAIL_BYTES, 14 * MiB),
+                                      (10 * MiB, 14 * MiB)]
+    assert plan.ahead(45, 46, 1 << 30) == []  # (past every item)
+    assert plan.ahead(20, 21, 1 << 30) == []  # (between items)
+    assert plan.now == 1  # (the furthest item read that the plan knows)
+    assert plan.next_use([0, 1, 3]) == 3 and plan.next_use([0, 1]) is None
+
+
+def _big_state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    # ~48 MiB in 60 items of 64 KiB .. 2.5 MiB, more than the read cache of the mount below
+    return {f"{'ba'[i % 2]}.t{i:02d}": torch.randn(16384 * (1 + (i * 13) % 40), generator=g)
+            for i in range(60)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dcp_restore_follows_its_plan_and_reads_back_exact(mounts):
+    sd = _big_state()
+    m = mounts.mount()
+    _save(sd, os.path.join(m.mountpoint, "ckpt"))
+    m.stop()
+    # (8 chunks of cache for ~48 MiB: what the plan says is read next has to be kept)
+    m = mounts.mount(m.backing, read_cache="32M", prefetch="8M")
+    assert drop_caches()
+    assert _same(_load(sd, os.path.join(m.mountpoint, "ckpt")), sd)
+    st = m.status()
+    assert st["read_plans"] == 1 and st["read_plan_chunk_loads"] > 0, st
+    size = os.path.getsize(os.path.join(m.mountpoint, "ckpt", "__0_0.distcp"))
+    # (the plan's reads and evictions: ~1.7x the file here, ~2x with least-recently-used
+    # eviction and the same loads, which this fails for)
+    assert st["read_disk_bytes"] < 1.8 * size, (st["read_disk_bytes"], size)
+    m.stop()
+
+
+def test_a_damaged_metadata_leaves_the_reads_as_they_were(mounts):
+    sd = _big_state()
+    m = mounts.mount()
+    _save(sd, os.path.join(m.mountpoint, "ckpt"))
+    with open(os.path.join(m.mountpoint, "ckpt", ".metadata"), "rb") as f:
+        good = f.read()
+    m.stop()
+    m = mounts.mount(m.backing)
+    with open(os.path.join(m.mountpoint, "ckpt", ".metadata"), "r+b") as f:
+        # (a pickle cut short: no plan, and DCP could not load it either)
+        f.truncate(len(good) // 2)
+    with open(os.path.join(m.mountpoint, "ckpt", "__0_0.distcp"), "rb") as f:
+        f.seek(3 * MiB)
+        piece = f.read(MiB)
+    st = m.status()
+    assert st["read_plans"] == 0, st
+    with open(os.path.join(m.mountpoint, "ckpt", ".metadata"), "r+b") as f:
+        f.write(good)  # (whole again: the next open has its plan, the metadata changed)
+    with open(os.path.join(m.mountpoint, "ckpt", "__0_0.distcp"), "rb") as f:
+        f.seek(3 * MiB)
+        assert f.read(MiB) == piece
+    assert _same(_load(sd, os.path.join(m.mountpoint, "ckpt")), sd)
+    assert m.status()["read_plans"] >= 1
+    m.stop()
