@@ -19,7 +19,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 import torch.distributed.checkpoint.filesystem as dcp_fs  # noqa: E402
 
 from ckptfs.bench import drop_caches  # noqa: E402
-from ckptfs.datapath.readplan import ITEM_TAIL_BYTES, ReadPlan, dcp_plans  # noqa: E402
+from ckptfs.datapath.readplan import ReadPlan, dcp_plans  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -98,20 +98,16 @@ def test_metadata_that_is_not_dcps_runs_nothing_and_gives_no_plan(tmp_path):
     assert os.path.exists(mark)
 
 
-def test_a_plan_looks_ahead_in_its_order():
-    # items by plan position: (offset, length); the file holds them as 30, 0, 10, 40
+def test_a_plan_follows_its_reader():
+    # items by plan position: (offset, length); the file holds them as 30, 0, 10 MiB, 40
     plan = ReadPlan([(30, 10), (0, 10), (10 * MiB, 4 * MiB), (40, 5)])
-    # inside the first item: its rest, then the others, each's tail first where it has one
-    assert plan.ahead(31, 33, 1 << 30) == [
-        (33, 40), (0, 10), (14 * MiB - ITEM_TAIL_BYTES, 14 * MiB), (10 * MiB, 14 * MiB),
-        (40, 45)]
-    # as far as the budget goes (the item that crosses it still whole)
-    assert plan.ahead(0, 10, 100) == [(14 * MiB - ITEM_TAIL_BYTES, 14 * MiB),
-                                      (10 * MiB, 14 * MiB)]
-    assert plan.ahead(45, 46, 1 << 30) == []  # (past every item)
-    assert plan.ahead(20, 21, 1 << 30) == []  # (between items)
-    assert plan.now == 1  # (the furthest item read that the plan knows)
-    assert plan.next_use([0, 1, 3]) == 3 and plan.next_use([0, 1]) is None
+    assert plan.locate(31) == 0 and plan.now == 0
+    assert list(plan.after(0)) == [1, 2, 3]
+    assert plan.locate(12 * MiB) == 2 and plan.now == 2
+    # (a READ accounted with others, by offset, comes before: the furthest read stands)
+    assert plan.locate(5) == 1 and plan.now == 2
+    assert plan.locate(45) is None and plan.locate(20) is None  # (past and between items)
+    assert plan.next_use([0, 1, 3]) == 3 and plan.next_use([0, 2]) is None
 
 
 def _big_state() -> dict:

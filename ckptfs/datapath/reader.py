@@ -26,6 +26,7 @@ import errno
 import logging
 import threading
 import time
+from bisect import bisect_right
 from collections import OrderedDict, deque
 
 import trio
@@ -120,11 +121,10 @@ class Reader:
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
         self.plan_loads = 0  # chunks loaded ahead by a read plan (readplan.py)
-        # The read plan in use (the last one a READ followed) and, per chunk of its file, the
-        # plan positions of the items that read it: the chunk to let go when the cache is full
-        # is then one the plan does not read again, else the one it reads again last (_evict).
+        # The read plan in use (the last one a READ followed): the chunk to let go when the
+        # cache is full is then one it does not read again, else the one it reads again last
+        # (_evict, by the plan's chunk map: _map_plan).
         self.plan: ReadPlan | None = None
-        self.plan_uses: dict[tuple[int, int, int], list[int]] = {}
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         # set by the daemon: readahead runs, and checks ahead of the READs (without it, a
         # READ loads what it needs and checks it itself)
@@ -669,7 +669,8 @@ class Reader:
         """The cached chunk to let go of: the least recently used one not pinned; with a read
         plan in use, the least recently used one it does not read again, else the one it
         reads again last."""
-        plan, uses, pins = self.plan, self.plan_uses, self.pins
+        plan, pins = self.plan, self.pins
+        uses = plan.uses if plan is not None else None
         far, pick = -1, None
         for key in self.chunks:  # least recently used first
             if key in pins:
@@ -684,24 +685,39 @@ class Reader:
                 far, pick = nxt, key
         return pick
 
-    def use_plan(self, emap: ExtentMap, plan: ReadPlan) -> None:
-        """Read plan `plan` (of the file whose extents are `emap`) is the one READs follow now."""
+    @staticmethod
+    def _map_plan(emap: ExtentMap, plan: ReadPlan) -> None:
+        """Once per plan, its items' chunks (the file's extents `emap` as they are now: a
+        change later only makes the plan's loads guesses): per item, where each of its chunks'
+        parts ends in the file and the chunk (plan.parts); per chunk, the plan positions that
+        read it (plan.uses)."""
+        parts: list[tuple[list[int], list[tuple[int, int, int]]]] = []
         uses: dict[tuple[int, int, int], list[int]] = {}
         for pos, (s, n) in enumerate(plan.items):
-            for _, m, run, roff in emap.find(s, s + n):
+            ends: list[int] = []
+            keys: list[tuple[int, int, int]] = []
+            for fs, m, run, roff in emap.find(s, s + n):
                 if run.log < 0 or run.memory() is not None:
                     continue
                 a = run.loff + roff
                 for idx in range(a // CHUNK_BYTES, (a + m - 1) // CHUNK_BYTES + 1):
-                    at = uses.setdefault((run.layer, run.log, idx), [])
+                    k = (run.layer, run.log, idx)
+                    end = fs + min(m, (idx + 1) * CHUNK_BYTES - a)
+                    if keys and keys[-1] == k:
+                        ends[-1] = end
+                        continue
+                    ends.append(end)
+                    keys.append(k)
+                    at = uses.setdefault(k, [])
                     if not at or at[-1] != pos:
                         at.append(pos)
-        self.plan, self.plan_uses = plan, uses
+            parts.append((ends, keys))
+        plan.parts, plan.uses = parts, uses
 
     def drop_plan(self, plan: ReadPlan) -> None:
         """The handle that followed `plan` is gone."""
         if self.plan is plan:
-            self.plan, self.plan_uses = None, {}
+            self.plan = None
 
     def _start_load(self, key: tuple[int, int, int]) -> _Load:
         """Have a loader thread read chunk `key` (not cached, not loading) into a buffer
@@ -873,45 +889,54 @@ class Reader:
 
     def _plan_ahead(self, emap: ExtentMap, keys, off: int, hi: int, plan: ReadPlan) -> None:
         """Load what the file's read plan says comes after [off, hi), in that order, up to the
-        readahead window (--prefetch); what is cached of it already becomes the most recently
-        used (kept over chunks read before)."""
+        readahead window (--prefetch): the rest of the item read, then the next items, each
+        its last chunk first (DCP reads an item's zip directory, at its end, first); what is
+        cached of it already becomes the most recently used (kept over chunks read before)."""
         if not self.background or not self.window:
             return
-        if plan is not self.plan:
-            self.use_plan(emap, plan)
+        p = plan.locate(off)
+        if p is None:
+            return
+        if plan.parts is None:
+            self._map_plan(emap, plan)
+        self.plan = plan
         chunks, loading, window = self.chunks, self.loading, self.window
+        ends, ks = plan.parts[p]
+        order = ks[bisect_right(ends, hi):]
+        for q in plan.after(p):
+            ks = plan.parts[q][1]
+            if ks:
+                order.append(ks[-1])
+                order.extend(ks)
+            if len(order) >= 2 * window:
+                break
         wanted: dict[tuple[int, int, int], None] = {}
-        seen: set = set()
-        for lo, up in plan.ahead(off, hi, window * CHUNK_BYTES):
-            for _, n, run, roff in emap.find(lo, up):
-                if run.log < 0 or run.memory() is not None or run in self.bad:
-                    continue
-                a = run.loff + roff
-                for idx in range(a // CHUNK_BYTES, (a + n - 1) // CHUNK_BYTES + 1):
-                    k = (run.layer, run.log, idx)
-                    if k in seen:
-                        continue
-                    seen.add(k)
-                    if k in chunks:
-                        chunks.move_to_end(k)
-                    elif k not in loading:
-                        wanted[k] = None
-                    if len(seen) >= window:
-                        break
-                if len(seen) >= window:
-                    break
+        seen: dict[tuple[int, int, int], None] = {}
+        for k in order:
+            if k in seen:
+                continue
+            seen[k] = None
+            if k in chunks:
+                chunks.move_to_end(k)
+            elif k not in loading:
+                wanted[k] = None
             if len(seen) >= window:
                 break
-        if wanted:  # (a load's buffer may be a cached chunk's: not one of `keys`, being served)
+        if wanted:
             self.plan_loads += len(wanted)
-            self._pin(keys)
-            self._pin(seen)
-            try:
-                for k in wanted:
-                    self._start_load(k)
-            finally:
-                self._unpin(seen)
-                self._unpin(keys)
+            self._start_loads(wanted, keys, seen)
+
+    def _start_loads(self, wanted, *keep) -> None:
+        """Start loading the chunks `wanted`, those in each of `keep` pinned meanwhile (a
+        load's buffer may be a cached chunk's: not one being served or about to be read)."""
+        for ks in keep:
+            self._pin(ks)
+        try:
+            for k in wanted:
+                self._start_load(k)
+        finally:
+            for ks in keep:
+                self._unpin(ks)
 
     def _readahead(self, keys, ahead: int) -> None:
         """Start loading the `ahead` chunks after the last of `keys` in each log, except
@@ -939,10 +964,5 @@ class Reader:
                 k = (layer, logno, i)
                 if k not in self.chunks and k not in self.loading:
                     wanted.append(k)
-        if wanted:  # (a load's buffer may be a cached chunk's: not one of `keys`, being served)
-            self._pin(keys)
-            try:
-                for k in wanted:
-                    self._start_load(k)
-            finally:
-                self._unpin(keys)
+        if wanted:
+            self._start_loads(wanted, keys)

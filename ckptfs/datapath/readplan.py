@@ -11,7 +11,7 @@ put the items in the file by size, so readahead in file order guesses wrong at e
 
 With the order known (`dcp_plans`, from the `.metadata` the reader has just read itself), the
 read cache loads the rest of the item being read and the next items in DCP's order while DCP
-deserialises the current one (`ReadPlan.ahead`), nothing past an item's end, and when full
+deserialises the current one (Reader._plan_ahead), nothing past an item's end, and when full
 lets go first of the chunks the plan does not read again, else of the one it reads again
 last (Reader._evict).
 
@@ -33,10 +33,9 @@ DCP_METADATA = b".metadata"
 DCP_DATA_SUFFIX = b".distcp"
 # A larger `.metadata` is not read for a plan (a 7B model's is ~100 KB per rank).
 METADATA_MAX_BYTES = 64 << 20
-# The end of an item loaded first, before its start: the zip directory DCP reads first.
-ITEM_TAIL_BYTES = 64 << 10
-# How many items ahead of the one being read a plan looks at most (besides its byte budget):
-# a state dict's small items (norms, biases) would otherwise make one READ walk hundreds.
+# How many items ahead of the one being read a plan looks at most (besides the readahead
+# window): a state dict's small items (norms, biases) would otherwise make one READ walk
+# hundreds.
 AHEAD_ITEMS_MAX = 32
 
 
@@ -110,9 +109,8 @@ def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
                     or off < 0 or length <= 0):
                 raise ValueError("not DCP metadata")
             items.append((rank.get(fqn, len(rank)), n, path, off, length))
-    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, IndexError,
-            KeyError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
-        raise ValueError(f"not DCP metadata: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any file can be there: whatever fails, no plan
+        raise ValueError(f"not DCP metadata: {type(exc).__name__}: {exc}") from None
     items.sort()
     plans: dict[bytes, list[tuple[int, int]]] = {}
     for _, _, path, off, length in items:
@@ -138,7 +136,7 @@ def _load_order(fqns: dict, paths) -> dict:
 class ReadPlan:
     """One file's items, (offset, length) in the order they will be read."""
 
-    __slots__ = ("items", "starts", "at", "now")
+    __slots__ = ("items", "starts", "at", "now", "parts", "uses")
 
     def __init__(self, items: list[tuple[int, int]]) -> None:
         self.items = items
@@ -146,37 +144,31 @@ class ReadPlan:
         self.starts = [items[i][0] for i in by_offset]
         self.at = by_offset  # (the plan position of the i-th item by offset)
         self.now = -1  # the position of the item read last
+        # (set by the reader once: per position, its chunks and where their parts end in the
+        # file; per chunk, the positions that read it)
+        self.parts: list | None = None
+        self.uses: dict = {}
 
     def next_use(self, uses: list[int]) -> int | None:
         """Of the plan positions `uses` (sorted), the first after the item read last."""
         i = bisect_right(uses, self.now)
         return uses[i] if i < len(uses) else None
 
-    def ahead(self, off: int, hi: int, budget: int) -> list[tuple[int, int]]:
-        """After a read of [off, hi): the file's byte ranges to have loaded next, in the order
-        they will be read, up to `budget` bytes: the rest of the item read, then the next
-        items (each its last ITEM_TAIL_BYTES first: DCP reads an item's zip directory first).
-        Nothing when [off, hi) is in no item."""
+    def locate(self, off: int) -> int | None:
+        """The plan position of the item byte `off` is in (None: in none), which is read now:
+        `now` becomes the furthest position read (READs accounted together come by offset,
+        not in the order they were read)."""
         i = bisect_right(self.starts, off) - 1
         if i < 0:
-            return []
+            return None
         p = self.at[i]
         s, n = self.items[p]
         if off >= s + n:
-            return []
-        if p > self.now:  # (READs accounted together come by offset, not in read order)
+            return None
+        if p > self.now:
             self.now = p
-        out = []
-        if hi < s + n:
-            out.append((hi, s + n))
-            budget -= s + n - hi
-        items = self.items
-        for q in range(p + 1, min(len(items), p + 1 + AHEAD_ITEMS_MAX)):
-            if budget <= 0:
-                break
-            s, n = items[q]
-            if n > ITEM_TAIL_BYTES:
-                out.append((s + n - ITEM_TAIL_BYTES, s + n))
-            out.append((s, s + n))
-            budget -= n
-        return out
+        return p
+
+    def after(self, p: int) -> range:
+        """The plan positions read after position p, as far as a look ahead goes."""
+        return range(p + 1, min(len(self.items), p + 1 + AHEAD_ITEMS_MAX))
