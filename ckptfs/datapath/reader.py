@@ -121,10 +121,11 @@ class Reader:
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
         self.plan_loads = 0  # chunks loaded ahead by a read plan (readplan.py)
-        # The read plan in use (the last one a READ followed): the chunk to let go when the
-        # cache is full is then one it does not read again, else the one it reads again last
-        # (_evict, by the plan's chunk map: _map_plan).
-        self.plan: ReadPlan | None = None
+        # The read plans READs follow (one per DCP data file being read: ranks restoring on
+        # one node read one each): the chunk to let go when the cache is full is then one none
+        # of them reads again, else the one read again furthest ahead of its reader (_evict,
+        # by each plan's chunk map: _map_plan).
+        self.plans: dict[ReadPlan, None] = {}
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         # set by the daemon: readahead runs, and checks ahead of the READs (without it, a
         # READ loads what it needs and checks it itself)
@@ -666,23 +667,29 @@ class Reader:
         return alloc_aligned(CHUNK_BYTES, populate=True, huge=True)
 
     def _evict(self) -> tuple[int, int, int] | None:
-        """The cached chunk to let go of: the least recently used one not pinned; with a read
-        plan in use, the least recently used one it does not read again, else the one it
-        reads again last."""
-        plan, pins = self.plan, self.pins
-        uses = plan.uses if plan is not None else None
+        """The cached chunk to let go of: the least recently used one not pinned; while one
+        read plan is in use, the least recently used one it does not read again, else the
+        one it reads again furthest ahead of its reader. (With several plans at once, ranks
+        restoring side by side, least recently used: weighing both plans' futures read more
+        from disk than that, tests/test_read_plans.py.)"""
+        plan = next(iter(self.plans)) if len(self.plans) == 1 else None
+        pins = self.pins
         far, pick = -1, None
         for key in self.chunks:  # least recently used first
             if key in pins:
                 continue
             if plan is None:
                 return key
-            at = uses.get(key)
-            nxt = None if at is None else plan.next_use(at)
-            if nxt is None:
+            if key in plan.soon:
+                continue
+            at = plan.uses.get(key)
+            ahead = None if at is None else plan.next_use(at)
+            if ahead is None:
                 return key
-            if nxt > far:
-                far, pick = nxt, key
+            if ahead > far:
+                far, pick = ahead, key
+        if pick is None and plan is not None:  # (only chunks wanted soon are left)
+            pick = next((k for k in self.chunks if k not in pins), None)
         return pick
 
     @staticmethod
@@ -716,8 +723,7 @@ class Reader:
 
     def drop_plan(self, plan: ReadPlan) -> None:
         """The handle that followed `plan` is gone."""
-        if self.plan is plan:
-            self.plan = None
+        self.plans.pop(plan, None)
 
     def _start_load(self, key: tuple[int, int, int]) -> _Load:
         """Have a loader thread read chunk `key` (not cached, not loading) into a buffer
@@ -899,7 +905,7 @@ class Reader:
             return
         if plan.parts is None:
             self._map_plan(emap, plan)
-        self.plan = plan
+            self.plans[plan] = None
         chunks, loading, window = self.chunks, self.loading, self.window
         ends, ks = plan.parts[p]
         order = ks[bisect_right(ends, hi):]
@@ -922,6 +928,7 @@ class Reader:
                 wanted[k] = None
             if len(seen) >= window:
                 break
+        plan.soon = seen
         if wanted:
             self.plan_loads += len(wanted)
             self._start_loads(wanted, keys, seen)

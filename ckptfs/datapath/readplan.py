@@ -136,23 +136,30 @@ def _load_order(fqns: dict, paths) -> dict:
 class ReadPlan:
     """One file's items, (offset, length) in the order they will be read."""
 
-    __slots__ = ("items", "starts", "at", "now", "parts", "uses")
+    __slots__ = ("items", "starts", "at", "before", "now", "parts", "uses", "soon")
 
     def __init__(self, items: list[tuple[int, int]]) -> None:
         self.items = items
         by_offset = sorted(range(len(items)), key=lambda i: items[i][0])
         self.starts = [items[i][0] for i in by_offset]
         self.at = by_offset  # (the plan position of the i-th item by offset)
+        self.before = [0]  # (the bytes of the items before each position)
+        for _, n in items:
+            self.before.append(self.before[-1] + n)
         self.now = -1  # the position of the item read last
         # (set by the reader once: per position, its chunks and where their parts end in the
         # file; per chunk, the positions that read it)
         self.parts: list | None = None
         self.uses: dict = {}
+        self.soon: dict = {}  # (the chunks the last look ahead wanted: the item's rest, next)
 
     def next_use(self, uses: list[int]) -> int | None:
-        """Of the plan positions `uses` (sorted), the first after the item read last."""
+        """How many bytes of items its reader reads before the first of the plan positions
+        `uses` (sorted) after the item read last; None when none is after it."""
         i = bisect_right(uses, self.now)
-        return uses[i] if i < len(uses) else None
+        if i == len(uses):
+            return None
+        return self.before[uses[i]] - self.before[self.now + 1]
 
     def locate(self, off: int) -> int | None:
         """The plan position of the item byte `off` is in (None: in none), which is read now:

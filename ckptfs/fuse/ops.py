@@ -65,6 +65,7 @@ XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
 DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (note_dcp_name)
+DCP_PLANS_MAX = 16  # `.metadata` files whose plans are kept (one per checkpoint read)
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
@@ -180,7 +181,8 @@ class CkptOperations(pyfuse3.Operations):
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
         self.read_plans = 0  # read-only opens given a read plan (readplan.py)
-        self.dcp_plans: tuple | None = None  # ((.metadata's ino, mtime, size), its plans)
+        # per `.metadata` inode: ((its mtime, size), the plans of its data files)
+        self.dcp_plans: dict[int, tuple[tuple[int, int], dict]] = {}
         self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (note_dcp_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
@@ -735,10 +737,8 @@ class CkptOperations(pyfuse3.Operations):
             self.handles[fh].plan = await self._read_plan(x)
         return self._file_info(x, fh, flags)
 
-    async def _read_plan(self, x: Inode) -> ReadPlan | None:
-        """The order a DCP reader reads data file x in, from the `.metadata` beside it
-        (readplan.py); None for any other file, or when the metadata cannot be read or is not
-        DCP's (the reads then go as any other's)."""
+    def _dcp_metadata(self, x: Inode) -> tuple[bytes, Inode] | None:
+        """DCP data file x's name and the `.metadata` beside it, if it is one."""
         where = self.dcp_names.get(x.ino)
         if where is None:
             return None
@@ -749,9 +749,19 @@ class CkptOperations(pyfuse3.Operations):
         meta = self.ns.inodes.get(parent.children.get(DCP_METADATA, 0))
         if meta is None or meta.emap is None or not meta.size:
             return None
-        key = (meta.ino, meta.mtime_ns, meta.size)
-        cached = self.dcp_plans
-        if cached is None or cached[0] != key:
+        return name, meta
+
+    async def _read_plan(self, x: Inode) -> ReadPlan | None:
+        """The order a DCP reader reads data file x in, from the `.metadata` beside it
+        (readplan.py); None for any other file, or when the metadata cannot be read or is not
+        DCP's (the reads then go as any other's)."""
+        found = self._dcp_metadata(x)
+        if found is None:
+            return None
+        name, meta = found
+        version = (meta.mtime_ns, meta.size)
+        cached = self.dcp_plans.get(meta.ino)
+        if cached is None or cached[0] != version:
             try:
                 data = await self.reader.read(meta.emap, 0, meta.size, meta.size, 0)
             except OSError as exc:  # (not kept: the next open tries again)
@@ -762,7 +772,9 @@ class CkptOperations(pyfuse3.Operations):
             except ValueError as exc:
                 log.info("no read plan for %r: %s", name, exc)
                 plans = {}
-            cached = self.dcp_plans = (key, plans)
+            if len(self.dcp_plans) >= DCP_PLANS_MAX:
+                self.dcp_plans.clear()
+            cached = self.dcp_plans[meta.ino] = (version, plans)
         items = cached[1].get(name)
         if not items:
             return None
@@ -773,7 +785,8 @@ class CkptOperations(pyfuse3.Operations):
         """Whether a read-only open of x can be prepared before it comes (prepare_open): its
         answer then does not depend on when it comes (x was not last written through a
         direct handle, whose pages a reader's open drops)."""
-        return x.ino not in self.written_direct and x.ino != CTL_STATS_INO
+        return (x.ino not in self.written_direct and x.ino != CTL_STATS_INO
+                and x.ino not in self.dcp_names)  # (a DCP data file's OPEN reads its plan)
 
     def prepare_open(self, x: Inode) -> tuple[int, pyfuse3.FileInfo]:
         """A handle number and the answer for a read-only open of x that the ring's queue
