@@ -114,7 +114,7 @@ def test_a_plan_follows_its_reader():
 
 def _big_state() -> dict:
     g = torch.Generator().manual_seed(7)
-    # ~48 MiB in 60 items of 64 KiB .. 2.5 MiB, more than the read cache of the mount below
+    # ~80 MB in 60 items of 64 KiB .. 2.5 MiB, more than the read cache of the mounts below
     return {f"{'ba'[i % 2]}.t{i:02d}": torch.randn(16384 * (1 + (i * 13) % 40), generator=g)
             for i in range(60)}
 
@@ -123,21 +123,26 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_dcp_restore_follows_its_plan_and_reads_back_exact(mounts):
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_dcp_restore_follows_its_plan_and_reads_back_exact(mounts, fast_path):
     sd = _big_state()
     m = mounts.mount()
     _save(sd, os.path.join(m.mountpoint, "ckpt"))
     m.stop()
-    # (8 chunks of cache for ~48 MiB: what the plan says is read next has to be kept)
-    m = mounts.mount(m.backing, read_cache="32M", prefetch="8M")
+    # (8 chunks of cache for ~80 MB: what the plan says is read next has to be kept; the
+    # fast path answers most READs in C and accounts for them after, pyfuse3 serves each)
+    m = mounts.mount(m.backing, read_cache="32M", prefetch="8M", fast_path=fast_path)
     assert drop_caches()
     assert _same(_load(sd, os.path.join(m.mountpoint, "ckpt")), sd)
     st = m.status()
     assert st["read_plans"] == 1 and st["read_plan_chunk_loads"] > 0, st
     size = os.path.getsize(os.path.join(m.mountpoint, "ckpt", "__0_0.distcp"))
     # (the plan's reads and evictions: ~1.7x the file here, ~2x with least-recently-used
-    # eviction and the same loads, which this fails for)
-    assert st["read_disk_bytes"] < 1.8 * size, (st["read_disk_bytes"], size)
+    # eviction and the same loads, which this fails for. Without the fast path the kernel
+    # has no direct reads to offer for files this size (no shared mmap of them then), so
+    # its page cache and its readahead shape the READs: ~2x, the plan still followed.)
+    if fast_path:
+        assert st["read_disk_bytes"] < 1.8 * size, (st["read_disk_bytes"], size)
     m.stop()
 
 

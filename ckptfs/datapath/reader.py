@@ -122,9 +122,9 @@ class Reader:
         self.verified_ahead = 0
         self.plan_loads = 0  # chunks loaded ahead by a read plan (readplan.py)
         # The read plans READs follow (one per DCP data file being read: ranks restoring on
-        # one node read one each): the chunk to let go when the cache is full is then one none
-        # of them reads again, else the one read again furthest ahead of its reader (_evict,
-        # by each plan's chunk map: _map_plan).
+        # one node read one each); while there is one, the chunk to let go when the cache is
+        # full is one it does not read again, else the one it reads again furthest ahead
+        # (_evict, by the plan's chunk map: _map_plan).
         self.plans: dict[ReadPlan, None] = {}
         self.scratch = None  # reply assembly buffer for reads spanning several pieces
         # set by the daemon: readahead runs, and checks ahead of the READs (without it, a

@@ -22,7 +22,13 @@ import pyfuse3
 import trio
 
 from ckptfs.datapath.flusher import Flusher, Journal
-from ckptfs.datapath.readplan import DCP_DATA_SUFFIX, DCP_METADATA, ReadPlan, dcp_plans
+from ckptfs.datapath.readplan import (
+    DCP_DATA_SUFFIX,
+    DCP_METADATA,
+    METADATA_MAX_BYTES,
+    ReadPlan,
+    dcp_plans,
+)
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Staging
 from ckptfs.format.records import (
@@ -732,9 +738,11 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
-        fh = self._open_handle(x, flags, ctx)
+        plan = None  # (read before the handle is made: nothing to undo if it fails)
         if flags & os.O_ACCMODE == os.O_RDONLY and x.size > DIRECT_READ_MIN_BYTES:
-            self.handles[fh].plan = await self._read_plan(x)
+            plan = await self._read_plan(x)
+        fh = self._open_handle(x, flags, ctx)
+        self.handles[fh].plan = plan
         return self._file_info(x, fh, flags)
 
     def _dcp_metadata(self, x: Inode) -> tuple[bytes, Inode] | None:
@@ -747,7 +755,7 @@ class CkptOperations(pyfuse3.Operations):
         if parent is None or not parent.children or parent.children.get(name) != x.ino:
             return None
         meta = self.ns.inodes.get(parent.children.get(DCP_METADATA, 0))
-        if meta is None or meta.emap is None or not meta.size:
+        if meta is None or meta.emap is None or not 0 < meta.size <= METADATA_MAX_BYTES:
             return None
         return name, meta
 
