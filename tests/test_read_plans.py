@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
+import struct
 
 import pytest
 
@@ -87,9 +89,16 @@ class _Mark:
 
 def test_metadata_that_is_not_dcps_runs_nothing_and_gives_no_plan(tmp_path):
     mark = str(tmp_path / "ran")
+    noise = random.Random(5)
     for data in (pickle.dumps(_Mark(mark)), pickle.dumps({"state_dict_metadata": {}}),
-                 pickle.dumps([1, 2, 3]), b"not a pickle", b"", os.urandom(4096),
-                 pickle.dumps(_Mark(mark))[:-3]):
+                 pickle.dumps([1, 2, 3]), b"not a pickle", b"",
+                 bytes(noise.randrange(256) for _ in range(4096)),
+                 pickle.dumps(_Mark(mark))[:-3],
+                 # (a memo index near 2**31: the unpickler's memo grows to ~16 GB)
+                 b"\x80\x04Nr" + struct.pack("<I", 0x7FFFFFFF) + b".",
+                 # (a tuple nested a million deep as a dict key: its hash recurses in C
+                 # until the stack ends, which no `except` catches)
+                 b"\x80\x04}N" + b"\x85" * 1_000_000 + b"Ns."):
         with pytest.raises(ValueError):
             dcp_plans(data)
     assert not os.path.exists(mark)
@@ -100,7 +109,7 @@ def test_metadata_that_is_not_dcps_runs_nothing_and_gives_no_plan(tmp_path):
 
 def test_a_plan_follows_its_reader():
     # items by plan position: (offset, length); the file holds them as 30, 0, 10 MiB, 40
-    plan = ReadPlan([(30, 10), (0, 10), (10 * MiB, 4 * MiB), (40, 5)])
+    plan = ReadPlan([(30, 10), (0, 10), (10 * MiB, 4 * MiB), (40, 5)], 14 * MiB)
     assert plan.locate(31) == 0 and plan.now == 0
     # (how many bytes its reader reads before the next use: item 1's 10, then none)
     assert plan.next_use([0, 2]) == 10 and plan.next_use([1]) == 0
@@ -110,6 +119,9 @@ def test_a_plan_follows_its_reader():
     assert plan.locate(5) == 1 and plan.now == 2
     assert plan.locate(45) is None and plan.locate(20) is None  # (past and between items)
     assert plan.next_use([0, 1, 3]) == 0 and plan.next_use([0, 2]) is None
+    for bad in ([(0, 10), (5, 10)], [(0, 10), (14 * MiB - 4, 5)]):  # (another file's plan)
+        with pytest.raises(ValueError):
+            ReadPlan(bad, 14 * MiB)
 
 
 def _big_state() -> dict:
@@ -205,4 +217,17 @@ def test_two_restores_side_by_side_each_follow_their_plan(mounts):
     # (~2.05x here with least-recently-used eviction while both plans are in use; 2.1-2.4x
     # when eviction weighed both plans' futures)
     assert st["read_disk_bytes"] < 2.5 * size, (st["read_disk_bytes"], size)
+    m.stop()
+
+
+def test_a_checkpoint_read_back_in_the_mount_that_saved_it_follows_its_plan(mounts):
+    """Saved and restored in one mount: the data file's name is known from its create (the
+    kernel asks no LOOKUP for a name it holds)."""
+    sd = _big_state()
+    m = mounts.mount(read_cache="32M", prefetch="8M")
+    path = os.path.join(m.mountpoint, "ckpt")
+    _save(sd, path)
+    m.sync()
+    assert _same(_load(sd, path), sd)
+    assert m.status()["read_plans"] == 1
     m.stop()

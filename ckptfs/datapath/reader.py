@@ -42,6 +42,7 @@ CHUNK_BYTES = 4 << 20
 SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 NOTE_SLICE = 4096  # files note_replayed notes between two looks at the requests
+EVICT_SCAN_MAX = 256  # chunks a plan's choice of what to let go looks at, oldest first
 GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
@@ -675,9 +676,11 @@ class Reader:
         plan = next(iter(self.plans)) if len(self.plans) == 1 else None
         pins = self.pins
         far, pick = -1, None
-        for key in self.chunks:  # least recently used first
+        for n, key in enumerate(self.chunks):  # least recently used first
             if key in pins:
                 continue
+            if n >= EVICT_SCAN_MAX and pick is not None:  # (a large cache: the oldest part)
+                break
             if plan is None:
                 return key
             if key in plan.soon:
@@ -888,10 +891,15 @@ class Reader:
     def _ahead_of(self, emap: ExtentMap, keys, off: int, hi: int, ahead) -> None:
         """Readahead after a READ of [off, hi) of a file (its chunks: `keys`): by the file's
         read plan (`ahead` a ReadPlan), else `ahead` chunks on in log order."""
-        if isinstance(ahead, ReadPlan):
-            self._plan_ahead(emap, keys, off, hi, ahead)
-        else:
+        if not isinstance(ahead, ReadPlan):
             self._readahead(keys, ahead)
+            return
+        try:
+            self._plan_ahead(emap, keys, off, hi, ahead)
+        except Exception:  # (a defect in a guess must not fail the READ: no plan from now)
+            log.exception("read plan: dropped")
+            self.drop_plan(ahead)
+            ahead.parts, ahead.items, ahead.starts = [], [], []
 
     def _plan_ahead(self, emap: ExtentMap, keys, off: int, hi: int, plan: ReadPlan) -> None:
         """Load what the file's read plan says comes after [off, hi), in that order, up to the
@@ -908,7 +916,11 @@ class Reader:
             self.plans[plan] = None
         chunks, loading, window = self.chunks, self.loading, self.window
         ends, ks = plan.parts[p]
-        order = ks[bisect_right(ends, hi):]
+        if p != plan.cur:  # (an item's first READ: DCP's is at its end, its start comes next)
+            plan.cur = p
+            order = ks[-1:] + ks
+        else:
+            order = ks[bisect_right(ends, hi):]
         for q in plan.after(p):
             ks = plan.parts[q][1]
             if ks:

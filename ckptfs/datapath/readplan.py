@@ -15,17 +15,23 @@ deserialises the current one (Reader._plan_ahead), nothing past an item's end, a
 lets go first of the chunks the plan does not read again, else of the one it reads again
 last (Reader._evict).
 
-The `.metadata` is a pickle. It is read by an unpickler that builds every object it names as an
-inert record (`_Record`: its arguments and state kept, no code of the pickle's run), so a file a
-user wrote cannot make the daemon run anything; anything unexpected in it (another format,
-another torch version's fields, a file that is not DCP's) means no plan, and the reads go as
-they would without one. A plan only decides what is loaded ahead: the bytes every READ returns
-never depend on it.
+The `.metadata` is a pickle. It is read in a child process (`python -m` this module: its
+memory and CPU time bounded) by an unpickler that builds every object it names as an inert
+record (`_Record`: its state kept, no code of the pickle's run), so a file a user wrote can
+neither make the daemon run anything nor exhaust its memory or stack; anything unexpected in
+it (another format, another torch version's fields, a file that is not DCP's, items outside
+the data file) means no plan, and the reads go as they would without one. A plan only decides
+what is loaded ahead: the bytes every READ returns never depend on it.
 """
 from __future__ import annotations
 
+import array
 import io
 import pickle
+import resource
+import struct
+import subprocess
+import sys
 from bisect import bisect_right
 
 # The file names DCP's FileSystemWriter uses.
@@ -39,13 +45,22 @@ METADATA_MAX_BYTES = 64 << 20
 AHEAD_ITEMS_MAX = 32
 
 
-class _Record:
-    """An object a pickle names, as data: how it was made (`args`) and its state."""
+# The child that reads a `.metadata` (dcp_plans): what it may use, and how long it may take.
+CHILD_MEMORY_BYTES = 1 << 30
+CHILD_CPU_S = 10
+CHILD_TIMEOUT_S = 15
+# The most items one `.metadata` may list for a plan (a 70B model's optimizer state across
+# thousands of ranks stays below it).
+ITEMS_MAX = 1 << 21
+_HEAD = struct.Struct("<IQ")  # a data file's name length and item count, in the child's answer
 
-    __slots__ = ("args", "state")
+
+class _Record:
+    """Any object a pickle names, as data: its state (how it was made is dropped)."""
+
+    __slots__ = ("state",)
 
     def __init__(self, *args, **kwargs) -> None:
-        self.args = args
         self.state = None
 
     def __setstate__(self, state) -> None:
@@ -60,35 +75,16 @@ class _Record:
         return st[name]
 
 
-_KINDS: dict[tuple[str, str], type] = {}
-
-
-def _kind(module: str, name: str) -> type:
-    """A class of its own per name (so that NEWOBJ's cls.__new__ works), made once."""
-    k = (module, name)
-    t = _KINDS.get(k)
-    if t is None:
-        if len(_KINDS) > 256:  # (a file naming thousands of classes is not DCP's)
-            raise pickle.UnpicklingError("too many classes")
-        t = _KINDS[k] = type(name if name.isidentifier() else "_", (_Record,),
-                             {"__slots__": ()})
-    return t
-
-
 class _InertUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        return _kind(module, name)
+        return _Record  # (whatever it names: nothing of it is looked up, let alone run)
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("persistent ids")
 
 
-def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
-    """The items of each data file a DCP `.metadata` lists, (offset, length) in the order DCP
-    loads them, by the file's name; ValueError when it is not a DCP metadata file this
-    understands."""
-    if len(metadata) > METADATA_MAX_BYTES:
-        raise ValueError("metadata too large for a read plan")
+def _parse(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
+    """dcp_plans's work, in the child."""
     try:
         md = _InertUnpickler(io.BytesIO(metadata)).load()
         if not isinstance(md, _Record):
@@ -97,7 +93,10 @@ def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
         storage = md.field("storage_data")
         if not isinstance(order, dict) or not isinstance(storage, dict):
             raise ValueError("not DCP metadata")
-        rank = _load_order(order, md.field("planner_data"))
+        if len(storage) > ITEMS_MAX:
+            raise ValueError(f"more than {ITEMS_MAX} items")
+        st = md.state
+        rank = _load_order(order, st.get("planner_data") if isinstance(st, dict) else None)
         items = []
         for n, (index, info) in enumerate(storage.items()):
             if not isinstance(index, _Record) or not isinstance(info, _Record):
@@ -106,7 +105,7 @@ def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
             path, off, length = (info.field("relative_path"), info.field("offset"),
                                  info.field("length"))
             if (not isinstance(path, str) or type(off) is not int or type(length) is not int
-                    or off < 0 or length <= 0):
+                    or not 0 <= off < 1 << 62 or not 0 < length < 1 << 62):
                 raise ValueError("not DCP metadata")
             items.append((rank.get(fqn, len(rank)), n, path, off, length))
     except Exception as exc:  # noqa: BLE001 - any file can be there: whatever fails, no plan
@@ -116,6 +115,62 @@ def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
     for _, _, path, off, length in items:
         plans.setdefault(path.encode(), []).append((off, length))
     return plans
+
+
+def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
+    """The items of each data file a DCP `.metadata` lists, (offset, length) in the order DCP
+    loads them, by the file's name; ValueError when it is not a DCP metadata file this
+    understands. Read in a child process with its memory and CPU time bounded: an unpickler
+    that runs nothing can still be made to allocate without end or to recurse in C (a
+    memo index near 2**31, a tuple nested a million deep), which in the daemon would take
+    the mount down. Blocks for the child's time (~30 ms): call it from a worker thread."""
+    if len(metadata) > METADATA_MAX_BYTES:
+        raise ValueError("metadata too large for a read plan")
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__], input=metadata,
+                              capture_output=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"reading the metadata: {exc}") from None
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        raise ValueError(why[-1] if why else f"the child ended with {done.returncode}")
+    out, at, plans = done.stdout, 0, {}
+    try:
+        while at < len(out):
+            nlen, count = _HEAD.unpack_from(out, at)
+            at += _HEAD.size
+            name = bytes(out[at:at + nlen])
+            at += nlen
+            pairs = array.array("q")
+            pairs.frombytes(out[at:at + 16 * count])
+            at += 16 * count
+            if len(pairs) != 2 * count:
+                raise ValueError("short")
+            plans[name] = list(zip(pairs[0::2], pairs[1::2]))
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"the child's answer: {exc}") from None
+    return plans
+
+
+def _child() -> int:
+    """`python -m ckptfs.datapath.readplan`: a `.metadata` on stdin, its plans on stdout."""
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_S, CHILD_CPU_S))
+    data = sys.stdin.buffer.read(METADATA_MAX_BYTES + 1)
+    try:
+        if len(data) > METADATA_MAX_BYTES:
+            raise ValueError("metadata too large for a read plan")
+        plans = _parse(data)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    w = sys.stdout.buffer
+    for name, items in plans.items():
+        w.write(_HEAD.pack(len(name), len(items)))
+        w.write(name)
+        w.write(array.array("q", [v for item in items for v in item]).tobytes())
+    w.flush()
+    return 0
 
 
 def _load_order(fqns: dict, paths) -> dict:
@@ -134,19 +189,27 @@ def _load_order(fqns: dict, paths) -> dict:
 
 
 class ReadPlan:
-    """One file's items, (offset, length) in the order they will be read."""
+    """One file's items, (offset, length) in the order they will be read; ValueError when
+    they do not lie apart inside a file of `size` bytes (a plan of another file)."""
 
-    __slots__ = ("items", "starts", "at", "before", "now", "parts", "uses", "soon")
+    __slots__ = ("items", "starts", "at", "before", "now", "cur", "parts", "uses", "soon")
 
-    def __init__(self, items: list[tuple[int, int]]) -> None:
+    def __init__(self, items: list[tuple[int, int]], size: int) -> None:
         self.items = items
         by_offset = sorted(range(len(items)), key=lambda i: items[i][0])
+        end = 0
+        for i in by_offset:
+            s, n = items[i]
+            if s < end or s + n > size:
+                raise ValueError("the items overlap or lie past the file's end")
+            end = s + n
         self.starts = [items[i][0] for i in by_offset]
         self.at = by_offset  # (the plan position of the i-th item by offset)
         self.before = [0]  # (the bytes of the items before each position)
         for _, n in items:
             self.before.append(self.before[-1] + n)
-        self.now = -1  # the position of the item read last
+        self.now = -1  # the furthest position read
+        self.cur = -1  # the position the last look ahead was for
         # (set by the reader once: per position, its chunks and where their parts end in the
         # file; per chunk, the positions that read it)
         self.parts: list | None = None
@@ -179,3 +242,7 @@ class ReadPlan:
     def after(self, p: int) -> range:
         """The plan positions read after position p, as far as a look ahead goes."""
         return range(p + 1, min(len(self.items), p + 1 + AHEAD_ITEMS_MAX))
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

@@ -189,6 +189,7 @@ class CkptOperations(pyfuse3.Operations):
         self.read_plans = 0  # read-only opens given a read plan (readplan.py)
         # per `.metadata` inode: ((its mtime, size), the plans of its data files)
         self.dcp_plans: dict[int, tuple[tuple[int, int], dict]] = {}
+        self.dcp_reading: dict[int, trio.Event] = {}  # (.metadata inodes being read)
         self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (note_dcp_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
@@ -571,6 +572,8 @@ class CkptOperations(pyfuse3.Operations):
         the ring's queue threads answered comes with its numbers (reserve) and time."""
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx, ino=ino, now=now_ns)
+        if name.endswith(DCP_DATA_SUFFIX):  # (read back in this mount without a LOOKUP)
+            self.note_dcp_name(parent_inode, name, x.ino)
         fh = self._open_handle(x, flags, ctx, fh)
         return self._file_info(x, fh, flags), x
 
@@ -697,6 +700,8 @@ class CkptOperations(pyfuse3.Operations):
         np_ = self._own_dir(np_)
         self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
                                  flags & RENAME_EXCHANGE))
+        if name_new.endswith(DCP_DATA_SUFFIX) and not moving.is_dir:
+            self.note_dcp_name(np_.ino, name_new, moving.ino)
         now = time.time_ns()
         self._touch_linked(moving, now)
         if target is not None:
@@ -741,6 +746,7 @@ class CkptOperations(pyfuse3.Operations):
         plan = None  # (read before the handle is made: nothing to undo if it fails)
         if flags & os.O_ACCMODE == os.O_RDONLY and x.size > DIRECT_READ_MIN_BYTES:
             plan = await self._read_plan(x)
+            self._fresh(x)  # (a look at other writers may have come meanwhile)
         fh = self._open_handle(x, flags, ctx)
         self.handles[fh].plan = plan
         return self._file_info(x, fh, flags)
@@ -762,39 +768,66 @@ class CkptOperations(pyfuse3.Operations):
     async def _read_plan(self, x: Inode) -> ReadPlan | None:
         """The order a DCP reader reads data file x in, from the `.metadata` beside it
         (readplan.py); None for any other file, or when the metadata cannot be read or is not
-        DCP's (the reads then go as any other's)."""
+        DCP's (the reads then go as any other's: a plan is only ever a guess)."""
         found = self._dcp_metadata(x)
         if found is None:
             return None
         name, meta = found
-        version = (meta.mtime_ns, meta.size)
-        cached = self.dcp_plans.get(meta.ino)
-        if cached is None or cached[0] != version:
-            try:
-                data = await self.reader.read(meta.emap, 0, meta.size, meta.size, 0)
-            except OSError as exc:  # (not kept: the next open tries again)
-                log.info("no read plan for %r: reading .metadata: %s", name, exc)
+        try:
+            plans = await self._dcp_plans_of(meta)
+            items = plans.get(name) if plans else None
+            if not items:
                 return None
+            plan = ReadPlan(items, x.size)
+        except Exception as exc:  # noqa: BLE001 - no plan, whatever failed
+            log.info("no read plan for %r: %s", name, exc)
+            return None
+        self.read_plans += 1
+        return plan
+
+    async def _dcp_plans_of(self, meta: Inode) -> dict | None:
+        """The plans a `.metadata` gives its data files, read once per version of it (the
+        ranks of a node open their data files at once: one reads it, the others wait);
+        None when it cannot be read now (not kept: the next open tries again)."""
+        version = (meta.mtime_ns, meta.size)
+        while True:
+            cached = self.dcp_plans.get(meta.ino)
+            if cached is not None and cached[0] == version:
+                return cached[1]
+            busy = self.dcp_reading.get(meta.ino)
+            if busy is None:
+                break
+            await busy.wait()
+        busy = self.dcp_reading[meta.ino] = trio.Event()
+        try:
+            data = bytearray()
+            for off in range(0, meta.size, IO_BLOCK_BYTES):  # (views valid until an await)
+                for part in await self.reader.read(meta.emap, off, IO_BLOCK_BYTES, meta.size,
+                                                   0, gather=True):
+                    data += part
             try:
-                plans = dcp_plans(bytes(data))
+                plans = await trio.to_thread.run_sync(dcp_plans, bytes(data))
             except ValueError as exc:
-                log.info("no read plan for %r: %s", name, exc)
+                log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
                 plans = {}
             if len(self.dcp_plans) >= DCP_PLANS_MAX:
                 self.dcp_plans.clear()
-            cached = self.dcp_plans[meta.ino] = (version, plans)
-        items = cached[1].get(name)
-        if not items:
+            self.dcp_plans[meta.ino] = (version, plans)
+            return plans
+        except OSError as exc:
+            log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
             return None
-        self.read_plans += 1
-        return ReadPlan(items)
+        finally:
+            del self.dcp_reading[meta.ino]
+            busy.set()
 
     def may_prepare_open(self, x: Inode) -> bool:
         """Whether a read-only open of x can be prepared before it comes (prepare_open): its
         answer then does not depend on when it comes (x was not last written through a
         direct handle, whose pages a reader's open drops)."""
         return (x.ino not in self.written_direct and x.ino != CTL_STATS_INO
-                and x.ino not in self.dcp_names)  # (a DCP data file's OPEN reads its plan)
+                and (x.size <= DIRECT_READ_MIN_BYTES  # (a DCP data file's OPEN: its plan)
+                     or self._dcp_metadata(x) is None))
 
     def prepare_open(self, x: Inode) -> tuple[int, pyfuse3.FileInfo]:
         """A handle number and the answer for a read-only open of x that the ring's queue
