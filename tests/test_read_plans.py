@@ -222,12 +222,19 @@ def test_two_restores_side_by_side_each_follow_their_plan(mounts):
 
 def test_a_checkpoint_read_back_in_the_mount_that_saved_it_follows_its_plan(mounts):
     """Saved and restored in one mount: the data file's name is known from its create (the
-    kernel asks no LOOKUP for a name it holds)."""
+    kernel asks no LOOKUP for a name it holds); in a fresh mount after a listing, from the
+    listing (READDIRPLUS gives the kernel the entry, so the open asks no LOOKUP either)."""
     sd = _big_state()
     m = mounts.mount(read_cache="32M", prefetch="8M")
     path = os.path.join(m.mountpoint, "ckpt")
     _save(sd, path)
     m.sync()
+    assert _same(_load(sd, path), sd)
+    assert m.status()["read_plans"] == 1
+    m.stop()
+    m = mounts.mount(m.backing, read_cache="32M", prefetch="8M")
+    path = os.path.join(m.mountpoint, "ckpt")
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
     assert _same(_load(sd, path), sd)
     assert m.status()["read_plans"] == 1
     m.stop()

@@ -1083,6 +1083,8 @@ class CkptOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attr(x), i + 1):
                 break
             x.lookups += 1
+            if name.endswith(DCP_DATA_SUFFIX):  # (READDIRPLUS: its open may ask no LOOKUP)
+                self.note_dcp_name(h.ino, name, ino)
 
     async def releasedir(self, fh):
         self.handles.pop(fh, None)
