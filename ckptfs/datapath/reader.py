@@ -284,9 +284,7 @@ class Reader:
         hi = min(off + size, file_size)
         if off >= hi:
             return [] if gather else b""
-        if not isinstance(ahead, ReadPlan):
-            window = self.window
-            ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
+        ahead = self._window_of(ahead)
         out = self._cached(emap, off, hi, ahead)
         if out is None:
             out = await self._read(emap, off, hi, ahead, gather)
@@ -387,9 +385,7 @@ class Reader:
         """Bytes [off, hi) of a file were served from a read_window() (fuse/ring.c): what read()
         does besides the bytes (the chunks become the most recently used, readahead as
         `ahead` says, the handle's `seen` for recycling)."""
-        if not isinstance(ahead, ReadPlan):
-            window = self.window
-            ahead = window if ahead is None else min(window, ahead // CHUNK_BYTES)
+        ahead = self._window_of(ahead)
         keys: dict[tuple[int, int, int], None] = {}
         for _, n, run, roff in emap.find(off, hi):
             if run.log < 0 or run.memory() is not None:
@@ -888,6 +884,13 @@ class Reader:
         self.load_seconds += time.perf_counter() - t0
         return n
 
+    def _window_of(self, ahead):
+        """read()'s `ahead` (bytes, None for the most, or a ReadPlan) as _ahead_of takes it:
+        whole chunks, at most the window, or the plan."""
+        if isinstance(ahead, ReadPlan):
+            return ahead
+        return self.window if ahead is None else min(self.window, ahead // CHUNK_BYTES)
+
     def _ahead_of(self, emap: ExtentMap, keys, off: int, hi: int, ahead) -> None:
         """Readahead after a READ of [off, hi) of a file (its chunks: `keys`): by the file's
         read plan (`ahead` a ReadPlan), else `ahead` chunks on in log order."""
@@ -899,7 +902,7 @@ class Reader:
         except Exception:  # (a defect in a guess must not fail the READ: no plan from now)
             log.exception("read plan: dropped")
             self.drop_plan(ahead)
-            ahead.parts, ahead.items, ahead.starts = [], [], []
+            ahead.clear()
 
     def _plan_ahead(self, emap: ExtentMap, keys, off: int, hi: int, plan: ReadPlan) -> None:
         """Load what the file's read plan says comes after [off, hi), in that order, up to the

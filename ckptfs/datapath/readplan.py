@@ -66,12 +66,15 @@ class _Record:
     def __setstate__(self, state) -> None:
         self.state = state
 
-    def field(self, name: str):
+    def field(self, name: str, default=ValueError):
+        """Its field `name`; `default` when it has none (ValueError: raised)."""
         st = self.state
         if isinstance(st, tuple) and len(st) == 2:  # (dict, slots) of a class with __slots__
             st = {**(st[0] or {}), **(st[1] or {})}
         if not isinstance(st, dict) or name not in st:
-            raise ValueError(f"no field {name!r}")
+            if default is ValueError:
+                raise ValueError(f"no field {name!r}")
+            return default
         return st[name]
 
 
@@ -95,8 +98,7 @@ def _parse(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
             raise ValueError("not DCP metadata")
         if len(storage) > ITEMS_MAX:
             raise ValueError(f"more than {ITEMS_MAX} items")
-        st = md.state
-        rank = _load_order(order, st.get("planner_data") if isinstance(st, dict) else None)
+        rank = _load_order(order, md.field("planner_data", None))
         items = []
         for n, (index, info) in enumerate(storage.items()):
             if not isinstance(index, _Record) or not isinstance(info, _Record):
@@ -238,6 +240,10 @@ class ReadPlan:
         if p > self.now:
             self.now = p
         return p
+
+    def clear(self) -> None:
+        """No plan from now on (a look ahead by it failed): no item is found any more."""
+        self.items, self.starts, self.at, self.parts = [], [], [], []
 
     def after(self, p: int) -> range:
         """The plan positions read after position p, as far as a look ahead goes."""

@@ -61,7 +61,6 @@ from collections import deque
 import pyfuse3
 import trio
 
-from ckptfs.datapath.readplan import DCP_DATA_SUFFIX
 from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.datapath.staging import ExtentMap
 from ckptfs.fuse import ring as fring
@@ -1094,8 +1093,7 @@ class FastPath(RequestWait):
             if (y is None or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
-            if n.endswith(DCP_DATA_SUFFIX):  # (its LOOKUP may be answered in C)
-                ops.note_dcp_name(parent, n, y.ino)
+            ops.saw_name(parent, n, y.ino)  # (its LOOKUP may be answered in C)
             # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer:
             # most of a restore's names ahead were prepared by the LOOKUPs before)
             fh = self.prepared_ino.get(y.ino)

@@ -70,7 +70,7 @@ IO_BLOCK_BYTES = 512 << 10
 XATTR_PREFIX = b"user.ckptfs."
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
-DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (note_dcp_name)
+DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (saw_name)
 DCP_PLANS_MAX = 16  # `.metadata` files whose plans are kept (one per checkpoint read)
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
@@ -190,7 +190,7 @@ class CkptOperations(pyfuse3.Operations):
         # per `.metadata` inode: ((its mtime, size), the plans of its data files)
         self.dcp_plans: dict[int, tuple[tuple[int, int], dict]] = {}
         self.dcp_reading: dict[int, trio.Event] = {}  # (.metadata inodes being read)
-        self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (note_dcp_name)
+        self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (saw_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
         self.request_wait: loop.RequestWait | None = None
@@ -419,17 +419,18 @@ class CkptOperations(pyfuse3.Operations):
             if name == CTL_NAME and parent.ino == ROOT_INO:
                 return self.ns.inodes[CTL_DIR_INO]
             return None
-        if name.endswith(DCP_DATA_SUFFIX):
-            self.note_dcp_name(parent_inode, name, ino)
+        self.saw_name(parent_inode, name, ino)
         return self.ns.inodes[ino]
 
-    def note_dcp_name(self, parent: int, name: bytes, ino: int) -> None:
-        """A DCP data file found by a LOOKUP: where its open finds the `.metadata` for its
+    def saw_name(self, parent: int, name: bytes, ino: int) -> None:
+        """The kernel learns of `name` in directory `parent` (a LOOKUP, CREATE, rename or
+        listing): a DCP data file's is kept, where its open finds the `.metadata` for its
         read plan (a file's inode does not say which directory holds it)."""
-        names = self.dcp_names
-        if len(names) >= DCP_NAMES_MAX:
-            names.clear()
-        names[ino] = (parent, name)
+        if name.endswith(DCP_DATA_SUFFIX):
+            names = self.dcp_names
+            if len(names) >= DCP_NAMES_MAX:
+                names.clear()
+            names[ino] = (parent, name)
 
     def refresh_due(self) -> bool:
         """Whether an open, lookup or listing has to look at other writers' changes first:
@@ -572,8 +573,7 @@ class CkptOperations(pyfuse3.Operations):
         the ring's queue threads answered comes with its numbers (reserve) and time."""
         mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
         x = self._new(parent_inode, name, mode, ctx, ino=ino, now=now_ns)
-        if name.endswith(DCP_DATA_SUFFIX):  # (read back in this mount without a LOOKUP)
-            self.note_dcp_name(parent_inode, name, x.ino)
+        self.saw_name(parent_inode, name, x.ino)  # (read back in this mount: no LOOKUP)
         fh = self._open_handle(x, flags, ctx, fh)
         return self._file_info(x, fh, flags), x
 
@@ -700,8 +700,8 @@ class CkptOperations(pyfuse3.Operations):
         np_ = self._own_dir(np_)
         self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
                                  flags & RENAME_EXCHANGE))
-        if name_new.endswith(DCP_DATA_SUFFIX) and not moving.is_dir:
-            self.note_dcp_name(np_.ino, name_new, moving.ino)
+        if not moving.is_dir:
+            self.saw_name(np_.ino, name_new, moving.ino)
         now = time.time_ns()
         self._touch_linked(moving, now)
         if target is not None:
@@ -1083,8 +1083,7 @@ class CkptOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attr(x), i + 1):
                 break
             x.lookups += 1
-            if name.endswith(DCP_DATA_SUFFIX):  # (READDIRPLUS: its open may ask no LOOKUP)
-                self.note_dcp_name(h.ino, name, ino)
+            self.saw_name(h.ino, name, ino)  # (READDIRPLUS: its open may ask no LOOKUP)
 
     async def releasedir(self, fh):
         self.handles.pop(fh, None)
