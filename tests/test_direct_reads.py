@@ -322,7 +322,7 @@ def test_readahead_asks_only_for_new_chunks_until_the_reader_starts_over(tmp_pat
     r = Reader({0: str(tmp_path)}, cache_bytes=64 * MiB, prefetch_bytes=16 * MiB)
     started: list[int] = []
     r.background = True
-    r._start_load = lambda key: started.append(key[2])
+    r._start_load = lambda key, part=None: started.append(key[2])
     r.log_end[(0, 1)] = 100 * CHUNK
 
     def ahead_of(idx: int, ahead: int = 4) -> list[int]:
@@ -360,7 +360,7 @@ def test_readahead_takes_no_buffer_of_the_chunk_being_served(tmp_path, pick):
     r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=4 * CHUNK)
     r.background = True
     for idx in (0, 10, 11, 12, 13, 14, 15, 16):  # (chunk 0 first: the least recently used)
-        r.chunks[(0, 1, idx)] = _Chunk(bytearray(b"x" * CHUNK), CHUNK)
+        r.chunks[(0, 1, idx)] = _Chunk(bytearray(b"x" * CHUNK), 0, CHUNK, False)
     r.allocated = 8
     if pick == "consumed":
         r.consumed[(0, 1, 0)] = None
@@ -533,9 +533,9 @@ def test_lazy_landing_hands_over_only_the_loads_a_read_waits_for(tmp_path, case)
     r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=0)
     gate = threading.Event()
 
-    def pread(layer: int, logno: int, idx: int, buf) -> int:
+    def pread(key: tuple[int, int, int], buf, lo: int, hi: int) -> int:
         assert gate.wait(10)
-        buf[:4096] = b"y" * 4096
+        buf[lo:lo + 4096] = b"y" * 4096
         return 4096
 
     r._pread = pread

@@ -43,12 +43,24 @@ SCRATCH_BYTES = 2 << 20  # a huge page: holds any READ (max 1 MiB)
 LOAD_THREADS = 4  # concurrent chunk reads (the queue depth of the read path)
 NOTE_SLICE = 4096  # files note_replayed notes between two looks at the requests
 EVICT_SCAN_MAX = 256  # chunks a plan's choice of what to let go looks at, oldest first
+LOAD_ALIGN = 4096  # a part of a chunk is loaded from and to multiples of this (O_DIRECT)
 GATHER_MAX_PARTS = 128  # a READ of more parts is assembled in scratch (writev: IOV_MAX 1024)
 _ZEROS = memoryview(bytes(SCRATCH_BYTES))
 
 
 def _zeros(n: int) -> list:
     return [_ZEROS[:min(n - i, SCRATCH_BYTES)] for i in range(0, n, SCRATCH_BYTES)]
+
+
+def _need(need: dict, layer: int, logno: int, lo: int, hi: int) -> None:
+    """Add bytes [lo, hi) of a log to `need`: chunk key -> the bytes of it needed (one
+    range per chunk, from the first to the last byte needed)."""
+    for idx in range(lo // CHUNK_BYTES, (hi - 1) // CHUNK_BYTES + 1):
+        base = idx * CHUNK_BYTES
+        a, b = max(lo, base) - base, min(hi, base + CHUNK_BYTES) - base
+        k = (layer, logno, idx)
+        was = need.get(k)
+        need[k] = (a, b) if was is None else (min(a, was[0]), max(b, was[1]))
 
 
 class _Load:
@@ -67,12 +79,20 @@ _CHECK = object()  # the loader threads' job that checks the runs asked for mean
 
 
 class _Chunk:
-    __slots__ = ("buf", "view", "length")
+    """A cached chunk: its bytes [lo, length) are the log's (all from 0 but where a read
+    plan loaded only the part it needs: _plan_ahead); `short`: the log ends at `length`."""
+    __slots__ = ("buf", "view", "lo", "length", "short")
 
-    def __init__(self, buf, length: int) -> None:
+    def __init__(self, buf, lo: int, length: int, short: bool) -> None:
         self.buf = buf
         self.view = memoryview(buf)
+        self.lo = lo
         self.length = length
+        self.short = short
+
+    def holds(self, a: int, b: int) -> bool:
+        """Whether bytes [a, b) of the chunk are here (or lie past the log's end)."""
+        return self.lo <= a and (b <= self.length or self.short)
 
 
 class Reader:
@@ -204,7 +224,7 @@ class Reader:
             dropped = [j for j in self.jobs if j is not _CHECK]
             self.jobs.clear()
             self.cond.notify_all()
-        for _, _, _, ld in dropped:  # (no READ waits for them once the mount ended)
+        for _, _, _, ld, *_ in dropped:  # (no READ waits for them once the mount ended)
             ld.error = OSError(errno.EIO, "the reader is closed")
             ld.done.set()
         end = time.monotonic() + 5
@@ -314,11 +334,12 @@ class Reader:
             return None
         key = (run.layer, run.log, idx)
         ch = self.chunks.get(key)
-        if ch is None:
+        a = lo % CHUNK_BYTES
+        if ch is None or a < ch.lo or a + n > ch.length:
             return None
         if ahead:
             self._ahead_of(emap, (key,), off, hi, ahead)
-        return self._served(key, ch, lo % CHUNK_BYTES, n)
+        return self._served(key, ch, a, n)
 
     def read_window(self, emap: ExtentMap, start: int, file_size: int, limit: int,
                     max_parts: int, max_chunks: int, pinned=()):
@@ -346,7 +367,8 @@ class Reader:
                 a = lo % CHUNK_BYTES
                 k = min(n, CHUNK_BYTES - a)
                 fresh = key not in keys and key not in pinned
-                if ch is None or a + k > ch.length or (fresh and new >= max_chunks):
+                if (ch is None or a < ch.lo or a + k > ch.length
+                        or (fresh and new >= max_chunks)):
                     break
                 if last is not None and last[0] == key and last[2] == a:
                     # (pieces end to end in one chunk, e.g. a file's runs: one part)
@@ -373,8 +395,15 @@ class Reader:
         for _, _, run, roff in emap.find(off, off + 1):
             if not run.verified or run.log < 0 or run.memory() is not None:
                 return False
-            return (run.layer, run.log, (run.loff + roff) // CHUNK_BYTES) in self.chunks
+            lo = run.loff + roff
+            ch = self.chunks.get((run.layer, run.log, lo // CHUNK_BYTES))
+            return ch is not None and ch.lo <= lo % CHUNK_BYTES < ch.length
         return False
+
+    def _holds(self, key: tuple[int, int, int], a: int, b: int) -> bool:
+        """Whether bytes [a, b) of chunk `key` are cached."""
+        ch = self.chunks.get(key)
+        return ch is not None and ch.holds(a, b)
 
     def unpin(self, keys) -> None:
         """The views of a read_window() over these chunks are no longer used."""
@@ -457,10 +486,10 @@ class Reader:
                         if k in chunks:
                             chunks.move_to_end(k, last=False)
 
-    async def _read(self, emap: ExtentMap, off: int, hi: int, ahead: int, gather: bool):
+    async def _read(self, emap: ExtentMap, off: int, hi: int, ahead, gather: bool):
         while True:
             pieces = emap.find(off, hi)
-            keys: dict[tuple[int, int, int], None] = {}
+            keys: dict[tuple[int, int, int], tuple[int, int]] = {}  # -> the bytes needed
             verify = []
             staged = []
             for _, n, run, roff in pieces:
@@ -476,8 +505,7 @@ class Reader:
                 else:
                     lo, ln = run.loff, run.length
                     verify.append(run)
-                for idx in range(lo // CHUNK_BYTES, (lo + ln - 1) // CHUNK_BYTES + 1):
-                    keys[(run.layer, run.log, idx)] = None
+                _need(keys, run.layer, run.log, lo, lo + ln)
             if keys:
                 if ahead:
                     self._ahead_of(emap, keys, off, hi, ahead)
@@ -485,16 +513,17 @@ class Reader:
                 mine = [r for r in verify if r not in self.verifying]
                 self.verifying.update(mine)  # checked below: not again by _verify_ahead
                 try:
-                    missing = [k for k in keys if k not in self.chunks]
+                    missing = {k: ab for k, ab in keys.items() if not self._holds(k, *ab)}
                     if missing:
                         t0 = time.perf_counter()
                         with self.interruptible() as scope:
-                            await self._wait_loads(missing)
+                            # (a plan's READ loads the part it needs, like its look ahead)
+                            await self._wait_loads(missing, isinstance(ahead, ReadPlan))
                         if scope.cancelled_caught:
                             raise InterruptedError(errno.EINTR, "the reader is being killed")
                         self.wait_seconds += time.perf_counter() - t0
-                    if any(k not in self.chunks for k in keys):
-                        continue  # invalidated while loading: look again
+                    if any(not self._holds(k, *ab) for k, ab in keys.items()):
+                        continue  # invalidated, or a part loaded, meanwhile: look again
                     if any(r.memory() is None for r in staged):
                         continue  # flushed and released while we waited: look again
                     for run in verify:
@@ -557,9 +586,12 @@ class Reader:
         mismatch or where the log ends before the run does, and the run stays bad."""
         parts, lo, n = [], run.loff, run.length
         while n > 0:
-            ch = self.chunks[(run.layer, run.log, lo // CHUNK_BYTES)]
+            key = (run.layer, run.log, lo // CHUNK_BYTES)
+            ch = self.chunks[key]
             a = lo % CHUNK_BYTES
             k = min(n, CHUNK_BYTES - a)
+            if not ch.holds(a, a + k):  # (a part of the chunk without the run's bytes)
+                raise KeyError(key)
             parts.append(ch.view[a:min(a + k, ch.length)])
             if a + k > ch.length:  # the log ends before the run does
                 break
@@ -586,11 +618,11 @@ class Reader:
             keep.append(run)
             if run in self.verifying:
                 continue
-            keys = [(run.layer, run.log, i) for i in
-                    range(run.loff // CHUNK_BYTES, (run.loff + run.length - 1) // CHUNK_BYTES + 1)]
-            if all(k in self.chunks for k in keys):
+            need: dict[tuple[int, int, int], tuple[int, int]] = {}
+            _need(need, run.layer, run.log, run.loff, run.loff + run.length)
+            if all(self._holds(k, *ab) for k, ab in need.items()):
                 ready.append(run)
-                pinned.update(dict.fromkeys(keys))
+                pinned.update(dict.fromkeys(need))
         if keep:
             self.chunk_runs[key] = keep
         else:
@@ -695,59 +727,91 @@ class Reader:
     def _map_plan(emap: ExtentMap, plan: ReadPlan) -> None:
         """Once per plan, its items' chunks (the file's extents `emap` as they are now: a
         change later only makes the plan's loads guesses): per item, where each of its chunks'
-        parts ends in the file and the chunk (plan.parts); per chunk, the plan positions that
-        read it (plan.uses)."""
-        parts: list[tuple[list[int], list[tuple[int, int, int]]]] = []
+        parts ends in the file, the chunk, and the bytes of it the item needs: those of its
+        runs, whole (a run is checked whole), which may reach into chunks before and after
+        the item's bytes (plan.parts); per chunk, the plan positions that read it
+        (plan.uses)."""
+        parts: list[tuple[list[int], list[tuple[int, int, int]], list[tuple[int, int]]]] = []
         uses: dict[tuple[int, int, int], list[int]] = {}
         for pos, (s, n) in enumerate(plan.items):
             ends: list[int] = []
             keys: list[tuple[int, int, int]] = []
+            spans: list[tuple[int, int]] = []
             for fs, m, run, roff in emap.find(s, s + n):
                 if run.log < 0 or run.memory() is not None:
                     continue
                 a = run.loff + roff
-                for idx in range(a // CHUNK_BYTES, (a + m - 1) // CHUNK_BYTES + 1):
+                r0, r1 = run.loff, run.loff + run.length
+                for idx in range(r0 // CHUNK_BYTES, (r1 - 1) // CHUNK_BYTES + 1):
                     k = (run.layer, run.log, idx)
-                    end = fs + min(m, (idx + 1) * CHUNK_BYTES - a)
+                    base = idx * CHUNK_BYTES
+                    end = fs + min(m, max(0, base + CHUNK_BYTES - a))
+                    span = (max(r0, base) - base, min(r1, base + CHUNK_BYTES) - base)
                     if keys and keys[-1] == k:
                         ends[-1] = end
+                        spans[-1] = (min(spans[-1][0], span[0]), max(spans[-1][1], span[1]))
                         continue
                     ends.append(end)
                     keys.append(k)
+                    spans.append(span)
                     at = uses.setdefault(k, [])
                     if not at or at[-1] != pos:
                         at.append(pos)
-            parts.append((ends, keys))
+            parts.append((ends, keys, spans))
         plan.parts, plan.uses = parts, uses
 
     def drop_plan(self, plan: ReadPlan) -> None:
         """The handle that followed `plan` is gone."""
         self.plans.pop(plan, None)
 
-    def _start_load(self, key: tuple[int, int, int]) -> _Load:
-        """Have a loader thread read chunk `key` (not cached, not loading) into a buffer
-        taken now (_buffer: a cached chunk may go for it, so the caller pins the chunks it
-        is about to serve)."""
+    def _start_load(self, key: tuple[int, int, int], part: tuple[int, int] | None = None
+                    ) -> _Load:
+        """Have a loader thread read chunk `key` (not loading; not cached, or only in part):
+        all of it, into a buffer taken now (_buffer: a cached chunk may go for it, so the
+        caller pins the chunks it is about to serve), which replaces the part cached on
+        landing; or with `part` (a, b), widened to LOAD_ALIGN, the bytes from a to b: into
+        a buffer taken now when none of the chunk is cached, else into the chunk's own
+        buffer, the bytes between the part and those cached (on one side: a part on both
+        sides loads the one before first), the chunk pinned meanwhile."""
+        ext = False
+        if part is None:
+            lo, hi = 0, CHUNK_BYTES
+        else:
+            lo = part[0] // LOAD_ALIGN * LOAD_ALIGN
+            hi = min(CHUNK_BYTES, -(-part[1] // LOAD_ALIGN) * LOAD_ALIGN)
+            ch = self.chunks.get(key)
+            if ch is not None and not ch.short:
+                ext = True
+                if lo < ch.lo:
+                    hi = ch.lo  # (and the part after, if any, at the next look)
+                else:
+                    lo = ch.length
         self._start_threads()
-        buf = self._buffer()
+        if ext:
+            buf = ch.buf
+            self._pin((key,))  # (its buffer stays the chunk's: not reused meanwhile)
+        else:
+            buf = self._buffer()
         ld = self.loading[key] = _Load()
-        job = (key, buf, self.gen.get(key[:2], 0), ld)
+        job = (key, buf, self.gen.get(key[:2], 0), ld, lo, hi, ext)
         with self.cond:
             self.jobs.append(job)
             self.cond.notify()
         return ld
 
-    async def _wait_loads(self, keys) -> None:
-        """Load `keys` (those not cached) and wait for them here: this wait can be cancelled
-        (the READ's caller is being killed) while a disk read cannot; the loads go on
-        without it. Raises the first load's error."""
+    async def _wait_loads(self, missing: dict, partial: bool = False) -> None:
+        """Load the chunks `missing` (key -> the bytes needed of it: those not cached; the
+        whole chunk, or with `partial` those bytes) and wait for them here (a load in flight
+        is waited for as it is: the caller looks again). This wait can be cancelled (the
+        READ's caller is being killed) while a disk read cannot; the loads go on without it.
+        Raises the first load's error."""
         loads = []
-        for k in keys:
+        for k, ab in missing.items():
             ld = self.loading.get(k)
             if ld is None:
-                if k in self.chunks:
+                if self._holds(k, *ab):
                     continue
-                ld = self._start_load(k)
+                ld = self._start_load(k, ab if partial else None)
             loads.append(ld)
         with self.cond:  # (a load that completes from now on is handed over at once)
             for ld in loads:
@@ -797,11 +861,12 @@ class Reader:
                     log.exception("checking runs ahead")
                     result = (_CHECK, batch, 0)
             else:
-                key, buf, gen, ld = job
+                key, buf, gen, ld, lo, hi, ext = job
                 try:
-                    result = (key, buf, gen, ld, self._pread(*key, buf), None)
+                    result = (key, buf, gen, ld, lo, hi, ext, self._pread(key, buf, lo, hi),
+                              None)
                 except Exception as exc:
-                    result = (key, buf, gen, ld, 0, exc)
+                    result = (key, buf, gen, ld, lo, hi, ext, 0, exc)
             with cond:
                 self.done.append(result)
                 if self.posted or (self.lazy and (job is _CHECK or not job[3].waited)):
@@ -851,16 +916,37 @@ class Reader:
             except Exception:  # (a defect; the other results still land)
                 log.exception("a chunk load's result")
 
-    def _chunk_landed(self, key, buf, gen: int, ld: _Load, n: int, exc) -> None:
+    def _chunk_landed(self, key, buf, gen: int, ld: _Load, lo: int, hi: int, ext: bool,
+                      n: int, exc) -> None:
         try:
-            if self.gen.get(key[:2], 0) != gen:  # (its log range was written meanwhile)
+            if ext:  # (more of a cached chunk, in its own buffer: _start_load)
+                self._unpin((key,))
+                ch = self.chunks.get(key)
+                if exc is not None:
+                    ld.error = exc
+                elif self.gen.get(key[:2], 0) == gen and ch is not None and ch.buf is buf:
+                    if lo < ch.lo and lo + n >= ch.lo:
+                        ch.lo = lo
+                    elif lo == ch.length:
+                        ch.length = lo + n
+                        ch.short = n < hi - lo
+                    if key in self.chunk_runs:
+                        self._verify_ahead(key)
+                # (else the chunk went, invalidated: its buffer was let go then)
+            elif self.gen.get(key[:2], 0) != gen:  # (its log range was written meanwhile)
                 self.spare.append(buf)
             elif exc is not None:
                 self.spare.append(buf)
                 ld.error = exc
                 log.debug("loading chunk %s failed: %s", key, exc)
             else:
-                self.chunks[key] = _Chunk(buf, n)
+                old = self.chunks.pop(key, None)  # (a part of it: this load holds that too)
+                if old is not None:
+                    if key in self.pins:
+                        self.allocated -= 1  # (still served or checked: freed later)
+                    else:
+                        self.spare.append(old.buf)
+                self.chunks[key] = _Chunk(buf, lo, lo + n, n < hi - lo)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
                 self.consumed.pop(key, None)
                 while len(self.chunks) > self.max_chunks:
@@ -875,10 +961,12 @@ class Reader:
                 del self.loading[key]
             ld.done.set()
 
-    def _pread(self, layer: int, logno: int, idx: int, buf) -> int:
-        """Loader thread: one chunk from the log (short at its end)."""
+    def _pread(self, key: tuple[int, int, int], buf, lo: int, hi: int) -> int:
+        """Loader thread: bytes [lo, hi) of a chunk from the log into the same bytes of
+        `buf` (short at the log's end)."""
+        layer, logno, idx = key
         t0 = time.perf_counter()
-        n = self.logs.read_into(layer, logno, buf, idx * CHUNK_BYTES)
+        n = self.logs.read_into(layer, logno, memoryview(buf)[lo:hi], idx * CHUNK_BYTES + lo)
         self.disk_reads += 1
         self.disk_bytes += n
         self.load_seconds += time.perf_counter() - t0
@@ -907,7 +995,9 @@ class Reader:
     def _plan_ahead(self, emap: ExtentMap, keys, off: int, hi: int, plan: ReadPlan) -> None:
         """Load what the file's read plan says comes after [off, hi), in that order, up to the
         readahead window (--prefetch): the rest of the item read, then the next items, each
-        its last chunk first (DCP reads an item's zip directory, at its end, first); what is
+        its last chunk first (DCP reads an item's zip directory, at its end, first); of each
+        chunk only the bytes those items need (their runs: the rest of the chunk holds items
+        read much later, or earlier, which the cache would keep or load in vain); what is
         cached of it already becomes the most recently used (kept over chunks read before)."""
         if not self.background or not self.window:
             return
@@ -918,29 +1008,41 @@ class Reader:
             self._map_plan(emap, plan)
             self.plans[plan] = None
         chunks, loading, window = self.chunks, self.loading, self.window
-        ends, ks = plan.parts[p]
+        need: dict[tuple[int, int, int], tuple[int, int]] = {}  # (the bytes of each chunk)
+
+        def add(ks, spans) -> None:
+            for k, (a, b) in zip(ks, spans):
+                was = need.get(k)
+                need[k] = (a, b) if was is None else (min(a, was[0]), max(b, was[1]))
+
+        ends, ks, spans = plan.parts[p]
         if p != plan.cur:  # (an item's first READ: DCP's is at its end, its start comes next)
             plan.cur = p
             order = ks[-1:] + ks
+            add(ks, spans)
         else:
-            order = ks[bisect_right(ends, hi):]
+            i = bisect_right(ends, hi)
+            order = ks[i:]
+            add(order, spans[i:])
         for q in plan.after(p):
-            ks = plan.parts[q][1]
+            _, ks, spans = plan.parts[q]
             if ks:
                 order.append(ks[-1])
                 order.extend(ks)
+                add(ks, spans)
             if len(order) >= 2 * window:
                 break
-        wanted: dict[tuple[int, int, int], None] = {}
+        wanted: dict[tuple[int, int, int], tuple[int, int]] = {}
         seen: dict[tuple[int, int, int], None] = {}
         for k in order:
             if k in seen:
                 continue
             seen[k] = None
-            if k in chunks:
+            ch = chunks.get(k)
+            if ch is not None and ch.holds(*need[k]):
                 chunks.move_to_end(k)
             elif k not in loading:
-                wanted[k] = None
+                wanted[k] = need[k]
             if len(seen) >= window:
                 break
         plan.soon = seen
@@ -948,14 +1050,15 @@ class Reader:
             self.plan_loads += len(wanted)
             self._start_loads(wanted, keys, seen)
 
-    def _start_loads(self, wanted, *keep) -> None:
-        """Start loading the chunks `wanted`, those in each of `keep` pinned meanwhile (a
-        load's buffer may be a cached chunk's: not one being served or about to be read)."""
+    def _start_loads(self, wanted: dict, *keep) -> None:
+        """Start loading the chunks `wanted` (key -> the part to load, None: all of it), those
+        in each of `keep` pinned meanwhile (a load's buffer may be a cached chunk's: not one
+        being served or about to be read)."""
         for ks in keep:
             self._pin(ks)
         try:
-            for k in wanted:
-                self._start_load(k)
+            for k, part in wanted.items():
+                self._start_load(k, part)
         finally:
             for ks in keep:
                 self._unpin(ks)
@@ -969,7 +1072,7 @@ class Reader:
         for layer, logno, idx in keys:
             if idx > last.get((layer, logno), -1):
                 last[(layer, logno)] = idx
-        wanted = []
+        wanted: dict[tuple[int, int, int], None] = {}
         for (layer, logno), idx in last.items():
             # (up to the end of the log's known runs: a log still growing is asked again)
             end = -(-self.log_end.get((layer, logno), 0) // CHUNK_BYTES)
@@ -985,6 +1088,6 @@ class Reader:
             for i in range(first, stop):
                 k = (layer, logno, i)
                 if k not in self.chunks and k not in self.loading:
-                    wanted.append(k)
+                    wanted[k] = None
         if wanted:
             self._start_loads(wanted, keys)
