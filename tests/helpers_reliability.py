@@ -187,3 +187,19 @@ def verify_and_remount(mounts, m, backing: str, opts: dict, files: dict[str, int
     for name, size in files.items():
         assert read_all(os.path.join(m.mountpoint, name)) == content(name, size), name
     return m
+
+
+def damage_run(backing: str, path: str, which: int) -> object:
+    """Flip a bit in the middle of the `which`-th run of virtual file `path` in its data log
+    (an unmounted backing directory); the run."""
+    from ckptfs.format import backingdir
+    from ckptfs.tools.snapshot import Snapshot
+
+    snap = Snapshot(backing)
+    run = snap.lookup(path).emap.runs()[which]
+    with open(os.path.join(snap.writer_dir, backingdir.data_log_name(run.log)), "r+b") as f:
+        f.seek(run.loff + run.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    return run

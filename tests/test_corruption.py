@@ -14,7 +14,7 @@ import stat
 import struct
 
 import pytest
-from helpers_reliability import KiB, MiB, cli, content, read_all
+from helpers_reliability import KiB, MiB, cli, content, damage_run, read_all
 
 from ckptfs.daemon import replay
 from ckptfs.format import backingdir, records
@@ -50,13 +50,7 @@ def test_flipped_byte_in_data_log(mounts):
     _files(m, files)
     m.stop()
     snap = Snapshot(backing)
-    run = snap.lookup("/c").emap.runs()[1]  # the second extent of c
-    path = os.path.join(snap.writer_dir, backingdir.data_log_name(run.log))
-    with open(path, "r+b") as f:
-        f.seek(run.loff + run.length // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    run = damage_run(backing, "/c", 1)  # the second extent of c
     res = cli("verify", backing)
     assert res.returncode != 0, res.stdout
     damaged = [ln for ln in res.stdout.splitlines() if ln.startswith("DAMAGED /")]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from ckptfs.bench import drop_caches  # noqa: E402
 from ckptfs.datapath.readplan import ReadPlan, dcp_plans  # noqa: E402
-from ckptfs.format import backingdir  # noqa: E402
+from helpers_reliability import damage_run  # noqa: E402
 from ckptfs.tools.snapshot import Snapshot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -271,15 +271,8 @@ def test_a_plan_loads_the_parts_of_chunks_its_items_need(mounts):
     assert st["read_disk_bytes"] < 6 * size, (st["read_disk_bytes"], size)
     m.stop()
 
-    snap = Snapshot(m.backing)
-    runs = snap.lookup("/ckpt/__0_0.distcp").emap.runs()
-    run = runs[len(runs) // 2]
-    path = os.path.join(snap.writer_dir, backingdir.data_log_name(run.log))
-    with open(path, "r+b") as f:
-        f.seek(run.loff + run.length // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    runs = Snapshot(m.backing).lookup("/ckpt/__0_0.distcp").emap.runs()
+    damage_run(m.backing, "/ckpt/__0_0.distcp", len(runs) // 2)
     m = mounts.mount(m.backing, read_cache="32M", prefetch="8M")
     assert drop_caches()
     with pytest.raises(CheckpointException) as ei:  # (DCP's wrapping of the reader's EIO)

@@ -7,6 +7,10 @@ VM's memory is backed lazily, and reading into fresh buffers runs at first-touch
 CRC32C is checked the first time it is read from disk (over the chunks it spans); a mismatch
 makes reads of that file fail with EIO, other files are unaffected.
 
+A chunk is cached whole, except where a read plan (readplan.py) loaded just the part of it its
+next items need: a cached chunk holds bytes [lo, length) of the log's 4 MiB (_Chunk.holds), and
+every read asks whether the bytes it needs are there, not only the chunk.
+
 Files of a checkpoint are written one after another, so they lie one after another in the logs,
 and a restore reads them in about that order. A sequential reader therefore triggers readahead
 in log order (up to --prefetch bytes ahead: from a file's start the whole window, after a jump as
