@@ -157,6 +157,9 @@ def test_a_dcp_restore_follows_its_plan_and_reads_back_exact(mounts, fast_path):
     # has no direct reads to offer for files this size (no shared mmap of them then), so
     # its page cache and its readahead shape the READs: ~2x, the plan still followed.)
     if fast_path:
+        # (the loads READs had to start themselves: none here, ~a quarter without loading
+        # the 512 KiB a READ reaches past an item's end, which this fails for)
+        assert st["read_plan_misses"] <= 0.05 * st["read_plan_chunk_loads"], st
         assert st["read_disk_bytes"] < 1.8 * size, (st["read_disk_bytes"], size)
     m.stop()
 
@@ -267,8 +270,12 @@ def test_a_plan_loads_the_parts_of_chunks_its_items_need(mounts):
     st = m.status()
     size = os.path.getsize(os.path.join(m.mountpoint, "ckpt", "__0_0.distcp"))
     assert st["read_plans"] == 1, st
-    # (~4.7x the file here; whole chunks ~8.7x, which this fails for)
-    assert st["read_disk_bytes"] < 6 * size, (st["read_disk_bytes"], size)
+    # (loads the READs had to start themselves: none here, about half the loads without
+    # loading the 512 KiB a READ reaches past an item's end)
+    assert st["read_plan_misses"] <= 0.05 * st["read_plan_chunk_loads"], st
+    # (~5.7x the file here: each item's runs and those of the 512 KiB past it; whole chunks
+    # ~8.7x, which this fails for)
+    assert st["read_disk_bytes"] < 7 * size, (st["read_disk_bytes"], size)
     m.stop()
 
     runs = Snapshot(m.backing).lookup("/ckpt/__0_0.distcp").emap.runs()

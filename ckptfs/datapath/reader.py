@@ -146,6 +146,7 @@ class Reader:
         self.verifying: set[Run] = set()
         self.verified_ahead = 0
         self.plan_loads = 0  # chunks loaded ahead by a read plan (readplan.py)
+        self.plan_misses = 0  # loads a READ under a plan started itself (it did not foresee)
         # The read plans READs follow (one per DCP data file being read: ranks restoring on
         # one node read one each); while there is one, the chunk to let go when the cache is
         # full is one it does not read again, else the one it reads again furthest ahead
@@ -733,15 +734,15 @@ class Reader:
         change later only makes the plan's loads guesses): per item, where each of its chunks'
         parts ends in the file, the chunk, and the bytes of it the item needs: those of its
         runs, whole (a run is checked whole), which may reach into chunks before and after
-        the item's bytes (plan.parts); per chunk, the plan positions that read it
-        (plan.uses)."""
+        the item's bytes, and of the runs its reader's READs reach past its end (plan.reach)
+        (plan.parts); per chunk, the plan positions that read it (plan.uses)."""
         parts: list[tuple[list[int], list[tuple[int, int, int]], list[tuple[int, int]]]] = []
         uses: dict[tuple[int, int, int], list[int]] = {}
         for pos, (s, n) in enumerate(plan.items):
             ends: list[int] = []
             keys: list[tuple[int, int, int]] = []
             spans: list[tuple[int, int]] = []
-            for fs, m, run, roff in emap.find(s, s + n):
+            for fs, m, run, roff in emap.find(s, min(plan.size, s + n + plan.reach)):
                 if run.log < 0 or run.memory() is not None:
                     continue
                 a = run.loff + roff
@@ -803,9 +804,10 @@ class Reader:
             self.cond.notify()
         return ld
 
-    async def _wait_loads(self, missing: dict, partial: bool = False) -> None:
+    async def _wait_loads(self, missing: dict, plan: bool = False) -> None:
         """Load the chunks `missing` (key -> the bytes needed of it: those not cached; the
-        whole chunk, or with `partial` those bytes) and wait for them here (a load in flight
+        whole chunk, or for a READ under a read `plan` those bytes, a load the plan did not
+        foresee: counted) and wait for them here (a load in flight
         is waited for as it is: the caller looks again). This wait can be cancelled (the
         READ's caller is being killed) while a disk read cannot; the loads go on without it.
         Raises the first load's error."""
@@ -815,7 +817,8 @@ class Reader:
             if ld is None:
                 if self._holds(k, *ab):
                     continue
-                ld = self._start_load(k, ab if partial else None)
+                ld = self._start_load(k, ab if plan else None)
+                self.plan_misses += plan
             loads.append(ld)
         with self.cond:  # (a load that completes from now on is handed over at once)
             for ld in loads:

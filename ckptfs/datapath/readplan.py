@@ -195,10 +195,15 @@ class ReadPlan:
     """One file's items, (offset, length) in the order they will be read; ValueError when
     they do not lie apart inside a file of `size` bytes (a plan of another file)."""
 
-    __slots__ = ("items", "starts", "at", "before", "now", "cur", "parts", "uses", "soon")
+    __slots__ = ("items", "size", "reach", "starts", "at", "before", "now", "cur", "parts",
+                 "uses", "soon")
 
-    def __init__(self, items: list[tuple[int, int]], size: int) -> None:
+    def __init__(self, items: list[tuple[int, int]], size: int, reach: int = 0) -> None:
         self.items = items
+        self.size = size
+        # how far past an item's end its reader's READs go (a buffered reader fills its
+        # buffer: Python's is the file's st_blksize), so loaded with the item
+        self.reach = reach
         by_offset = sorted(range(len(items)), key=lambda i: items[i][0])
         end = 0
         for i in by_offset:

@@ -778,7 +778,7 @@ class CkptOperations(pyfuse3.Operations):
             items = plans.get(name) if plans else None
             if not items:
                 return None
-            plan = ReadPlan(items, x.size)
+            plan = ReadPlan(items, x.size, IO_BLOCK_BYTES)
         except Exception as exc:  # noqa: BLE001 - no plan, whatever failed
             log.info("no read plan for %r: %s", name, exc)
             return None
