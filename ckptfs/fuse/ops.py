@@ -428,8 +428,9 @@ class CkptOperations(pyfuse3.Operations):
         read plan (a file's inode does not say which directory holds it)."""
         if name.endswith(DCP_DATA_SUFFIX):
             names = self.dcp_names
+            names.pop(ino, None)  # (the most recently seen last: the oldest go first)
             if len(names) >= DCP_NAMES_MAX:
-                names.clear()
+                del names[next(iter(names))]
             names[ino] = (parent, name)
 
     def refresh_due(self) -> bool:
