@@ -620,3 +620,51 @@ def test_reads_answered_in_c_are_accounted_for_as_their_union():
                         (60 * MiB, 4096, 0)])
     assert calls == [(10 * MiB, 12 * MiB, MiB), (50 * MiB, 50 * MiB + 512, 0)]
     assert ops.read_requests == 15
+
+
+def test_parts_of_a_chunk_load_and_widen_in_place(tmp_path):
+    """A read plan's loads of parts of a chunk (Reader._start_load with a part), from a real
+    log without a mount: a part alone, then widened in the chunk's own buffer before and
+    after it (the bytes between loaded too); at the log's end a part is short, holds what
+    lies past the end, and still widens before it. The bytes are the log's throughout."""
+    import random
+
+    import trio
+
+    from ckptfs.datapath.reader import Reader
+    from ckptfs.format import backingdir
+
+    data = random.Random(5).randbytes(CHUNK + CHUNK // 2)  # chunk 1 ends half way
+    with open(os.path.join(tmp_path, backingdir.data_log_name(1)), "wb") as f:
+        f.write(data)
+    r = Reader({0: str(tmp_path)}, cache_bytes=8 * CHUNK, prefetch_bytes=0)
+
+    async def load(idx: int, a: int, b: int):
+        ld = r._start_load((0, 1, idx), (a, b))
+        with trio.fail_after(10):
+            await ld.done.wait()
+        assert ld.error is None, ld.error
+        ch = r.chunks[(0, 1, idx)]
+        base = idx * CHUNK
+        assert bytes(ch.view[ch.lo:ch.length]) == data[base + ch.lo:base + ch.length]
+        return ch.lo, ch.length, ch.short
+
+    half = CHUNK // 2
+
+    async def main() -> None:
+        assert await load(0, 40_000, 90_000) == (36_864, 90_112, False)  # (to 4 KiB)
+        buf = r.chunks[(0, 1, 0)].buf
+        assert await load(0, 5_000, 6_000) == (4_096, 90_112, False)  # before: in place
+        assert await load(0, 200_000, 300_000) == (4_096, 303_104, False)  # after
+        assert r.chunks[(0, 1, 0)].buf is buf and not r.pins
+        assert r._holds((0, 1, 0), 4_096, 303_104) and not r._holds((0, 1, 0), 0, 10)
+        assert await load(1, half - 8192, half + 100) == (half - 8192, half, True)
+        assert r._holds((0, 1, 1), half - 100, CHUNK)  # (nothing lies past the log's end)
+        assert await load(1, 0, 10) == (0, half, True)  # before a short part: in place
+
+    try:
+        trio.run(main)
+        # (each byte read once: chunk 0's three parts, chunk 1's last 8 KiB and what is before)
+        assert r.disk_bytes == 303_104 - 4_096 + CHUNK // 2
+    finally:
+        r.close()

@@ -785,7 +785,7 @@ class Reader:
             lo = part[0] // LOAD_ALIGN * LOAD_ALIGN
             hi = min(CHUNK_BYTES, -(-part[1] // LOAD_ALIGN) * LOAD_ALIGN)
             ch = self.chunks.get(key)
-            if ch is not None and not ch.short:
+            if ch is not None and (lo < ch.lo or not ch.short):  # (none lies past a short one)
                 ext = True
                 if lo < ch.lo:
                     hi = ch.lo  # (and the part after, if any, at the next look)
