@@ -56,15 +56,18 @@ def _zeros(n: int) -> list:
     return [_ZEROS[:min(n - i, SCRATCH_BYTES)] for i in range(0, n, SCRATCH_BYTES)]
 
 
-def _need(need: dict, layer: int, logno: int, lo: int, hi: int) -> None:
-    """Add bytes [lo, hi) of a log to `need`: chunk key -> the bytes of it needed (one
+def _widen(need: dict, key: tuple[int, int, int], a: int, b: int) -> None:
+    """Add bytes [a, b) of chunk `key` to `need`: chunk key -> the bytes of it needed (one
     range per chunk, from the first to the last byte needed)."""
+    was = need.get(key)
+    need[key] = (a, b) if was is None else (min(a, was[0]), max(b, was[1]))
+
+
+def _need(need: dict, layer: int, logno: int, lo: int, hi: int) -> None:
+    """Add bytes [lo, hi) of a log to `need` (_widen), chunk by chunk."""
     for idx in range(lo // CHUNK_BYTES, (hi - 1) // CHUNK_BYTES + 1):
         base = idx * CHUNK_BYTES
-        a, b = max(lo, base) - base, min(hi, base + CHUNK_BYTES) - base
-        k = (layer, logno, idx)
-        was = need.get(k)
-        need[k] = (a, b) if was is None else (min(a, was[0]), max(b, was[1]))
+        _widen(need, (layer, logno, idx), max(lo, base) - base, min(hi, base + CHUNK_BYTES) - base)
 
 
 class _Load:
@@ -97,6 +100,10 @@ class _Chunk:
     def holds(self, a: int, b: int) -> bool:
         """Whether bytes [a, b) of the chunk are here (or lie past the log's end)."""
         return self.lo <= a and (b <= self.length or self.short)
+
+    def serves(self, a: int, b: int) -> bool:
+        """Whether bytes [a, b) of the chunk are here, every one of them."""
+        return self.lo <= a and b <= self.length
 
 
 class Reader:
@@ -287,14 +294,19 @@ class Reader:
         self.gen[key] = self.gen.get(key, 0) + 1  # loads in flight on this log are discarded:
         self.ra_window.pop(key, None)  # readahead asks for them again
         for idx in range(loff // CHUNK_BYTES, (loff + length - 1) // CHUNK_BYTES + 1):
-            ch = self.chunks.pop((layer, logno, idx), None)
-            if ch is not None:
-                if (layer, logno, idx) in self.pins:
-                    self.allocated -= 1  # a loader may still check it: not reused, freed later
-                else:
-                    self.spare.append(ch.buf)
+            self._let_go((layer, logno, idx))
         if loff + length > self.log_end.get(key, 0):
             self.log_end[key] = loff + length
+
+    def _let_go(self, key: tuple[int, int, int]) -> None:
+        """Chunk `key` (if cached) leaves the cache: its buffer is reused, unless the chunk is
+        pinned (a READ, a check or a load may still use the buffer: freed later instead)."""
+        ch = self.chunks.pop(key, None)
+        if ch is not None:
+            if key in self.pins:
+                self.allocated -= 1
+            else:
+                self.spare.append(ch.buf)
 
     # ------------------------------------------------------------ reads
     async def read(self, emap: ExtentMap, off: int, size: int, file_size: int,
@@ -340,7 +352,7 @@ class Reader:
         key = (run.layer, run.log, idx)
         ch = self.chunks.get(key)
         a = lo % CHUNK_BYTES
-        if ch is None or a < ch.lo or a + n > ch.length:
+        if ch is None or not ch.serves(a, a + n):
             return None
         if ahead:
             self._ahead_of(emap, (key,), off, hi, ahead)
@@ -372,8 +384,7 @@ class Reader:
                 a = lo % CHUNK_BYTES
                 k = min(n, CHUNK_BYTES - a)
                 fresh = key not in keys and key not in pinned
-                if (ch is None or a < ch.lo or a + k > ch.length
-                        or (fresh and new >= max_chunks)):
+                if ch is None or not ch.serves(a, a + k) or (fresh and new >= max_chunks):
                     break
                 if last is not None and last[0] == key and last[2] == a:
                     # (pieces end to end in one chunk, e.g. a file's runs: one part)
@@ -402,7 +413,7 @@ class Reader:
                 return False
             lo = run.loff + roff
             ch = self.chunks.get((run.layer, run.log, lo // CHUNK_BYTES))
-            return ch is not None and ch.lo <= lo % CHUNK_BYTES < ch.length
+            return ch is not None and ch.serves(lo % CHUNK_BYTES, lo % CHUNK_BYTES + 1)
         return False
 
     def _holds(self, key: tuple[int, int, int], a: int, b: int) -> bool:
@@ -947,12 +958,7 @@ class Reader:
                 ld.error = exc
                 log.debug("loading chunk %s failed: %s", key, exc)
             else:
-                old = self.chunks.pop(key, None)  # (a part of it: this load holds that too)
-                if old is not None:
-                    if key in self.pins:
-                        self.allocated -= 1  # (still served or checked: freed later)
-                    else:
-                        self.spare.append(old.buf)
+                self._let_go(key)  # (a part of it: this load holds that too)
                 self.chunks[key] = _Chunk(buf, lo, lo + n, n < hi - lo)
                 self.served.pop(key, None)  # consumption counts per stay in the cache
                 self.consumed.pop(key, None)
@@ -1019,8 +1025,7 @@ class Reader:
 
         def add(ks, spans) -> None:
             for k, (a, b) in zip(ks, spans):
-                was = need.get(k)
-                need[k] = (a, b) if was is None else (min(a, was[0]), max(b, was[1]))
+                _widen(need, k, a, b)
 
         ends, ks, spans = plan.parts[p]
         if p != plan.cur:  # (an item's first READ: DCP's is at its end, its start comes next)

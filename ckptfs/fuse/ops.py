@@ -85,6 +85,14 @@ def _err(e: int):
     return pyfuse3.FUSEError(e)
 
 
+def _keep_newest(table: dict, key, value, limit: int) -> None:
+    """table[key] = value as its newest entry; past `limit` entries the oldest goes."""
+    table.pop(key, None)
+    if len(table) >= limit:
+        del table[next(iter(table))]
+    table[key] = value
+
+
 class _Handle:
     __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid",
                  "plan")
@@ -427,11 +435,7 @@ class CkptOperations(pyfuse3.Operations):
         listing): a DCP data file's is kept, where its open finds the `.metadata` for its
         read plan (a file's inode does not say which directory holds it)."""
         if name.endswith(DCP_DATA_SUFFIX):
-            names = self.dcp_names
-            names.pop(ino, None)  # (the most recently seen last: the oldest go first)
-            if len(names) >= DCP_NAMES_MAX:
-                del names[next(iter(names))]
-            names[ino] = (parent, name)
+            _keep_newest(self.dcp_names, ino, (parent, name), DCP_NAMES_MAX)
 
     def refresh_due(self) -> bool:
         """Whether an open, lookup or listing has to look at other writers' changes first:
@@ -811,9 +815,7 @@ class CkptOperations(pyfuse3.Operations):
             except ValueError as exc:
                 log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
                 plans = {}
-            if len(self.dcp_plans) >= DCP_PLANS_MAX:
-                self.dcp_plans.clear()
-            self.dcp_plans[meta.ino] = (version, plans)
+            _keep_newest(self.dcp_plans, meta.ino, (version, plans), DCP_PLANS_MAX)
             return plans
         except OSError as exc:
             log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
