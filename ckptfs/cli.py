@@ -78,9 +78,12 @@ def _mount(a) -> int:
     from ckptfs.format.records import FormatError
 
     values = options.config_values(a)
-    if values["prometheus_file"]:
-        values["prometheus_file"] = os.path.abspath(values["prometheus_file"])
-    cfg = MountConfig(a.backing, a.mountpoint, **values)
+    # (absolute: the daemon works from `/`, so that it holds no directory busy and a child
+    # it starts finds nothing of where it was started)
+    for key in ("prometheus_file", "log_file"):
+        if values.get(key):
+            values[key] = os.path.abspath(values[key])
+    cfg = MountConfig(os.path.abspath(a.backing), os.path.abspath(a.mountpoint), **values)
     _setup_logging(a.debug)
     if a.foreground:
         def ready(msg: str) -> None:
@@ -101,6 +104,7 @@ def _mount(a) -> int:
     if pid == 0:
         os.close(rfd)
         os.setsid()
+        os.chdir("/")
         logfile = cfg.log_file or os.path.join(cfg.backing, "writers", cfg.writer_id,
                                              "daemon.log")
         os.makedirs(os.path.dirname(os.path.abspath(logfile)), mode=0o700, exist_ok=True)

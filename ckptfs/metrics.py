@@ -90,6 +90,7 @@ def status(ops) -> dict:
         "errors": st.errors,
         "last_error": st.last_error,
         "current_error": str(ops.flusher.error) if ops.flusher.error else "",
+        "failed": 1 if ops.flusher.failed is not None else 0,
         "inodes": ninodes,
         "open_handles": len(ops.handles),
         "file_bytes": user_bytes,
@@ -153,6 +154,9 @@ METRICS = {
     "fsyncs": ("fsyncs_total", "counter", "fsync and fsyncdir requests"),
     "errors": ("flush_errors_total", "counter",
                "Writes the backing store refused (ENOSPC, EIO, ...); retried"),
+    "failed": ("failed", "gauge",
+               "1 once a thread of the daemon failed: fsync, sync and the unmount fail with "
+               "EIO from then on (last_error says why)"),
     "inodes": ("inodes", "gauge", "Inodes in the tree"),
     "open_handles": ("open_handles", "gauge", "Files and directories open on the mount"),
     "file_bytes": ("file_bytes", "gauge", "Sum of the sizes of the files in the tree"),

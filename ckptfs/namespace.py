@@ -30,6 +30,8 @@ from ckptfs.format.records import (
     UnlinkRec,
     XExtentRec,
     XUnlinkRec,
+    check,
+    in_range,
 )
 
 ROOT_INO = 1
@@ -211,6 +213,11 @@ class Namespace:
 
     # ------------------------------------------------------------ changes
     def change(self, rec: Record) -> None:
+        """A change made by this mount: applied, then journaled. One that the index cannot
+        record (records.LIMITS: the handlers check first) raises RecordRangeError before
+        anything changes, failing its request, never the flusher that would encode it."""
+        if not in_range(rec):
+            check(rec)
         self.apply(rec)
         w = self.watch
         if w is not None:

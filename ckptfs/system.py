@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -20,6 +21,23 @@ def _load_libc() -> ctypes.CDLL:
 
 
 libc = _load_libc()
+
+# The directory that holds the ckptfs package the running code came from.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The PATH a child of the daemon gets (the daemon may run as root, started from anywhere)
+CHILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def child_command(module: str) -> tuple[list[str], dict, str]:
+    """(argv, environment, working directory) that run `python -m module` of this ckptfs in a
+    child of the daemon that trusts nothing of where the daemon was started: the interpreter
+    isolated (-I: no current directory or script directory on sys.path, no PYTHON*
+    variables, no user site), the package root first on sys.path, a clean PATH, cwd `/`. A
+    `ckptfs/` directory planted where a root daemon was started then runs nothing."""
+    boot = ("import sys, runpy; sys.path.insert(0, sys.argv.pop(1)); "
+            "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)")
+    env = {"PATH": CHILD_PATH, "LC_ALL": "C.UTF-8"}
+    return [sys.executable, "-I", "-c", boot, PACKAGE_ROOT, module], env, "/"
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int | None:

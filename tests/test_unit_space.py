@@ -230,11 +230,11 @@ def test_the_snapshot_process_writes_what_build_snapshot_writes(tmp_path):
     with open(fresh, "rb") as f:
         want = f.read()
     os.unlink(fresh)
-    cmd, env = mover.snapshot_command()
+    cmd, env, cwd = mover.snapshot_command()
 
     def run(args: bytes) -> tuple[str, int, int, int]:
         p = subprocess.run(cmd, input=args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           env=env, cwd="/", timeout=60)
+                           env=env, cwd=cwd, timeout=60)
         return mover.snapshot_result(p.stdout, p.returncode)
     got = run(mover.snapshot_args(index, upto, "w", 5, 6, 7, frozenset(), os.getpid()))
     assert got[:3] == (fresh, size, version) and got[3] > 0

@@ -465,9 +465,9 @@ class Maintainer:
         this thread: the process dies with the thread that started it (PR_SET_PDEATHSIG),
         and the trio thread lives as long as the daemon (a worker thread may end first).
         Waited for in a worker thread; cancelled, the process is killed."""
-        cmd, env = mover.snapshot_command()
+        cmd, env, cwd = mover.snapshot_command()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, close_fds=True)
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd, close_fds=True)
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:  # (out of descriptors, say: no snapshot this time)

@@ -21,6 +21,7 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -122,9 +123,13 @@ class Journal:
             if type(item) is ExtentEntry and not item.run.seg.durable:
                 break
             n += 1
-        prefix = [entries.popleft() for _ in range(n)]
+        # Encoded before any entry leaves the journal: a record that cannot be encoded (a
+        # defect: the handlers keep every field inside records.LIMITS) raises here and takes
+        # nothing with it.
+        prefix = list(itertools.islice(entries, n))
         folded = fold_setattrs(prefix)
         encode = records.encode
+        version = self.unsent_version
         taken = []
         for i, (seq, item) in enumerate(prefix):
             upto = seq
@@ -136,11 +141,14 @@ class Journal:
                                               run.loff, run.crc)))
             else:
                 if type(item) is RetireRec:
-                    self.unsent_version = max(self.unsent_version, records.RETIRE_INDEX_VERSION)
+                    version = max(version, records.RETIRE_INDEX_VERSION)
                 elif type(item) in records.CROSS_WRITER_RECORDS:
-                    self.unsent_version = max(self.unsent_version, records.CROSS_INDEX_VERSION)
+                    version = max(version, records.CROSS_INDEX_VERSION)
                 parts.append(encode(item))
             taken.append(item)
+        for _ in range(n):
+            entries.popleft()
+        self.unsent_version = version
         if not parts:
             return b"", upto
         self.unsent = b"".join(parts)
@@ -242,6 +250,10 @@ class Flusher:
         self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
+        # Set once for good when the flusher thread ends on an unexpected exception (a
+        # defect): every barrier, fsync, sync and the unmount fail with it (EIO) from then on,
+        # and nothing waits for a commit that cannot come.
+        self.failed: OSError | None = None
         # told when `error` is set and when it clears (FUSE over io_uring's queue threads answer
         # FLUSH themselves while there is none: fuse/ring.py)
         self.error_hook: Callable[[bool], None] | None = None
@@ -350,7 +362,7 @@ class Flusher:
                 self.staging.release(seg)
             self.inflight_segments -= 1
             self.in_flight.discard(seg)
-        if self.error is not None:
+        if self.error is not None and self.failed is None:
             self.error = None
             self.staging.error = None
             if self.error_hook is not None:
@@ -365,6 +377,13 @@ class Flusher:
         self.stats.last_error = f"{exc.__class__.__name__}: {exc}"
         self.staging.free_event.set()  # wake writers waiting for a segment: they see the error
         self._wake()
+
+    def _on_failed(self, exc: BaseException) -> None:
+        """Trio thread: the flusher thread ended on `exc`; the mount is failed from now on."""
+        err = OSError(5, f"the flusher thread failed ({exc.__class__.__name__}: {exc}); "
+                         "changes not yet durable cannot be made durable by this mount")
+        self.failed = err
+        self._on_error(err)
 
     def _on_committed(self, upto: int) -> None:
         self.journal.confirm(upto)
@@ -436,6 +455,14 @@ class Flusher:
             faulting.start()
         try:
             self._loop()
+        except BaseException as exc:  # (a defect: said to every waiter, never swallowed)
+            log.critical("the flusher thread failed; this mount can make nothing durable "
+                         "any more", exc_info=True)
+            try:
+                self._call(self._on_failed, exc)
+            except trio.RunFinishedError:  # (the mount's loop has ended: stop() reports it)
+                self.failed = OSError(5, f"the flusher thread failed: {exc!r}")
+                self.error = self.failed
         finally:
             if faulting is not None:  # (the buffers are unmapped after the unmount)
                 self._fault_stop.set()

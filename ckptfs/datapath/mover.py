@@ -54,6 +54,7 @@ from ckptfs.namespace import ROOT_INO, Inode, Namespace
 from ckptfs.format.logs import RunReader
 from ckptfs.io import alloc_aligned
 from ckptfs.replay import apply_group, bulk_load, validate_extents
+from ckptfs import system
 from ckptfs.system import libc, status_bytes
 
 # Bytes of each record a fresh index holds per entry (header 9 + body): the estimate of how
@@ -236,15 +237,13 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
 # the allocator keeps its arenas) nor shares its GIL with it (the request thread would wait
 # for the replay's Python). The daemon's maintainer starts it (cleaner.py) and waits.
 SNAPSHOT_NICE = 10  # (a snapshot yields the CPU to the application and the daemon)
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def snapshot_command() -> tuple[list[str], dict]:
-    """The command line and environment of a snapshot's process: this interpreter, this
-    package (the daemon may have changed its directory, the package may not be installed)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    return [sys.executable, "-m", "ckptfs.datapath.mover"], env
+def snapshot_command() -> tuple[list[str], dict, str]:
+    """The command line, environment and working directory of a snapshot's process
+    (system.child_command: this interpreter and package, isolated from where the daemon was
+    started)."""
+    return system.child_command("ckptfs.datapath.mover")
 
 
 def snapshot_args(index_path: str, upto: int, writer_id: str, uid: int, gid: int,

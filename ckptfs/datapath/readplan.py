@@ -35,6 +35,8 @@ import subprocess
 import sys
 from bisect import bisect_right
 
+from ckptfs import system
+
 # The file names DCP's FileSystemWriter uses.
 DCP_METADATA = b".metadata"
 DCP_DATA_SUFFIX = b".distcp"
@@ -130,8 +132,9 @@ def dcp_plans(metadata: bytes) -> dict[bytes, list[tuple[int, int]]]:
     if len(metadata) > METADATA_MAX_BYTES:
         raise ValueError("metadata too large for a read plan")
     try:
-        done = subprocess.run([sys.executable, "-m", __name__], input=metadata,
-                              capture_output=True, timeout=CHILD_TIMEOUT_S, check=False)
+        cmd, env, cwd = system.child_command(__name__)
+        done = subprocess.run(cmd, input=metadata, env=env, cwd=cwd, capture_output=True,
+                              timeout=CHILD_TIMEOUT_S, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ValueError(f"reading the metadata: {exc}") from None
     if done.returncode != 0:

@@ -63,6 +63,93 @@ _NUMBERS = struct.Struct("<QI")
 _XUNLINK = struct.Struct("<QQH")  # parent, ino (the other writer's numbers), writer id length
 _XEXTENT = struct.Struct("<QQIIQIIIH")  # ino foff length log loff run_length crc roff wlen
 
+# ---------------------------------------------------------------- limits
+# What a record field may hold: the one table the encoder and the decoder both apply, so that
+# whatever is written can be read back. The live handlers apply the same limits first (fuse/
+# ops.py: EFBIG for a size or offset past MAX_FILE_BYTES, times clamped to TIME_MIN_NS ..
+# TIME_MAX_NS, as ext4 clamps them to its range), so a record out of range is a bug that
+# fails its request, never the flusher.
+U32 = (0, (1 << 32) - 1)
+U64 = (0, (1 << 64) - 1)
+TIME_MIN_NS = -(1 << 63)  # 1677-09-21: a signed 64-bit count of nanoseconds
+TIME_MAX_NS = (1 << 63) - 1  # 2262-04-11
+TIMES = (TIME_MIN_NS, TIME_MAX_NS)
+INODE_NUMBERS = (0, 1 << 44)  # (more than any index can hold: 2**44 records)
+FILE_BYTES = (0, MAX_FILE_BYTES)
+LIMITS: dict[str, tuple[int, int]] = {
+    "ino": INODE_NUMBERS, "parent": INODE_NUMBERS, "old_parent": INODE_NUMBERS,
+    "new_parent": INODE_NUMBERS, "next_ino": INODE_NUMBERS,
+    "mode": U32, "uid": U32, "gid": U32, "rdev": U32, "flags": U32, "crc": U32,
+    "log": U32, "next_log": U32,
+    "atime_ns": TIMES, "mtime_ns": TIMES, "ctime_ns": TIMES, "time_ns": TIMES,
+    "seq": U64,
+    "size": FILE_BYTES, "foff": FILE_BYTES,
+    "length": (1, U32[1]), "run_length": (1, U32[1]), "roff": U32,  # (within one run)
+    "loff": (DATA_HEADER_BYTES, (1 << 63) - 1),
+}
+
+
+class RecordRangeError(ValueError):
+    """A record holds a value its field cannot (LIMITS): never encoded, never applied."""
+
+
+def in_range(rec) -> bool:
+    """Whether every field of `rec` lies inside LIMITS (and its names inside NAME_MAX)."""
+    ok = _IN_RANGE.get(type(rec))
+    if ok is None:
+        raise TypeError(f"not an index record: {rec!r}")
+    return ok(rec)
+
+
+def out_of_range(rec) -> str | None:
+    """What in `rec` lies outside LIMITS (or a name past NAME_MAX), None if nothing."""
+    if in_range(rec):
+        return None
+    for name in rec.__slots__:
+        v = getattr(rec, name)
+        if type(v) is not int and type(v) is not bytes:
+            return f"{type(rec).__name__}.{name} = {v!r} is not a number or bytes"
+        if type(v) is int:
+            lo, hi = LIMITS[name]
+            if not lo <= v <= hi:
+                return f"{type(rec).__name__}.{name} = {v} outside [{lo}, {hi}]"
+        elif name != "target" and len(v) > NAME_MAX:
+            return f"{type(rec).__name__}.{name} of {len(v)} bytes (max {NAME_MAX})"
+    return f"{type(rec).__name__}: a sum of its offsets lies past its bound"
+
+
+def _in_range_test(cls) -> Callable[[object], bool]:
+    """One function per record type that tests LIMITS field by field (records are encoded by
+    the thousand per second: a generic loop over the fields would cost more than the
+    encoding)."""
+    terms = []
+    for name in cls.__slots__:
+        if name in LIMITS:
+            lo, hi = LIMITS[name]
+            terms.append(f"type(r.{name}) is int and {lo} <= r.{name} <= {hi}")
+        elif name in ("name", "old_name", "new_name"):
+            terms.append(f"type(r.{name}) is bytes and len(r.{name}) <= {NAME_MAX}")
+        elif name == "target":
+            terms.append(f"type(r.{name}) is bytes")
+    names = set(cls.__slots__)
+    if {"foff", "length"} <= names:
+        terms.append(f"r.foff + r.length <= {MAX_FILE_BYTES}")
+    if {"roff", "length", "run_length"} <= names:
+        terms.append("r.roff + r.length <= r.run_length")
+    scope: dict = {}
+    exec(f"def ok(r):\n    return {' and '.join(terms) or 'True'}\n", scope)
+    return scope["ok"]
+
+
+_IN_RANGE: dict[type, Callable[[object], bool]] = {}
+
+
+def check(rec) -> None:
+    """RecordRangeError when `rec` cannot be encoded and read back (out_of_range)."""
+    problem = out_of_range(rec)
+    if problem is not None:
+        raise RecordRangeError(problem)
+
 
 class FormatError(Exception):
     """The backing directory or an index is not something this version can use."""
@@ -229,6 +316,7 @@ class XExtentRec:
 Record = (InodeRec | ExtentRec | SetattrRec | SizeRec | RenameRec | UnlinkRec | LinkRec
           | CommitRec | RetireRec | NumbersRec | XUnlinkRec | XExtentRec)
 CROSS_WRITER_RECORDS = (XUnlinkRec, XExtentRec)  # need an index of CROSS_INDEX_VERSION
+_IN_RANGE.update((cls, _in_range_test(cls)) for cls in Record.__args__)
 
 
 # The CRC32C of each type byte, where a record's checksum starts (it covers type + body).
@@ -240,7 +328,16 @@ def _frame(rtype: int, body: bytes) -> bytes:
 
 
 def encode(rec: Record) -> bytes:
-    """One record, framed and checksummed."""
+    """One record, framed and checksummed; RecordRangeError for one outside LIMITS."""
+    ok = _IN_RANGE.get(type(rec))
+    if ok is None or not ok(rec):
+        check(rec)
+    return encode_unchecked(rec)
+
+
+def encode_unchecked(rec: Record) -> bytes:
+    """encode() without LIMITS: only for tests that write what a damaged or hostile index
+    holds."""
     t = type(rec)
     if t is ExtentRec:
         return _frame(R_EXTENT, _EXTENT.pack(rec.ino, rec.foff, rec.length, rec.log, rec.loff,
@@ -291,65 +388,65 @@ def check_name(name: bytes) -> bytes:
 
 
 def decode(rtype: int, body: bytes) -> Record:
-    """Parse one record body; FormatError when it does not make sense."""
+    """Parse one record body; FormatError when it does not make sense (a field outside
+    LIMITS, a name POSIX does not allow, a body of the wrong length)."""
     try:
-        if rtype == R_EXTENT:
-            ino, foff, length, log, loff, crc = _EXTENT.unpack(body)
-            if foff + length > MAX_FILE_BYTES or loff < DATA_HEADER_BYTES:
-                raise FormatError(f"extent out of range: ino {ino} foff {foff} length {length} "
-                                  f"loff {loff}")
-            return ExtentRec(ino, foff, length, log, loff, crc)
-        if rtype == R_INODE:
-            (ino, parent, mode, uid, gid, rdev, at, mt, ct, nlen) = _INODE.unpack_from(body)
-            name = body[_INODE_SIZE:_INODE_SIZE + nlen]
-            if len(name) != nlen:
-                raise FormatError("truncated name")
-            if b"/" in name or b"\0" in name or nlen > NAME_MAX or name in _NOT_NAMES:
-                check_name(name)  # (raises, saying what is wrong)
-            return InodeRec(ino, parent, name, mode, uid, gid, rdev, at, mt, ct,
-                            body[_INODE_SIZE + nlen:])
-        if rtype == R_SETATTR:
-            return SetattrRec(*_SETATTR.unpack(body))
-        if rtype == R_SIZE:
-            rec = SizeRec(*_SIZE.unpack(body))
-            if not 0 <= rec.size <= MAX_FILE_BYTES:
-                raise FormatError(f"absurd file size {rec.size}")
-            return rec
-        if rtype == R_RENAME:
-            fixed = _RENAME.size
-            op, np_, flags, olen = _RENAME.unpack_from(body)
-            old = check_name(body[fixed:fixed + olen])
-            new = check_name(body[fixed + olen:])
-            return RenameRec(op, old, np_, new, flags)
-        if rtype == R_UNLINK:
-            (parent,) = _UNLINK.unpack_from(body)
-            return UnlinkRec(parent, check_name(body[_UNLINK.size:]))
-        if rtype == R_LINK:
-            ino, parent = _LINK.unpack_from(body)
-            return LinkRec(ino, parent, check_name(body[_LINK.size:]))
-        if rtype == R_COMMIT:
-            return CommitRec(*_COMMIT.unpack(body))
-        if rtype == R_RETIRE:
-            return RetireRec(*_RETIRE.unpack(body))
-        if rtype == R_NUMBERS:
-            rec = NumbersRec(*_NUMBERS.unpack(body))
-            if rec.next_ino > 1 << 44:
-                raise FormatError(f"inode number {rec.next_ino} out of range")
-            return rec
-        if rtype == R_XUNLINK:
-            parent, ino, wlen = _XUNLINK.unpack_from(body)
-            writer = _writer_id(body[_XUNLINK.size:_XUNLINK.size + wlen])
-            return XUnlinkRec(writer, parent, ino, check_name(body[_XUNLINK.size + wlen:]))
-        if rtype == R_XEXTENT:
-            (ino, foff, length, log, loff, run_length, crc, roff,
-             wlen) = _XEXTENT.unpack_from(body)
-            writer = _writer_id(body[_XEXTENT.size:])
-            if (len(writer) != wlen or foff + length > MAX_FILE_BYTES or length == 0
-                    or roff + length > run_length or loff < DATA_HEADER_BYTES):
-                raise FormatError(f"cross-writer extent out of range: ino {ino} foff {foff}")
-            return XExtentRec(ino, foff, length, writer, log, loff, run_length, crc, roff)
+        rec = _parse(rtype, body)
     except struct.error as exc:
         raise FormatError(f"record type {rtype} of {len(body)} bytes: {exc}") from None
+    ok = _IN_RANGE.get(type(rec))
+    if ok is None or not ok(rec):
+        problem = out_of_range(rec)
+        if problem is not None:
+            raise FormatError(f"field out of range: {problem}")
+    return rec
+
+
+def _parse(rtype: int, body: bytes) -> Record:
+    if rtype == R_EXTENT:
+        return ExtentRec(*_EXTENT.unpack(body))
+    if rtype == R_INODE:
+        (ino, parent, mode, uid, gid, rdev, at, mt, ct, nlen) = _INODE.unpack_from(body)
+        name = body[_INODE_SIZE:_INODE_SIZE + nlen]
+        if len(name) != nlen:
+            raise FormatError("truncated name")
+        if b"/" in name or b"\0" in name or nlen > NAME_MAX or name in _NOT_NAMES:
+            check_name(name)  # (raises, saying what is wrong)
+        return InodeRec(ino, parent, name, mode, uid, gid, rdev, at, mt, ct,
+                        body[_INODE_SIZE + nlen:])
+    if rtype == R_SETATTR:
+        return SetattrRec(*_SETATTR.unpack(body))
+    if rtype == R_SIZE:
+        return SizeRec(*_SIZE.unpack(body))
+    if rtype == R_RENAME:
+        fixed = _RENAME.size
+        op, np_, flags, olen = _RENAME.unpack_from(body)
+        old = check_name(body[fixed:fixed + olen])
+        new = check_name(body[fixed + olen:])
+        return RenameRec(op, old, np_, new, flags)
+    if rtype == R_UNLINK:
+        (parent,) = _UNLINK.unpack_from(body)
+        return UnlinkRec(parent, check_name(body[_UNLINK.size:]))
+    if rtype == R_LINK:
+        ino, parent = _LINK.unpack_from(body)
+        return LinkRec(ino, parent, check_name(body[_LINK.size:]))
+    if rtype == R_COMMIT:
+        return CommitRec(*_COMMIT.unpack(body))
+    if rtype == R_RETIRE:
+        return RetireRec(*_RETIRE.unpack(body))
+    if rtype == R_NUMBERS:
+        return NumbersRec(*_NUMBERS.unpack(body))
+    if rtype == R_XUNLINK:
+        parent, ino, wlen = _XUNLINK.unpack_from(body)
+        writer = _writer_id(body[_XUNLINK.size:_XUNLINK.size + wlen])
+        return XUnlinkRec(writer, parent, ino, check_name(body[_XUNLINK.size + wlen:]))
+    if rtype == R_XEXTENT:
+        (ino, foff, length, log, loff, run_length, crc, roff, wlen) = _XEXTENT.unpack_from(body)
+        writer = _writer_id(body[_XEXTENT.size:])
+        if len(writer) != wlen:
+            raise FormatError(f"cross-writer extent with a writer id of {len(writer)} bytes, "
+                              f"not {wlen}")
+        return XExtentRec(ino, foff, length, writer, log, loff, run_length, crc, roff)
     raise FormatError(f"unknown record type {rtype}")
 
 

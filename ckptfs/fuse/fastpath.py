@@ -511,7 +511,7 @@ class FastPath(RequestWait):
         `recorded`: bytes at its start the queue threads landed (and claim_landed recorded)."""
         ops, staging = self.ops, self.staging
         try:
-            h, x = ops.write_target(fh)
+            h, x = ops.write_target(fh, off, size)
             if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                 ops.clear_setid(x)
             record = ops.piece_recorder(x, off)
@@ -929,7 +929,7 @@ class FastPath(RequestWait):
         for (i, answered, k1, k2, fh, off, size, write_flags, pid, crc1,
              crc2) in ring.take_landed():
             try:
-                h, x = ops.write_target(fh)
+                h, x = ops.write_target(fh, off, size)
                 if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                     ops.clear_setid(x)
                 record = ops.piece_recorder(x, off)

@@ -32,7 +32,10 @@ from ckptfs.datapath.readplan import (
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Staging
 from ckptfs.format.records import (
+    MAX_FILE_BYTES,
     NAME_MAX,
+    TIME_MAX_NS,
+    TIME_MIN_NS,
     InodeRec,
     LinkRec,
     RenameRec,
@@ -79,6 +82,12 @@ CTL_NAME = b".ckptfs"
 CTL_DIR_INO = (1 << 63) - 2
 CTL_STATS_INO = (1 << 63) - 1
 SETID_BITS = stat.S_ISUID | stat.S_ISGID
+
+
+def clamp_time(ns: int) -> int:
+    """A time the index can record (a signed 64-bit count of nanoseconds, 1677 to 2262): one
+    outside is clamped to the nearest end, as ext4 clamps times to its own range."""
+    return TIME_MIN_NS if ns < TIME_MIN_NS else TIME_MAX_NS if ns > TIME_MAX_NS else ns
 
 
 def _err(e: int):
@@ -493,6 +502,8 @@ class CkptOperations(pyfuse3.Operations):
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         x = self._inode(inode)
+        if fields.update_size and attr.st_size > MAX_FILE_BYTES:
+            raise _err(errno.EFBIG)
         if x.layer > 0:  # another writer's: copied up first (its bytes unless cut to 0)
             x = self._owned(x, keep_data=not (fields.update_size and attr.st_size == 0))
         x = self._writable(x)
@@ -500,7 +511,7 @@ class CkptOperations(pyfuse3.Operations):
         if fields.update_size:
             if x.emap is None:
                 raise _err(errno.EISDIR if x.is_dir else errno.EINVAL)
-            mt = attr.st_mtime_ns if fields.update_mtime else now
+            mt = clamp_time(attr.st_mtime_ns) if fields.update_mtime else now
             self.ns.change(SizeRec(x.ino, attr.st_size, mt, now))
         changed = False
         mode, uid, gid = x.mode, x.uid, x.gid
@@ -521,10 +532,10 @@ class CkptOperations(pyfuse3.Operations):
         if (fields.update_uid or fields.update_gid) and not fields.update_mode and ctx.uid != 0:
             mode &= ~(stat.S_ISUID | stat.S_ISGID)
         if fields.update_atime:
-            atime = attr.st_atime_ns
+            atime = clamp_time(attr.st_atime_ns)
             changed = True
         if fields.update_mtime:
-            mtime = attr.st_mtime_ns
+            mtime = clamp_time(attr.st_mtime_ns)
             changed = True
         if changed:
             self.ns.change(SetattrRec(x.ino, mode, uid, gid, atime, mtime, now))
@@ -955,7 +966,7 @@ class CkptOperations(pyfuse3.Operations):
             self.reader.window_served(x.emap, lo, hi, ahead, self._seen(h, x))
 
     async def write(self, fh, off, buf):
-        h, x = self.write_target(fh)
+        h, x = self.write_target(fh, off, len(buf))
         if h.kill_setid and x.mode & SETID_BITS:  # pyfuse3 does not pass the write's flags
             self.clear_setid(x)
         try:
@@ -967,10 +978,14 @@ class CkptOperations(pyfuse3.Operations):
 
     # The three steps of a write, shared with the request loop's in-place writes
     # (fastpath.py), which read the payload straight into the open segment.
-    def write_target(self, fh: int) -> tuple[_Handle, Inode]:
+    def write_target(self, fh: int, off: int = 0, size: int = 0) -> tuple[_Handle, Inode]:
+        """The handle and file a WRITE of `size` bytes at `off` goes to; EFBIG for one that
+        would end past the largest file the index records (records.MAX_FILE_BYTES)."""
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
+        if off + size > MAX_FILE_BYTES:
+            raise _err(errno.EFBIG)
         x = h.inode
         if x.emap is None:
             raise _err(errno.EBADF)

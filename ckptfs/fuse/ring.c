@@ -321,6 +321,7 @@ struct ck_fring {
     uint64_t ino_next, ino_end, fh_next, fh_end;  /* numbers reserved for creates (under lock) */
     int create_here;  /* CREATE is answered here at all (ck_fring_create_setup) */
     int direct_writes;  /* a write-only handle gets FOPEN_DIRECT_IO (ops._file_info) */
+    uint64_t file_bytes_max;  /* a WRITE ending past it is the Python side's to refuse (EFBIG) */
     uint64_t entry_valid;  /* the entry timeout a new file gets (s, ns) */
     uint32_t entry_valid_ns;
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
@@ -739,7 +740,8 @@ static int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in
         r->size = w32[0];
         r->flags = w32[1];
         r->pid = h->pid;
-        answered = r->k1 + r->k2 == write_size && fr_fh_writable(f, r->fh);
+        answered = r->k1 + r->k2 == write_size && r->off <= f->file_bytes_max
+            && write_size <= f->file_bytes_max - r->off && fr_fh_writable(f, r->fh);
         r->answered = answered;
         atomic_fetch_add(&f->landed_count, 1);
         /* (a segment to seal and flush, or a list to empty before it fills: else the records
@@ -819,8 +821,8 @@ static int fr_read(struct ck_fring *f, struct fr_slot *s)
     uint64_t off = r[1], hi = off + size;
     struct fr_window *w = NULL;
     int wake = 0;
-    if (!atomic_load_explicit(&f->nwindows, memory_order_relaxed))
-        return 0;
+    if (hi < off || !atomic_load_explicit(&f->nwindows, memory_order_relaxed))
+        return 0;  /* (a range that wraps: the Python side answers it) */
     pthread_mutex_lock(&f->lock);
     if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r[0])) && !w->nodeid) {
         if (hi > w->end && w->eof)
@@ -1602,6 +1604,15 @@ void ck_fring_create_setup(struct ck_fring *f, int direct_writes, uint64_t entry
     f->entry_valid = entry_valid;
     f->entry_valid_ns = entry_valid_ns;
     f->create_here = 1;
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* A WRITE whose end lies past n bytes is not answered here (the largest file the index
+ * records: format/records.py MAX_FILE_BYTES); 0 until the Python side says. */
+void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n)
+{
+    pthread_mutex_lock(&f->lock);
+    f->file_bytes_max = n;
     pthread_mutex_unlock(&f->lock);
 }
 

@@ -60,6 +60,7 @@ import errno
 import os
 import struct
 
+from ckptfs.format.records import MAX_FILE_BYTES
 from ckptfs.io import uring
 from ckptfs.io.uring import ffi, lib
 
@@ -151,6 +152,7 @@ class Ring:
             raise RingError(err[0], ("cannot start the queue threads: " if dev else
                                      "FUSE over io_uring: cannot register the queues: ")
                             + os.strerror(err[0]))
+        lib.ck_fring_file_bytes_max(self.handle, MAX_FILE_BYTES)
         n = self.nqueues * self.depth
         self.headers = [memoryview(ffi.buffer(lib.ck_fring_header(self.handle, i), 4096))
                         for i in range(n)]

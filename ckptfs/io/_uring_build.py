@@ -87,6 +87,7 @@ struct ck_fring_created {
 void ck_fring_create_setup(struct ck_fring *f, int direct_writes, uint64_t entry_valid,
                            uint32_t entry_valid_ns);
 void ck_fring_reserve(struct ck_fring *f, uint64_t ino, uint64_t fh, uint32_t n);
+void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n);
 int ck_fring_reserve_left(struct ck_fring *f);
 int ck_fring_created(struct ck_fring *f);
 int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *out, int max);
@@ -376,6 +377,7 @@ void ck_fring_create_setup(struct ck_fring *f, int d, uint64_t e, uint32_t n)
 { (void)f; (void)d; (void)e; (void)n; }
 void ck_fring_reserve(struct ck_fring *f, uint64_t i, uint64_t h, uint32_t n)
 { (void)f; (void)i; (void)h; (void)n; }
+void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n) { (void)f; (void)n; }
 int ck_fring_reserve_left(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_created(struct ck_fring *f) { (void)f; return 0; }
 int ck_fring_take_created(struct ck_fring *f, struct ck_fring_created *o, int m)
