@@ -57,6 +57,9 @@ _STOP = "stop"
 _REGISTER = "register"  # (the staging pool is faulted in: register it with the io engine)
 FAULT_IN_QUIET_S = 2.0  # a mount that served no READ this long faults its staging pool in
 FAULT_IN_POLL_S = 0.25  # (until then: how often fault_in_when_due looks)
+# Fault injection for the tests of what a defect costs: CKPTFS_FAILPOINT=flusher-commit:N
+# makes the flusher thread's Nth commit raise an unexpected exception (never set in use).
+_FAILPOINT = os.environ.get("CKPTFS_FAILPOINT", "")
 
 
 class _Swap:
@@ -623,6 +626,10 @@ class Flusher:
         self._call(sw.done, err)
 
     def _commit(self) -> None:
+        if _FAILPOINT.startswith("flusher-commit:"):
+            self._failpoint_commits = getattr(self, "_failpoint_commits", 0) + 1
+            if self._failpoint_commits >= int(_FAILPOINT.split(":")[1]):
+                raise RuntimeError("failpoint flusher-commit reached")
         blob, upto = self._call(self.journal.take_committable)
         if blob:
             # A failed write is cut off again (IndexWriter.append), so that later appends stay

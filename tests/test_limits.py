@@ -1,0 +1,125 @@
+"""What is written can be read back: sizes, offsets and times at and past what the index can
+record, on a real mount and again after a remount; and a defect in the flusher thread fails
+every barrier with EIO instead of hanging it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+
+import pytest
+from helpers_reliability import cli
+
+from ckptfs import api
+from ckptfs.format import records
+
+pytestmark = pytest.mark.timeout(180)
+
+MAX = records.MAX_FILE_BYTES
+Y2300_NS = 10_413_792_000 * 10**9  # 2300-01-01
+Y1600_NS = -11_676_096_000 * 10**9  # 1600-01-01
+
+
+def _remount(mounts, m: api.Mount, backing: str) -> api.Mount:
+    m.stop()
+    return mounts.mount(backing, m.mountpoint, writer_id="w")
+
+
+def test_sizes_and_offsets_past_the_largest_file_fail_with_efbig(mounts):
+    backing = mounts.backing()
+    m = mounts.mount(backing, writer_id="w")
+    big = os.path.join(m.mountpoint, "big")
+    with open(big, "wb"):
+        pass
+    os.truncate(big, MAX)  # the largest size there is: recorded and read back
+    for size in (MAX + 1, 2 << 50, (1 << 63) - 1):
+        with pytest.raises(OSError) as e:
+            os.truncate(big, size)
+        assert e.value.errno == errno.EFBIG, size
+    res = subprocess.run(["truncate", "-s", "2P", big], capture_output=True, text=True)
+    assert res.returncode != 0 and "too large" in res.stderr.lower()
+    # a WRITE ending past the largest file (write-only opens bypass the page cache: the
+    # WRITE is the write(2) itself)
+    fd = os.open(os.path.join(m.mountpoint, "dd"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for off in (MAX - 10, MAX, 1 << 60, (1 << 63) - 8192):
+            with pytest.raises(OSError) as e:
+                os.pwrite(fd, b"x" * 4096, off)
+            assert e.value.errno == errno.EFBIG, off
+        with pytest.raises(OSError) as e:  # (past the largest loff_t: the kernel refuses)
+            os.pwrite(fd, b"x" * 4096, (1 << 63) - 4096)
+        assert e.value.errno in (errno.EFBIG, errno.EINVAL)
+        assert os.pwrite(fd, b"tail", MAX - 4) == 4  # ends at the largest file exactly
+    finally:
+        os.close(fd)
+    with open(os.path.join(m.mountpoint, "b.pt"), "wb") as f:
+        f.write(b"world\n")
+    assert cli("sync", m.mountpoint).returncode == 0
+    m = _remount(mounts, m, backing)
+    assert os.path.getsize(big) == MAX
+    assert os.path.getsize(os.path.join(m.mountpoint, "dd")) == MAX
+    with open(os.path.join(m.mountpoint, "dd"), "rb") as f:
+        f.seek(MAX - 4)
+        assert f.read() == b"tail"
+    with open(os.path.join(m.mountpoint, "b.pt"), "rb") as f:
+        assert f.read() == b"world\n"
+    assert "out of range" not in mounts.log(m)
+
+
+def test_times_outside_the_index_range_are_clamped_and_survive_a_remount(mounts):
+    backing = mounts.backing()
+    m = mounts.mount(backing, writer_id="w")
+    late, early = os.path.join(m.mountpoint, "late.pt"), os.path.join(m.mountpoint, "early")
+    for p in (late, early):
+        with open(p, "wb") as f:
+            f.write(b"x")
+    os.utime(late, ns=(Y2300_NS, Y2300_NS))
+    os.utime(early, ns=(Y1600_NS, Y1600_NS))
+    res = subprocess.run(["touch", "-d", "2300-01-01", late], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert os.stat(late).st_mtime_ns == records.TIME_MAX_NS
+    assert os.stat(early).st_mtime_ns == records.TIME_MIN_NS
+    assert cli("sync", m.mountpoint, timeout=30).returncode == 0  # (a flusher gone: a hang)
+    m = _remount(mounts, m, backing)
+    st = os.stat(late)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (records.TIME_MAX_NS, records.TIME_MAX_NS)
+    st = os.stat(early)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (records.TIME_MIN_NS, records.TIME_MIN_NS)
+    with open(late, "rb") as f:
+        assert f.read() == b"x"
+
+
+def test_a_failed_flusher_fails_every_barrier_with_eio_and_says_why(mounts):
+    """An unexpected exception in the flusher thread (injected at its first commit): fsync,
+    `ckptfs sync` and `ckptfs umount` fail with EIO within their time, status says so."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, writer_id="w", env={"CKPTFS_FAILPOINT": "flusher-commit:1"})
+    p = os.path.join(m.mountpoint, "a.pt")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"a" * 100_000)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as e:
+            os.fsync(fd)
+        assert e.value.errno == errno.EIO
+        assert time.monotonic() - t0 < 30
+    finally:
+        try:
+            os.close(fd)
+        except OSError as exc:  # (close reports the mount's error too, as NFS's does)
+            assert exc.errno == errno.EIO
+    st = api.status(m.mountpoint)
+    assert st["failed"] == 1 and "flusher thread failed" in st["last_error"], st
+    res = cli("sync", m.mountpoint, timeout=30)
+    assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr
+    # new writes find the mount failed too: a write that needs a free segment is refused
+    # once staging has none; the unmount says what was lost
+    res = cli("umount", m.mountpoint, timeout=60)
+    assert res.returncode != 0, res.stdout
+    assert "flusher thread failed" in mounts.log(m)
+    if api.is_mounted(m.mountpoint):
+        assert cli("umount", "--force", m.mountpoint, timeout=60).returncode in (0, 1)
+    assert not api.is_mounted(m.mountpoint)
+    m.proc.wait(timeout=30)
