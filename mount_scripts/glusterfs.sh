@@ -19,6 +19,7 @@
 #
 # environment (defaults):
 #   GLUSTER_DIR=/var/tmp/ckptfs-gluster   bricks, state; a directory of the local disk
+#                                         (created 0755, state in it 0700)
 #   GLUSTER_VOLUME=ckptfs                 volume name
 #   GLUSTER_MOUNT=$GLUSTER_DIR/mnt        mount point of the volume
 #   GLUSTER_BRICKS=2                      number of bricks (distributed, no replication)
@@ -32,9 +33,23 @@
 #   GLUSTER_TIMEOUT=60                    seconds for each gluster command, mount, wait
 #   GLUSTER_RUN=/run/ckptfs-gluster       glusterd's PID file and state shared by volumes
 #
+# GLUSTER_DIR, its state directory and GLUSTER_RUN must be directories only root can change
+# (owned by root, writable by no one else, reached only through directories and symlinks of
+# root; a sticky directory such as /var/tmp on the way is fine), or be missing from such a
+# place: up and down refuse anything else, such as a directory a user made in /var/tmp first,
+# and touch nothing under it. GLUSTER_MOUNT must not be a symlink nor be reached through one
+# of someone else's. The brick host, also the one recorded in the state directory, must be a
+# plain host name or IPv4 address resolving into 127.0.0.0/8 at every up.
+#
 # exit codes: 0 ok, 1 failure, 2 usage, 3 the packages cannot be installed, 4 the host does
 # not resolve to a loopback address (or a glusterd not started here listens elsewhere).
 set -euo pipefail
+
+# Root runs every command here from / with a PATH of system directories only.
+SELF=$(readlink -f -- "$0")
+cd /
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
 
 GLUSTER_DIR=${GLUSTER_DIR:-/var/tmp/ckptfs-gluster}
 GLUSTER_VOLUME=${GLUSTER_VOLUME:-ckptfs}
@@ -53,6 +68,102 @@ T=$GLUSTER_TIMEOUT
 say() { echo "glusterfs.sh: $*"; }
 die() { local rc=$1; shift; echo "glusterfs.sh: $*" >&2; exit "$rc"; }
 
+# The settings go into paths root removes and into gluster's commands: plain values only.
+for v in GLUSTER_DIR GLUSTER_RUN GLUSTER_MOUNT; do
+    case "${!v}" in /|/*/..|/*/../*|/*/.|/*/./*) die 2 "$v=${!v}: not a plain absolute path" ;;
+        /*) ;; *) die 2 "$v=${!v}: not an absolute path" ;; esac
+done
+[[ $GLUSTER_VOLUME =~ ^[A-Za-z0-9_-]+$ ]] || die 2 "GLUSTER_VOLUME=$GLUSTER_VOLUME: letters, digits, _ and - only"
+[[ $GLUSTER_BRICKS =~ ^[1-9][0-9]?$ ]] || die 2 "GLUSTER_BRICKS=$GLUSTER_BRICKS: a number from 1 to 99"
+[[ $GLUSTER_BRICK_SIZE =~ ^([1-9][0-9]*[KMGkmg]?)?$ ]] || die 2 "GLUSTER_BRICK_SIZE=$GLUSTER_BRICK_SIZE: e.g. 64M"
+[[ $GLUSTER_TIMEOUT =~ ^[1-9][0-9]*$ ]] || die 2 "GLUSTER_TIMEOUT=$GLUSTER_TIMEOUT: seconds"
+
+# trusted PATH [in]: root alone decides what PATH is. PATH and every directory and symlink on
+# the way to it belong to root; no directory on the way is writable by anyone else unless it is
+# sticky (there no one else can move or remove root's entries); PATH itself is writable by no
+# one else, or with "in" (a directory to create something in) only if it is sticky.
+# Prints the reason and fails when it is not so.
+trusted() {
+    local path=$1 in=${2:-} rest=$1 cur=/ c t st uid mode type hops=0
+    case "$path" in /*) ;; *) echo "$path is not an absolute path"; return 1 ;; esac
+    while :; do
+        rest=${rest#"${rest%%[!/]*}"}
+        st=$(stat -c '%u %a %F' -- "$cur" 2>/dev/null) || { echo "$cur does not exist"; return 1; }
+        read -r uid mode type <<< "$st"
+        [ "$uid" = 0 ] || { echo "$cur belongs to uid $uid, not root"; return 1; }
+        if (( 8#$mode & 8#022 )); then
+            if (( !(8#$mode & 8#1000) )) || { [ -z "$rest" ] && [ -z "$in" ]; }; then
+                echo "$cur is writable by others (mode $mode)"
+                return 1
+            fi
+        fi
+        [ -n "$rest" ] || return 0
+        [ "$type" = directory ] || { echo "$cur is not a directory"; return 1; }
+        c=${rest%%/*}
+        rest=${rest#"$c"}
+        case "$c" in
+            .) continue ;;
+            ..) cur=$(dirname -- "$cur"); continue ;;
+        esac
+        cur=${cur%/}/$c
+        if [ -L "$cur" ]; then
+            uid=$(stat -c %u -- "$cur")
+            [ "$uid" = 0 ] || { echo "$cur is a symlink of uid $uid, not root's"; return 1; }
+            hops=$((hops + 1))
+            [ "$hops" -le 40 ] || { echo "$path: too many symlinks"; return 1; }
+            t=$(readlink -- "$cur")
+            rest=$t/$rest
+            case "$t" in /*) cur=/ ;; *) cur=$(dirname -- "$cur") ;; esac
+        fi
+    done
+}
+
+# make_dir DIR MODE: DIR is afterwards a directory only root can change. A missing DIR (and its
+# missing parents, 0755) is created by mkdir, never through a symlink nor in a directory someone
+# else can change; mkdir fails on whatever else got there first, which is then checked and
+# refused. Prints the reason and fails when it cannot be so.
+make_dir() {
+    local d=$1 parent out
+    parent=$(dirname -- "$d")
+    if [ ! -e "$d" ] && [ ! -L "$d" ]; then
+        if [ ! -e "$parent" ] && [ ! -L "$parent" ]; then
+            make_dir "$parent" 0755 || return 1
+        fi
+        out=$(trusted "$parent" in) || { echo "$out"; return 1; }
+        out=$(mkdir -m "$2" -- "$d" 2>&1) || { echo "$out"; return 1; }
+    fi
+    out=$(trusted "$d") || { echo "$out"; return 1; }
+    [ -d "$d" ] || { echo "$d is not a directory"; return 1; }
+}
+
+# check_dir DIR: DIR is a directory only root can change, or missing from a place where only
+# root can create it. Prints the reason and fails when not.
+check_dir() {
+    local p=$1
+    if [ -e "$p" ] || [ -L "$p" ]; then trusted "$p"; return; fi
+    while [ ! -e "$p" ] && [ ! -L "$p" ]; do p=$(dirname -- "$p"); done
+    trusted "$p" in
+}
+
+# Before up or down reads or removes anything in them.
+check_dirs() {
+    local why v
+    for v in GLUSTER_DIR STATE GLUSTER_RUN; do
+        why=$(check_dir "${!v}") || die 1 "refusing $v ${!v}: $why (root reads and removes" \
+            "files there: it must be a directory only root can change; remove it)"
+    done
+    # the mount point itself may be a dead mount (stat fails): its place and name are checked
+    why=$(check_dir "$(dirname -- "$GLUSTER_MOUNT")") || die 1 "refusing GLUSTER_MOUNT $GLUSTER_MOUNT: $why"
+    [ ! -L "$GLUSTER_MOUNT" ] || die 1 "refusing GLUSTER_MOUNT $GLUSTER_MOUNT: it is a symlink"
+}
+
+make_dirs() {
+    local why
+    why=$(make_dir "$GLUSTER_DIR" 0755) || die 1 "cannot make GLUSTER_DIR $GLUSTER_DIR: $why"
+    why=$(make_dir "$STATE" 0700) || die 1 "cannot make $STATE: $why"
+    why=$(make_dir "$GLUSTER_RUN" 0755) || die 1 "cannot make GLUSTER_RUN $GLUSTER_RUN: $why"
+}
+
 # gluster CLI, non-interactive, bounded twice (its own RPC timeout and a hard one)
 g() { timeout -k 5 "$T" gluster --mode=script --timeout="$T" "$@"; }
 
@@ -69,6 +180,7 @@ cmdline_of() { { tr '\0' ' ' < "/proc/$1/cmdline"; } 2>/dev/null || true; }
 # Stop one PID: SIGTERM, wait, SIGKILL.
 stop_pid() {
     local pid=$1 what=$2 i
+    [[ $pid =~ ^[1-9][0-9]*$ ]] || return 0
     alive "$pid" || return 0
     kill -TERM "$pid" 2>/dev/null || true
     for i in $(seq 1 100); do alive "$pid" || { say "stopped $what (pid $pid)"; return 0; }; sleep 0.1; done
@@ -98,27 +210,34 @@ install_packages() {
 }
 
 # ---------------------------------------------------------------- the loopback host
-resolve4() { getent ahostsv4 "$1" 2>/dev/null | awk '{print $1; exit}'; }
-is_loopback4() { [[ "$1" =~ ^127\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; }
+# (nothing, not an exit under pipefail, when the name does not resolve: the callers say so)
+resolve4() { { getent ahostsv4 "$1" 2>/dev/null || true; } | awk '{print $1; exit}'; }
+OCTET='(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])'
+# A dotted quad in 127.0.0.0/8; nothing else passes, so ADDR is safe in sed and glusterd.vol.
+is_loopback4() { [[ "$1" =~ ^127\.$OCTET\.$OCTET\.$OCTET$ ]]; }
+# A host name or IPv4 address and nothing else (it goes into gluster's commands).
+valid_host() { [[ "$1" =~ ^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$ ]]; }
 
-# Sets HOST (what gluster is told) and ADDR (its IPv4 address, in 127.0.0.0/8).
+# Sets HOST (what gluster is told) and ADDR (its IPv4 address, in 127.0.0.0/8). A host recorded
+# by an earlier up is checked like a new one, and its address looked up again.
 pick_host() {
     local h a all
     if [ -f "$STATE/host" ]; then
-        read -r HOST ADDR < "$STATE/host"
-        return 0
-    fi
-    if [ -n "$GLUSTER_HOST" ]; then
+        read -r h _ < "$STATE/host" || true
+        valid_host "$h" || die 4 "$STATE/host does not hold a host name or IPv4 address:" \
+            "refusing it (remove it if its volume is gone)"
+    elif [ -n "$GLUSTER_HOST" ]; then
         h=$GLUSTER_HOST
         case "$h" in
             localhost|localhost.*|127.0.0.1|::1)
                 die 4 "GLUSTER_HOST=$h: gluster refuses localhost and 127.0.0.1 as brick hosts;" \
                       "use a name that resolves to 127.0.0.1 or another loopback address (127.0.0.2)" ;;
         esac
+        valid_host "$h" || die 4 "GLUSTER_HOST=$h: not a host name or IPv4 address"
     else
         h=$(hostname)
         a=$(resolve4 "$h")
-        if [ -z "$a" ] || ! is_loopback4 "$a"; then
+        if ! valid_host "$h" || [ -z "$a" ] || ! is_loopback4 "$a"; then
             h=127.0.0.2
         fi
     fi
@@ -215,7 +334,7 @@ brick_dir() { echo "$GLUSTER_DIR/bricks/b$1"; }
 
 make_bricks() {
     local i d img dev
-    mkdir -p "$GLUSTER_DIR/bricks" "$STATE"
+    mkdir -p "$GLUSTER_DIR/bricks"
     for i in $(seq 1 "$GLUSTER_BRICKS"); do
         d=$(brick_dir "$i")
         if [ -n "$GLUSTER_BRICK_SIZE" ]; then
@@ -344,10 +463,12 @@ check_loopback() {
 
 # ---------------------------------------------------------------- up / down / status
 cmd_up() {
+    local why
     need_root
+    check_dirs
     install_packages
     pick_host
-    mkdir -p "$GLUSTER_DIR" "$STATE"
+    make_dirs
     echo "$HOST $ADDR" > "$STATE/host"
     start_glusterd
     mkdir -p "$GLUSTER_RUN/instances"
@@ -376,7 +497,7 @@ cmd_up() {
     brick_pids > "$STATE/bricks.pids"
     detach_dead_mount
     if ! is_mounted; then
-        mkdir -p "$GLUSTER_MOUNT"
+        why=$(make_dir "$GLUSTER_MOUNT" 0755) || die 1 "cannot make GLUSTER_MOUNT $GLUSTER_MOUNT: $why"
         timeout -k 5 "$T" mount -t glusterfs "$HOST:/$GLUSTER_VOLUME" "$GLUSTER_MOUNT" \
             || die 1 "mount -t glusterfs $HOST:/$GLUSTER_VOLUME $GLUSTER_MOUNT failed" \
                      "(/var/log/glusterfs/$(echo "${GLUSTER_MOUNT#/}" | tr / -).log)"
@@ -392,6 +513,7 @@ cmd_up() {
 
 cmd_down() {
     need_root
+    check_dirs
     local rc=0 pid dev d pids=""
     # unmount: a plain umount lets the client exit by itself; lazy as the last resort
     if is_mounted; then
@@ -434,6 +556,7 @@ cmd_down() {
     # small bricks: their file systems
     if [ -f "$STATE/loops" ]; then
         while read -r d dev; do
+            [[ $d == "$GLUSTER_DIR"/bricks/b*.fs ]] || continue
             if listed_mount "$d"; then
                 timeout -k 5 "$T" umount "$d" 2>/dev/null || umount -l "$d" || rc=1
             fi
@@ -496,6 +619,6 @@ case "${1:-}" in
     down) cmd_down ;;
     status) cmd_status ;;
     install) need_root; install_packages ;;
-    -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
+    -h|--help|help) sed -n '2,/^set -euo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//' ;;
     *) echo "usage: glusterfs.sh up|down|status|install (see --help)" >&2; exit 2 ;;
 esac

@@ -64,7 +64,13 @@ if [ -z "$ckptfs" ]; then
 fi
 [ -x "$ckptfs" ] || die "'$ckptfs' is not an executable"
 ckptfs=$(cd "$(dirname "$ckptfs")" && pwd)/$(basename "$ckptfs")
-case "$ckptfs" in *\"*|*\\*|*\$*|*\`*) die "unsupported characters in '$ckptfs'" ;; esac
+# The path goes into a sed replacement (| delimited) and between double quotes in the helpers:
+# none of the characters special there.
+nl='
+'
+case "$ckptfs" in
+    *[\"\\\$\`\|\&]*|*"$nl"*) die "unsupported characters in '$ckptfs' (\" \\ \$ \` | & newline)" ;;
+esac
 
 mkdir -p "$dest"
 for pair in mount.ckptfs:mount.fuse.ckptfs umount.ckptfs:umount.fuse.ckptfs; do
@@ -74,9 +80,10 @@ for pair in mount.ckptfs:mount.fuse.ckptfs umount.ckptfs:umount.fuse.ckptfs; do
     if [ -e "$f" ] && ! ours "$f" && [ "$force" = 0 ]; then
         die "$f exists and was not installed by ckptfs (use --force to replace it)"
     fi
-    tmp="$f.tmp.$$"
+    # a fresh name (O_EXCL): nothing someone else put in DESTDIR beforehand is written through
+    tmp=$(mktemp "$f.XXXXXX") || die "cannot create a file in $dest"
     sed "s|^CKPTFS_INSTALLED=\"\"\$|CKPTFS_INSTALLED=\"$ckptfs\"|" "$src" > "$tmp"
-    grep -q "^CKPTFS_INSTALLED=\"$ckptfs\"\$" "$tmp" || { rm -f "$tmp"; die "could not configure $src"; }
+    grep -qxF "CKPTFS_INSTALLED=\"$ckptfs\"" "$tmp" || { rm -f "$tmp"; die "could not configure $src"; }
     chmod 0755 "$tmp"
     if [ -f "$f" ] && cmp -s "$tmp" "$f"; then
         rm -f "$tmp"

@@ -5,19 +5,19 @@
 # Exit 0: everything the job wrote is durable in $CKPTFS_BACKING_ROOT/$SLURM_JOB_ID.
 # Exit 1 + a log line (stderr and syslog): the mount was not there, the daemon had died, or not
 # everything could be made durable. Slurm then drains the node, so someone looks at it.
-# Configuration: as slurm-prolog.sh, plus CKPTFS_UMOUNT_TIMEOUT (seconds, default 600) and
+# Configuration: as slurm-prolog.sh (the same checks of the configuration file and of the
+# mount point's place), plus CKPTFS_UMOUNT_TIMEOUT (seconds, default 600) and
 # CKPTFS_UMOUNT_LAZY=1 (lazy unmount if a leftover process still holds files open).
 set -u
 
-conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
-if [ -r "$conf" ]; then
-    # shellcheck source=/dev/null
-    . "$conf"
-fi
-root=${CKPTFS_BACKING_ROOT:-/var/tmp/ckptfs}
-mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
-tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
+# ckptfs starts from / with a PATH of system directories (plus the directory of the ckptfs
+# executable), whatever slurmd's working directory and PATH are.
+cd / || exit 1
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+
 job=${SLURM_JOB_ID:-}
+tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
 
 log() {
     echo "$tag: job ${job:-?}: $*" >&2
@@ -25,10 +25,66 @@ log() {
 }
 fail() { log "ERROR: $*"; exit 1; }
 
+# trusted PATH [in]: root alone decides what PATH is. PATH and every directory and symlink on
+# the way to it belong to root; no directory on the way is writable by anyone else unless it is
+# sticky (there no one else can move or remove root's entries); PATH itself is writable by no
+# one else, or with "in" (a directory to create something in) only if it is sticky.
+# Prints the reason and fails when it is not so.
+trusted() {
+    local path=$1 in=${2:-} rest=$1 cur=/ c t st uid mode type hops=0
+    case "$path" in /*) ;; *) echo "$path is not an absolute path"; return 1 ;; esac
+    while :; do
+        rest=${rest#"${rest%%[!/]*}"}
+        st=$(stat -c '%u %a %F' -- "$cur" 2>/dev/null) || { echo "$cur does not exist"; return 1; }
+        read -r uid mode type <<< "$st"
+        [ "$uid" = 0 ] || { echo "$cur belongs to uid $uid, not root"; return 1; }
+        if (( 8#$mode & 8#022 )); then
+            if (( !(8#$mode & 8#1000) )) || { [ -z "$rest" ] && [ -z "$in" ]; }; then
+                echo "$cur is writable by others (mode $mode)"
+                return 1
+            fi
+        fi
+        [ -n "$rest" ] || return 0
+        [ "$type" = directory ] || { echo "$cur is not a directory"; return 1; }
+        c=${rest%%/*}
+        rest=${rest#"$c"}
+        case "$c" in
+            .) continue ;;
+            ..) cur=$(dirname -- "$cur"); continue ;;
+        esac
+        cur=${cur%/}/$c
+        if [ -L "$cur" ]; then
+            uid=$(stat -c %u -- "$cur")
+            [ "$uid" = 0 ] || { echo "$cur is a symlink of uid $uid, not root's"; return 1; }
+            hops=$((hops + 1))
+            [ "$hops" -le 40 ] || { echo "$path: too many symlinks"; return 1; }
+            t=$(readlink -- "$cur")
+            rest=$t/$rest
+            case "$t" in /*) cur=/ ;; *) cur=$(dirname -- "$cur") ;; esac
+        fi
+    done
+}
+
+conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
+if [ -e "$conf" ] || [ -L "$conf" ]; then
+    why=$(trusted "$conf") || fail "not reading $conf: $why"
+    [ -f "$conf" ] || fail "not reading $conf: not a regular file"
+    # shellcheck source=/dev/null
+    . "$conf"
+fi
+root=${CKPTFS_BACKING_ROOT:-/var/lib/ckptfs}
+mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
+tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
+
 ckptfs=${CKPTFS:-$(command -v ckptfs 2>/dev/null || echo /opt/ckptfs/.venv/bin/ckptfs)}
 [ -x "$ckptfs" ] || fail "ckptfs executable not found ($ckptfs); set CKPTFS"
+PATH=$PATH:$(dirname -- "$ckptfs")
 
-if ! grep -qs " $(realpath -m "$mnt") " /proc/self/mounts; then
+# A path through someone else's directory or symlink could point the unmount at another mount.
+why=$(trusted "$(dirname -- "$mnt")" in) || fail "refusing mount point $mnt: $why"
+[ -L "$mnt" ] && fail "refusing mount point $mnt: it is a symlink"
+
+if ! grep -qsF " $(realpath -m "$mnt") " /proc/self/mounts; then
     fail "$mnt is not mounted: nothing to unmount (did the prolog run? did the mount go away?)"
 fi
 

@@ -1,28 +1,35 @@
 #!/bin/bash
 # Slurm Prolog (slurm.conf: Prolog=/opt/ckptfs/mount_scripts/slurm-prolog.sh), runs as root on
 # each node at job start: mounts ckptfs at $CKPTFS_MOUNTPOINT over a per-job backing directory
-# $CKPTFS_BACKING_ROOT/$SLURM_JOB_ID (created), owned by the job's user.
+# $CKPTFS_BACKING_ROOT/$SLURM_JOB_ID (created, mode 0700, owned by root: the daemon runs as
+# root there, so no user may change what is in it), then hands the mount root to the job's user.
 # Pair: slurm-epilog.sh. A non-zero exit makes Slurm drain the node and requeue the job.
 #
-# Configuration (environment, or /etc/ckptfs/slurm.conf sourced as shell; $CKPTFS_SLURM_CONF
-# names another file):
-#   CKPTFS_BACKING_ROOT   parent of the per-job backing directories (default /var/tmp/ckptfs);
-#                         put it on the parallel file system for durable checkpoints
-#   CKPTFS_MOUNTPOINT     where jobs see ckptfs (default /ckpt)
+# Every directory it creates or mounts on, and the configuration file it reads, must be one only
+# root can change: owned by root, not writable by others, reached only through directories and
+# symlinks of root (a sticky directory such as /var/tmp on the way is fine). Anything else
+# (a symlink or a directory a user put in a shared place) is refused with an ERROR line.
+#
+# Configuration (environment, or /etc/ckptfs/slurm.conf sourced as shell, which must belong to
+# root and be writable by root only; $CKPTFS_SLURM_CONF names another file):
+#   CKPTFS_BACKING_ROOT   parent of the per-job backing directories (default /var/lib/ckptfs,
+#                         created if missing); put it on the parallel file system for durable
+#                         checkpoints, in a directory of root's
+#   CKPTFS_MOUNTPOINT     where jobs see ckptfs (default /ckpt, created if missing)
 #   CKPTFS_MOUNT_OPTS     extra `ckptfs mount` flags, e.g. "--staging-size 8G --segment-size 16M"
-#   CKPTFS                the ckptfs executable (default: PATH, then /opt/ckptfs/.venv/bin/ckptfs)
+#   CKPTFS                the ckptfs executable (default: the PATH below, then
+#                         /opt/ckptfs/.venv/bin/ckptfs)
 #   CKPTFS_LOG_TAG        syslog tag (default ckptfs-slurm)
 set -u
 
-conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
-if [ -r "$conf" ]; then
-    # shellcheck source=/dev/null
-    . "$conf"
-fi
-root=${CKPTFS_BACKING_ROOT:-/var/tmp/ckptfs}
-mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
-tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
+# ckptfs and its daemon start from / with a PATH of system directories (plus the directory of
+# the ckptfs executable), whatever slurmd's working directory and PATH are.
+cd / || exit 1
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+
 job=${SLURM_JOB_ID:-}
+tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
 
 log() {
     echo "$tag: job ${job:-?}: $*" >&2
@@ -30,13 +37,91 @@ log() {
 }
 fail() { log "ERROR: $*"; exit 1; }
 
+# trusted PATH [in]: root alone decides what PATH is. PATH and every directory and symlink on
+# the way to it belong to root; no directory on the way is writable by anyone else unless it is
+# sticky (there no one else can move or remove root's entries); PATH itself is writable by no
+# one else, or with "in" (a directory to create something in) only if it is sticky.
+# Prints the reason and fails when it is not so.
+trusted() {
+    local path=$1 in=${2:-} rest=$1 cur=/ c t st uid mode type hops=0
+    case "$path" in /*) ;; *) echo "$path is not an absolute path"; return 1 ;; esac
+    while :; do
+        rest=${rest#"${rest%%[!/]*}"}
+        st=$(stat -c '%u %a %F' -- "$cur" 2>/dev/null) || { echo "$cur does not exist"; return 1; }
+        read -r uid mode type <<< "$st"
+        [ "$uid" = 0 ] || { echo "$cur belongs to uid $uid, not root"; return 1; }
+        if (( 8#$mode & 8#022 )); then
+            if (( !(8#$mode & 8#1000) )) || { [ -z "$rest" ] && [ -z "$in" ]; }; then
+                echo "$cur is writable by others (mode $mode)"
+                return 1
+            fi
+        fi
+        [ -n "$rest" ] || return 0
+        [ "$type" = directory ] || { echo "$cur is not a directory"; return 1; }
+        c=${rest%%/*}
+        rest=${rest#"$c"}
+        case "$c" in
+            .) continue ;;
+            ..) cur=$(dirname -- "$cur"); continue ;;
+        esac
+        cur=${cur%/}/$c
+        if [ -L "$cur" ]; then
+            uid=$(stat -c %u -- "$cur")
+            [ "$uid" = 0 ] || { echo "$cur is a symlink of uid $uid, not root's"; return 1; }
+            hops=$((hops + 1))
+            [ "$hops" -le 40 ] || { echo "$path: too many symlinks"; return 1; }
+            t=$(readlink -- "$cur")
+            rest=$t/$rest
+            case "$t" in /*) cur=/ ;; *) cur=$(dirname -- "$cur") ;; esac
+        fi
+    done
+}
+
+# make_dir DIR MODE: DIR is afterwards a directory only root can change. A missing DIR (and its
+# missing parents, 0755) is created by mkdir, never through a symlink nor in a directory someone
+# else can change; mkdir fails on whatever else got there first, which is then checked and
+# refused. Prints the reason and fails when it cannot be so.
+make_dir() {
+    local d=$1 parent out
+    parent=$(dirname -- "$d")
+    if [ ! -e "$d" ] && [ ! -L "$d" ]; then
+        if [ ! -e "$parent" ] && [ ! -L "$parent" ]; then
+            make_dir "$parent" 0755 || return 1
+        fi
+        out=$(trusted "$parent" in) || { echo "$out"; return 1; }
+        out=$(mkdir -m "$2" -- "$d" 2>&1) || { echo "$out"; return 1; }
+    fi
+    out=$(trusted "$d") || { echo "$out"; return 1; }
+    [ -d "$d" ] || { echo "$d is not a directory"; return 1; }
+}
+
+conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
+if [ -e "$conf" ] || [ -L "$conf" ]; then
+    why=$(trusted "$conf") || fail "not reading $conf: $why"
+    [ -f "$conf" ] || fail "not reading $conf: not a regular file"
+    # shellcheck source=/dev/null
+    . "$conf"
+fi
+root=${CKPTFS_BACKING_ROOT:-/var/lib/ckptfs}
+mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
+tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
+
 [ -n "$job" ] || fail "SLURM_JOB_ID is not set (run as a Slurm prolog)"
-case "$job" in *[!0-9A-Za-z_.-]*) fail "unexpected SLURM_JOB_ID '$job'" ;; esac
+case "$job" in *[!0-9A-Za-z_.-]*|.|..) fail "unexpected SLURM_JOB_ID '$job'" ;; esac
+uid=${SLURM_JOB_UID:-}
+gid=${SLURM_JOB_GID:-$uid}
+case "$uid$gid" in *[!0-9]*) fail "unexpected SLURM_JOB_UID/GID '$uid:$gid'" ;; esac
 
 ckptfs=${CKPTFS:-$(command -v ckptfs 2>/dev/null || echo /opt/ckptfs/.venv/bin/ckptfs)}
 [ -x "$ckptfs" ] || fail "ckptfs executable not found ($ckptfs); set CKPTFS"
+PATH=$PATH:$(dirname -- "$ckptfs")
 
-mounted() { grep -qs " $(realpath -m "$1") " /proc/self/mounts; }
+mounted() { grep -qsF " $(realpath -m "$1") " /proc/self/mounts; }
+
+# The mount point's place first: a path through someone else's directory or symlink could lead
+# the unmount below, the mount and the chown of the mount root anywhere.
+why=$(trusted "$(dirname -- "$mnt")" in) || fail "refusing mount point $mnt: $why"
+[ -L "$mnt" ] && fail "refusing mount point $mnt: it is a symlink"
 
 if mounted "$mnt"; then
     # A previous job's epilog did not unmount (or its daemon died): detach, but do not hide it.
@@ -44,15 +129,13 @@ if mounted "$mnt"; then
     "$ckptfs" umount "$mnt" >&2 || log "WARNING: the earlier mount at $mnt was not clean"
     mounted "$mnt" && fail "$mnt is still mounted; cannot mount this job's checkpoint store"
 fi
+why=$(make_dir "$mnt" 0755) || fail "refusing mount point $mnt: $why"
 
+why=$(make_dir "$root" 0755) || fail "refusing CKPTFS_BACKING_ROOT $root: $why"
 backing="$root/$job"
-mkdir -p "$backing" "$mnt" || fail "cannot create $backing or $mnt"
-chmod 0700 "$backing"
-uid=${SLURM_JOB_UID:-}
-gid=${SLURM_JOB_GID:-$uid}
-if [ -n "$uid" ] && [ "$(id -u)" = 0 ]; then
-    chown "$uid:$gid" "$backing" || fail "cannot chown $backing to $uid:$gid"
-fi
+why=$(make_dir "$backing" 0700) \
+    || fail "refusing backing directory $backing: $why (the daemon runs as root in it)"
+chmod 0700 "$backing" || fail "cannot chmod $backing"
 
 # Root mounts it for the job's user: allow_other lets the user in (permissions are checked by
 # the kernel, default_permissions), and the mount root is handed to the user below.
