@@ -73,6 +73,29 @@ def _add_mount(sub) -> None:
     options.add_arguments(p)
 
 
+def _open_log(cfg, wd) -> int:
+    """The daemon's log: --log-file, else daemon.log in the writer's directory (through the
+    descriptor the mount holds, never through a link: backingdir.Dir; a read-only mount's
+    is made for it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    if cfg.log_file:
+        os.makedirs(os.path.dirname(cfg.log_file), mode=0o700, exist_ok=True)
+        return os.open(cfg.log_file, flags | os.O_CLOEXEC, 0o600)
+    if wd is not None:
+        return wd.dir.open("daemon.log", flags, 0o600)
+    from ckptfs.format import backingdir
+
+    where = backingdir.Dir(cfg.backing)
+    try:
+        for name in (backingdir.WRITERS_DIR, cfg.writer_id):
+            inner = backingdir.Dir.at(where, name, create=True)
+            where.close()
+            where = inner
+        return where.open("daemon.log", flags, 0o600)
+    finally:
+        where.close()
+
+
 def _mount(a) -> int:
     from ckptfs.daemon import MountConfig, MountError, open_writer, prepare, serve
     from ckptfs.format.records import FormatError
@@ -105,10 +128,7 @@ def _mount(a) -> int:
         os.close(rfd)
         os.setsid()
         os.chdir("/")
-        logfile = cfg.log_file or os.path.join(cfg.backing, "writers", cfg.writer_id,
-                                             "daemon.log")
-        os.makedirs(os.path.dirname(os.path.abspath(logfile)), mode=0o700, exist_ok=True)
-        lfd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        lfd = _open_log(cfg, wd)
         nul = os.open(os.devnull, os.O_RDWR)
         os.dup2(nul, 0)
         os.dup2(lfd, 1)

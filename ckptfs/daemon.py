@@ -239,8 +239,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             last_seq, valid, union.warnings = replay(ns, index_path)
         union.warnings += validate_extents(ns, wd.path)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
-        index = IndexWriter(index_path, valid)
-        discard_fresh(index_path)  # (a crash left it unfinished: format/index.py)
+        index = IndexWriter(wd.dir, backingdir.INDEX_NAME, valid)
+        discard_fresh(wd.dir, backingdir.INDEX_NAME)  # (a crash left it unfinished: index.py)
         # (never a number used before: the index names logs whose files are gone)
         next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = wd.path
@@ -273,7 +273,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # (the flusher has the pool faulted in once the mount serves: a mount does not wait for
     # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg))
-    flusher = Flusher(wd.path if wd else "", cfg.writer_id, staging, journal, engine=cfg.engine,
+    flusher = Flusher(wd.dir if wd else None, cfg.writer_id, staging, journal, engine=cfg.engine,
                       depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
                       log_bytes=cfg.log_bytes, next_log=next_log, index=index,
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
@@ -293,7 +293,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         space.count(ns, backingdir.data_logs(wd.path))
         cleaner.install(space)
         flusher.durable_hook = space.durable
-        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.path)
+        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.dir)
         maintainer.configure(staging, cfg)
         maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
         maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)

@@ -13,6 +13,7 @@ import pytest
 from ckptfs.datapath import cleaner
 from ckptfs.datapath.staging import Run, Segment
 from ckptfs.format import records
+from ckptfs.format.backingdir import Dir
 from ckptfs.format.index import IndexWriter, write_fresh
 from ckptfs.format.records import (
     CommitRec,
@@ -85,7 +86,7 @@ def test_retire_record_needs_index_version_2(tmp_path):
     assert rtype == records.R_RETIRE
     assert records.decode(rtype, frame[records.REC_HEADER.size:]) == rec
     path = str(tmp_path / "index.log")
-    w = IndexWriter(path, 0)
+    w = IndexWriter(Dir(str(tmp_path)), "index.log", 0)
     assert w.version == 1
     w.append(records.encode(CommitRec(1, 5)))
     w.append(frame + records.encode(CommitRec(2, 6)), version=records.RETIRE_INDEX_VERSION)
@@ -114,7 +115,7 @@ def test_an_extent_in_a_retired_log_is_reported_as_such(tmp_path):
 
 def test_replace_puts_a_fresh_index_in_place_with_what_came_after(tmp_path):
     path = str(tmp_path / "index.log")
-    w = IndexWriter(path, 0)
+    w = IndexWriter(Dir(str(tmp_path)), "index.log", 0)
     g1 = records.encode(InodeRec(2, 1, b"a", stat.S_IFREG | 0o644, 0, 0, 0, 1, 1, 1)) + \
         records.encode(UnlinkRec(1, b"a")) + records.encode(CommitRec(2, 10))
     w.append(g1)
@@ -124,7 +125,7 @@ def test_replace_puts_a_fresh_index_in_place_with_what_came_after(tmp_path):
     w.append(g2)
     fresh = path + ".fresh"
     write_fresh(fresh, records.encode(CommitRec(2, 10)))  # the first group, as a snapshot
-    w.replace(fresh, upto, 1)
+    w.replace("index.log.fresh", upto, 1)
     assert not os.path.exists(fresh)
     w.append(records.encode(RetireRec(1)) + records.encode(CommitRec(4, 12)), version=2)
     w.close()

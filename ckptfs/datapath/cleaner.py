@@ -166,13 +166,14 @@ class LogSpace:
 class Maintainer:
     """The task that gives space back while mounted (see the module docstring)."""
 
-    def __init__(self, ns, journal, flusher, reader, space: LogSpace, writer_dir: str) -> None:
+    def __init__(self, ns, journal, flusher, reader, space: LogSpace, where) -> None:
         self.ns = ns
         self.journal = journal
         self.flusher = flusher
         self.reader = reader
         self.space = space
-        self.writer_dir = writer_dir
+        self.where = where  # the writer's directory, held open (backingdir.Dir)
+        self.writer_dir = where.path
         self.logs_retired = 0
         self.bytes_reclaimed = 0
         self.disk_bytes = 0  # the data logs' allocated blocks (st_blocks), looked up every 5 s
@@ -181,7 +182,7 @@ class Maintainer:
         self.last_error = ""
         self._held: set[int] = set()  # retired logs a reader still held open when removed
         self.staging = None
-        self.writer_id = os.path.basename(writer_dir)
+        self.writer_id = os.path.basename(where.path)
         self.idle_s = 1.0
         self.snapshot_ratio = 2.0
         self.snapshot_min = 64 << 10
@@ -371,17 +372,13 @@ class Maintainer:
                 pass
         freed = 0
         for lg in logs:
-            path = os.path.join(self.writer_dir, backingdir.data_log_name(lg))
+            name = backingdir.data_log_name(lg)
             try:
-                freed += os.stat(path).st_blocks * 512
-                os.unlink(path)
+                freed += self.where.stat(name).st_blocks * 512
+                self.where.unlink(name)
             except FileNotFoundError:
                 pass
-        fd = os.open(self.writer_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.where.sync()
         return freed
 
     def _release_held(self) -> None:
@@ -429,10 +426,10 @@ class Maintainer:
         try:
             fresh, size, version = await self._snapshot_process(mover.snapshot_args(
                 idx.path, upto, self.writer_id, os.getuid(), os.getgid(), root.atime_ns, drop,
-                os.getpid()))
+                os.getpid(), idx.where.fd), idx.where.fd)
         except BaseException:  # (failed, or cancelled at unmount: no stray fresh index left;
             # the process is gone by now)
-            discard_fresh(idx.path)
+            discard_fresh(idx.where, idx.name)
             raise
         finally:
             self.doing = "idle"
@@ -444,7 +441,7 @@ class Maintainer:
             result.append(err)
             done.set()
         self.doing = "putting an index snapshot in place"
-        self.flusher.swap_index(fresh, upto, version, swapped)
+        self.flusher.swap_index(os.path.basename(fresh), upto, version, swapped)
         try:
             await done.wait()
         finally:
@@ -460,14 +457,15 @@ class Maintainer:
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
                  before, idx.size, self.snapshot_seconds, self.flusher.stats.swap_seconds)
 
-    async def _snapshot_process(self, args: bytes) -> tuple[str, int, int]:
+    async def _snapshot_process(self, args: bytes, dir_fd: int) -> tuple[str, int, int]:
         """mover.build_snapshot in a process of its own (mover.py says why), started from
         this thread: the process dies with the thread that started it (PR_SET_PDEATHSIG),
         and the trio thread lives as long as the daemon (a worker thread may end first).
         Waited for in a worker thread; cancelled, the process is killed."""
         cmd, env, cwd = mover.snapshot_command()
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, cwd=cwd, close_fds=True)
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd, close_fds=True,
+                                pass_fds=(dir_fd,))
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:  # (out of descriptors, say: no snapshot this time)
@@ -588,9 +586,8 @@ class Maintainer:
         """Worker thread: punch the holes; the blocks freed."""
         freed = 0
         for lg, ranges in holes.items():
-            path = os.path.join(self.writer_dir, backingdir.data_log_name(lg))
             try:
-                fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = self.where.open(backingdir.data_log_name(lg), os.O_WRONLY)
             except FileNotFoundError:
                 continue
             try:

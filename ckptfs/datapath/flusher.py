@@ -228,11 +228,11 @@ class FlushStats:
 class Flusher:
     """Owns the flusher thread and the barrier logic. Create and use from the trio thread."""
 
-    def __init__(self, writer_dir: str, writer_id: str, staging: Staging, journal: Journal,
+    def __init__(self, where, writer_id: str, staging: Staging, journal: Journal,
                  *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
                  next_log: int, index: IndexWriter | None, io_chunk_bytes: int,
                  data_logs: int = 1, stripe_bytes: int = 0, fixed_buffers: bool = True) -> None:
-        self.writer_dir = writer_dir
+        self.where = where  # the writer's directory, held open (backingdir.Dir; None: read-only)
         self.writer_id = writer_id
         self.staging = staging
         self.journal = journal
@@ -443,7 +443,7 @@ class Flusher:
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
             self.engine_name = self.engine.name
-            self.logs = LogWriter(self.writer_dir, self.writer_id, self.engine,
+            self.logs = LogWriter(self.where, self.writer_id, self.engine,
                                   direct=self.direct, align=self.align,
                                   log_bytes=self.log_bytes, next_log=self.next_log,
                                   data_logs=self.data_logs, stripe_bytes=self.stripe_bytes)
@@ -606,7 +606,8 @@ class Flusher:
         self.stats.flush_seconds += time.perf_counter() - t0
 
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
-        """Trio thread: have the flusher put the fresh index `fresh` (equivalent to the live
+        """Trio thread: have the flusher put the fresh index `fresh` (a name beside the live
+        index, equivalent to the live
         index's first `upto` bytes) in place, between two commits, with the groups committed
         since; `done(error or None)` is called on the trio thread after."""
         self.q.put(_Swap(fresh, upto, version, done))
@@ -619,7 +620,7 @@ class Flusher:
         except OSError as exc:
             err = exc
             try:
-                os.unlink(sw.fresh)
+                self.index.where.unlink(sw.fresh)
             except OSError:
                 pass
         self.stats.swap_seconds = time.perf_counter() - t0

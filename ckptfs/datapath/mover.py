@@ -247,11 +247,15 @@ def snapshot_command() -> tuple[list[str], dict, str]:
 
 
 def snapshot_args(index_path: str, upto: int, writer_id: str, uid: int, gid: int,
-                  root_time_ns: int, settled: frozenset, parent: int) -> bytes:
-    """build_snapshot's arguments as the process reads them from its standard input."""
+                  root_time_ns: int, settled: frozenset, parent: int,
+                  dir_fd: int | None = None) -> bytes:
+    """build_snapshot's arguments as the process reads them from its standard input.
+    `dir_fd`: the writer's directory as the daemon holds it open (passed to the process):
+    the process then reaches the index and the logs through it, not through the names
+    above it (backingdir.Dir says why)."""
     return json.dumps({"index": index_path, "upto": upto, "writer": writer_id, "uid": uid,
                        "gid": gid, "root_time_ns": root_time_ns, "settled": sorted(settled),
-                       "parent": parent}).encode()
+                       "parent": parent, "dir_fd": dir_fd}).encode()
 
 
 def snapshot_result(out: bytes, returncode: int) -> tuple[str, int, int, int]:
@@ -289,9 +293,12 @@ def snapshot_main() -> int:
         os.nice(SNAPSHOT_NICE)
     except OSError:
         pass
+    index = args["index"]
+    if args.get("dir_fd") is not None:  # (the directory, whatever its path names by now)
+        index = os.path.join(f"/proc/self/fd/{int(args['dir_fd'])}", os.path.basename(index))
     try:
         fresh, size, version = build_snapshot(
-            args["index"], args["upto"], args["writer"], args["uid"], args["gid"],
+            index, args["upto"], args["writer"], args["uid"], args["gid"],
             args["root_time_ns"], frozenset((w, i) for w, i in args["settled"]))
     except OSError as exc:
         res = {"errno": exc.errno or errno.EIO, "error": str(exc)}

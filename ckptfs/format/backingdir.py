@@ -11,6 +11,7 @@ BACKING/
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -22,18 +23,91 @@ from ckptfs.format.records import FORMAT_VERSION, INDEX_HEADER, FormatError, ind
 
 log = logging.getLogger("ckptfs")
 
+# How every file of a backing directory is opened: never through a symbolic link (whoever
+# owns the backing directory could plant one where a daemon running as root writes), never
+# inherited by a child.
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
 BACKING_MARKER = "ckptfs.json"
 WRITERS_DIR = "writers"
 INDEX_NAME = "index.log"
 WRITER_META = "writer.json"
 
 
-def write_writer_meta(path: str, writer_id: str, **extra) -> None:
+def write_writer_meta(where: Dir, writer_id: str, **extra) -> None:
     """writers/<id>/writer.json: who the writer is (host, created; `extra` adds facts, e.g.
     the writers a compaction merged), written atomically."""
-    write_atomic(os.path.join(path, WRITER_META), json.dumps({
+    write_atomic(where, WRITER_META, json.dumps({
         "writer": writer_id, "host": socket.gethostname(), "created": time.time(),
         "version": FORMAT_VERSION, **extra}).encode() + b"\n")
+
+
+class Dir:
+    """A directory of a backing directory, held open: its files are opened, created, renamed
+    and removed through the descriptor (openat and friends) with NOFOLLOW. Whoever owns the
+    directory above can rename the path away and put a link in its place; the descriptor
+    stays the directory that was opened. `path` is for messages and for the offline tools."""
+
+    def __init__(self, path: str, fd: int | None = None) -> None:
+        self.path = path
+        self.fd = os.open(path, _DIR_FLAGS) if fd is None else fd
+
+    @classmethod
+    def at(cls, parent: "Dir", name: str, create: bool = False, mode: int = 0o700) -> "Dir":
+        """Directory `name` of `parent` (created with `create`); FormatError when it is a
+        symbolic link or not a directory."""
+        if create:
+            try:
+                os.mkdir(name, mode, dir_fd=parent.fd)
+            except FileExistsError:
+                pass
+        path = os.path.join(parent.path, name)
+        try:
+            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise FormatError(f"{path} is a symbolic link or not a directory; ckptfs "
+                                  "uses only real directories there") from None
+            raise
+        return cls(path, fd)
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        try:
+            return os.open(name, flags | NOFOLLOW, mode, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, f"{self.join(name)} is a symbolic link: ckptfs "
+                              "opens no file of a backing directory through one") from None
+            raise
+
+    def exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def stat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, name: str) -> None:
+        os.unlink(name, dir_fd=self.fd)
+
+    def rename(self, old: str, new: str) -> None:
+        os.rename(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def sync(self) -> None:
+        """fsync of the directory: the names created, renamed or removed in it are durable."""
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class WriterInUse(FormatError):
@@ -44,20 +118,22 @@ def data_log_name(log: int) -> str:
     return f"data-{log:06d}.log"
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def write_atomic(where: Dir, name: str, data: bytes, mode: int = 0o600) -> None:
+    """File `name` of `where` replaced by one holding `data`, durably (a fresh file, synced,
+    renamed over it, the directory synced)."""
+    tmp = f"{name}.tmp.{os.getpid()}"
+    try:
+        where.unlink(tmp)  # (a crash's leftover, or something planted: never written through)
+    except FileNotFoundError:
+        pass
+    fd = where.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    where.rename(tmp, name)
+    where.sync()
 
 
 def check_backing(backing: str, create: bool) -> None:
@@ -70,12 +146,13 @@ def check_backing(backing: str, create: bool) -> None:
     marker = os.path.join(backing, BACKING_MARKER)
     if os.path.exists(marker):
         try:
-            with open(marker) as f:
+            with open(os.open(marker, os.O_RDONLY | NOFOLLOW)) as f:
                 meta = json.load(f)
             version = int(meta["version"])
             fmt = meta["format"]
         except (ValueError, KeyError, TypeError, OSError) as exc:
-            raise FormatError(f"{marker} is unreadable: {exc}") from None
+            why = "a symbolic link" if getattr(exc, "errno", None) == errno.ELOOP else exc
+            raise FormatError(f"{marker} is unreadable: {why}") from None
         if fmt != "ckptfs":
             raise FormatError(f"{marker} does not describe a ckptfs backing directory")
         if version > FORMAT_VERSION:
@@ -88,10 +165,14 @@ def check_backing(backing: str, create: bool) -> None:
         raise FormatError(f"{backing} is not a ckptfs backing directory (no {BACKING_MARKER})")
     if not os.access(backing, os.W_OK | os.X_OK):
         raise FormatError(f"backing directory {backing} is not writable")
-    os.makedirs(os.path.join(backing, WRITERS_DIR), mode=0o700, exist_ok=True)
-    write_atomic(marker, json.dumps({"format": "ckptfs", "version": FORMAT_VERSION,
-                                     "created": time.time(),
-                                     "host": socket.gethostname()}).encode() + b"\n", 0o644)
+    top = Dir(backing)
+    try:
+        Dir.at(top, WRITERS_DIR, create=True).close()
+        write_atomic(top, BACKING_MARKER, json.dumps({
+            "format": "ckptfs", "version": FORMAT_VERSION, "created": time.time(),
+            "host": socket.gethostname()}).encode() + b"\n", 0o644)
+    finally:
+        top.close()
 
 
 WRITER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -156,13 +237,22 @@ class WriterDir:
         self.backing = backing
         self.writer_id = writer_id
         self.path = os.path.join(backing, WRITERS_DIR, writer_id)
+        self.dir: Dir | None = None  # (held open from open() on: every file goes through it)
         self.lock_fd = -1
 
     def open(self) -> None:
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        if not os.path.exists(os.path.join(self.path, WRITER_META)):
-            write_writer_meta(self.path, self.writer_id)
-        fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        top = Dir(self.backing)
+        try:
+            writers = Dir.at(top, WRITERS_DIR, create=True)
+        finally:
+            top.close()
+        try:
+            self.dir = Dir.at(writers, self.writer_id, create=True)
+        finally:
+            writers.close()
+        if not self.dir.exists(WRITER_META):
+            write_writer_meta(self.dir, self.writer_id)
+        fd = self.dir.open("writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -180,11 +270,15 @@ class WriterDir:
             os.ftruncate(self.lock_fd, 0)
             os.close(self.lock_fd)
             self.lock_fd = -1
+        if self.dir is not None:
+            self.dir.close()
+            self.dir = None
 
 
-def open_index(path: str, valid_bytes: int) -> tuple[int, int]:
+def open_index(where: Dir, name: str, valid_bytes: int) -> tuple[int, int]:
     """Open the index for appending: create it with a header, or cut a torn tail off."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    path = where.join(name)
+    fd = where.open(name, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     size = os.fstat(fd).st_size
     if size == 0 or valid_bytes == 0:
         os.ftruncate(fd, 0)

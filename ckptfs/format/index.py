@@ -20,23 +20,23 @@ import errno
 import os
 
 from ckptfs.format import records
-from ckptfs.format.backingdir import open_index
+from ckptfs.format.backingdir import NOFOLLOW, Dir, open_index
 
 # The fresh index being made beside the live one (removed at mount if a crash left it).
 FRESH_SUFFIX = ".fresh"
 
 
-def discard_fresh(index_path: str) -> None:
-    """Remove the fresh index beside `index_path`, if there is one: what a crash, or a
-    snapshot that did not end in its swap, left."""
+def discard_fresh(where: Dir, name: str) -> None:
+    """Remove the fresh index beside index `name` of `where`, if there is one: what a crash,
+    or a snapshot that did not end in its swap, left."""
     try:
-        os.unlink(index_path + FRESH_SUFFIX)
+        where.unlink(name + FRESH_SUFFIX)
     except FileNotFoundError:
         pass
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -49,11 +49,11 @@ def _write_all(fd: int, blob: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_fresh(path: str, blob: bytes, version: int = 1) -> int:
-    """A complete index at `path` (created or replaced): header + `blob` (commit groups),
-    fsynced. Returns its size."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
-                 0o600)
+def write_fresh(path: str, blob: bytes, version: int = 1, where: Dir | None = None) -> int:
+    """A complete index at `path` (created or replaced; with `where`, `path` is a name in
+    that directory): header + `blob` (commit groups), fsynced. Returns its size."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = where.open(path, flags) if where is not None else os.open(path, flags | NOFOLLOW, 0o600)
     try:
         _write_all(fd, records.index_header(version) + blob)
         os.fsync(fd)
@@ -65,11 +65,12 @@ def write_fresh(path: str, blob: bytes, version: int = 1) -> int:
 class IndexWriter:
     """The live index of a writer, open for appending."""
 
-    def __init__(self, path: str, valid_bytes: int) -> None:
-        """Open (create, or cut the torn tail off) the index at `path`, whose first
+    def __init__(self, where: Dir, name: str, valid_bytes: int) -> None:
+        """Open (create, or cut the torn tail off) the index `name` of `where`, whose first
         `valid_bytes` replayed (0: a new or unreadable index, started afresh)."""
-        self.path = path
-        self.fd, self.size = open_index(path, valid_bytes)
+        self.where, self.name = where, name
+        self.path = where.join(name)
+        self.fd, self.size = open_index(where, name, valid_bytes)
         _, self.version, _ = records.INDEX_HEADER.unpack(
             os.pread(self.fd, records.INDEX_HEADER.size, 0))
 
@@ -91,7 +92,7 @@ class IndexWriter:
 
     def _raise_version(self, version: int) -> None:
         # (the append descriptor is O_APPEND: a pwrite through it would land at the end)
-        fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = self.where.open(self.name, os.O_WRONLY)
         try:
             os.pwrite(fd, records.index_header(version), 0)
             os.fdatasync(fd)
@@ -100,16 +101,15 @@ class IndexWriter:
         self.version = version
 
     def replace(self, fresh: str, upto: int, version: int) -> None:
-        """Put the fresh index `fresh` (equivalent to this index's first `upto` bytes; of
-        index `version`) in place of this one, with every group committed after `upto`."""
-        with open(self.path, "rb") as f:
-            f.seek(upto)
-            tail = f.read(self.size - upto)
+        """Put the fresh index `fresh` (a name beside this one, equivalent to this index's
+        first `upto` bytes; of index `version`) in place of this one, with every group
+        committed after `upto`."""
+        tail = os.pread(self.fd, self.size - upto, upto)
         if len(tail) != self.size - upto:  # committed groups would be left out of the new one
             raise OSError(errno.EIO, f"{self.path}: short read of the index tail "
                           f"({len(tail)} of {self.size - upto} bytes); not replaced")
         version = max(version, self.version)
-        fd = os.open(fresh, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fd = self.where.open(fresh, os.O_RDWR)
         try:
             end = os.fstat(fd).st_size
             view = memoryview(tail)
@@ -123,15 +123,15 @@ class IndexWriter:
         finally:
             os.close(fd)
         # (opened before the rename: the descriptor follows the file, whatever happens next)
-        nfd = os.open(fresh, os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        nfd = self.where.open(fresh, os.O_RDWR | os.O_APPEND)
         try:
-            os.rename(fresh, self.path)
+            self.where.rename(fresh, self.name)
         except BaseException:
             os.close(nfd)
             raise
         old, self.fd, self.size, self.version = self.fd, nfd, end, version
         os.close(old)
-        fsync_dir(os.path.dirname(self.path) or ".")
+        self.where.sync()
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -13,13 +13,11 @@ import threading
 from crc32c import crc32c
 
 from ckptfs.format import records
-from ckptfs.format.backingdir import data_log_name
+from ckptfs.format.backingdir import NOFOLLOW, Dir, data_log_name
 from ckptfs.io import alloc_aligned
 from ckptfs.system import libc
 
 log = logging.getLogger("ckptfs.logs")
-
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class RunError(OSError):
@@ -73,7 +71,7 @@ class RunReader:
             fd = self.fds.get((layer, number))
             if fd is None:
                 path = self.path(layer, number)
-                flags = os.O_RDONLY | _CLOEXEC
+                flags = os.O_RDONLY | NOFOLLOW
                 try:
                     try:
                         fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
@@ -92,7 +90,7 @@ class RunReader:
             fd = self.fds.get((layer, number))
             if fd == bad:
                 path = self.path(layer, number)
-                fd = self.fds[(layer, number)] = os.open(path, os.O_RDONLY | _CLOEXEC)
+                fd = self.fds[(layer, number)] = os.open(path, os.O_RDONLY | NOFOLLOW)
                 self.stale.append(bad)  # another thread may still be reading through it
                 log.info("data log %s: O_DIRECT reads refused, reading it buffered", path)
             return fd
@@ -210,10 +208,10 @@ class LogWriter:
     position (extending O_DIRECT writes are serialised by ext4, and a full disk shows before
     data is written), and is trimmed to its end when closed."""
 
-    def __init__(self, writer_dir: str, writer_id: str, engine, *, direct: bool, align: int,
+    def __init__(self, where: Dir, writer_id: str, engine, *, direct: bool, align: int,
                  log_bytes: int, next_log: int, data_logs: int = 1,
                  stripe_bytes: int = 0) -> None:
-        self.writer_dir = writer_dir
+        self.where = where  # (the writer's directory, held open: backingdir.Dir)
         self.writer_id = writer_id
         self.engine = engine
         self.direct = direct
@@ -226,7 +224,7 @@ class LogWriter:
         self.opened: list[int] = []  # the numbers of the logs it created
 
     def path(self, number: int) -> str:
-        return os.path.join(self.writer_dir, data_log_name(number))
+        return self.where.join(data_log_name(number))
 
     def open_numbers(self) -> set[int]:
         return {lg.number for lg in self.slots if lg is not None}
@@ -253,8 +251,8 @@ class LogWriter:
         for lg in self.slots:
             if lg is not None and lg.number == number:
                 return lg.fd, False
-        return os.open(self.path(number), os.O_WRONLY | (os.O_DIRECT if self.direct else 0)), \
-            True
+        return self.where.open(data_log_name(number),
+                               os.O_WRONLY | (os.O_DIRECT if self.direct else 0)), True
 
     def written(self, numbers) -> None:
         for lg in self.slots:
@@ -277,24 +275,20 @@ class LogWriter:
 
     def _open(self) -> _OpenLog:
         number = self.next_log
-        path = self.path(number)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        name = data_log_name(number)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.direct:
             flags |= os.O_DIRECT
-        fd = os.open(path, flags, 0o600)
+        fd = self.where.open(name, flags, 0o600)
         try:
             hbuf = alloc_aligned(records.DATA_HEADER_BYTES, populate=False)
             hbuf[:] = records.data_log_header(self.writer_id, number)
             self.engine.write_all([(fd, hbuf, 0)])
             hbuf.close()
-            dfd = os.open(self.writer_dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            self.where.sync()
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            self.where.unlink(name)
             raise
         self.next_log = number + 1
         self.opened.append(number)

@@ -10,7 +10,9 @@ warning and replay goes on; a well-formed record that does not parse ends it (do
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -478,10 +480,22 @@ class IndexScan:
     version: int = 1  # the header's
 
 
+def open_index_file(path: str):
+    """An index opened for reading, never through a symbolic link (FormatError for one: a
+    backing directory's owner may plant links where a daemon running as root reads)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path} is a symbolic link, not a ckptfs index") from None
+        raise
+    return open(fd, "rb")
+
+
 def check_index_header(path: str) -> None:
     """FormatError when `path` exists and is not a ckptfs index this version can read."""
     try:
-        with open(path, "rb") as f:
+        with open_index_file(path) as f:
             head = f.read(INDEX_HEADER.size)
     except FileNotFoundError:
         return
@@ -539,7 +553,7 @@ def read_index(path: str, on_group: OnGroup | None = None) -> IndexScan:
     """Read an index file; complete commit groups only, a torn or corrupt tail is reported
     in `warnings` and excluded. Raises FormatError for a foreign file or a newer version.
     `on_group`: as scan_index's."""
-    with open(path, "rb") as f:
+    with open_index_file(path) as f:
         data = f.read()
     return scan_index(path, data, on_group=on_group)
 
@@ -549,7 +563,7 @@ def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
     read before): (scan, the file's size as read). `scan.valid_bytes` is where the next read
     starts: the end of the last complete commit group (a group being written is left for the
     next read). Raises FormatError as read_index, OSError if the file is gone."""
-    with open(path, "rb") as f:
+    with open_index_file(path) as f:
         head = f.read(INDEX_HEADER.size)
         f.seek(offset)
         tail = f.read()

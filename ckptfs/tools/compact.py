@@ -52,7 +52,8 @@ class _Copy:
         align = max(info.offset_align, info.mem_align, 4096) if info.supported else 4096
         segment = min(SEGMENT_BYTES, log_bytes - records.DATA_HEADER_BYTES) // align * align
         self.engine = open_engine("auto", depth=8)
-        self.logs = LogWriter(out_dir, writer_id, self.engine, direct=info.supported,
+        self.where = backingdir.Dir(out_dir)
+        self.logs = LogWriter(self.where, writer_id, self.engine, direct=info.supported,
                               align=align, log_bytes=log_bytes, next_log=first_log)
         self.packer = mover.SegmentPacker(self.logs, self.engine, segment, align)
 
@@ -81,7 +82,8 @@ class _Copy:
                 for foff, n, lg, loff, crc in self.packer.extents[id(x)]]
 
     def finish(self) -> None:
-        """Everything written durable, the logs trimmed and closed."""
+        """Everything written durable, the logs trimmed and closed (the directory stays open
+        until close(): abort() may remove the logs still)."""
         try:
             self.packer.flush()
             self.logs.close()
@@ -89,16 +91,22 @@ class _Copy:
             self.packer.close()
             self.engine.close()
 
+    def close(self) -> None:
+        self.where.close()
+
     def abort(self) -> None:
         try:
             self.finish()
         except OSError:
             pass
-        for n in self.logs.opened:  # nothing references them: the old index is in place
-            try:
-                os.unlink(self.logs.path(n))
-            except FileNotFoundError:
-                pass
+        try:
+            for n in self.logs.opened:  # nothing references them: the old index is in place
+                try:
+                    self.where.unlink(backingdir.data_log_name(n))
+                except FileNotFoundError:
+                    pass
+        finally:
+            self.where.close()
 
 
 def _index_blob(ns: Namespace, out: _Copy, seq: int, last_time: int,
@@ -153,6 +161,7 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
             out.abort()
             raise
         finally:
+            out.close()
             logs.close()
             prog.finish()
         blob, version = _index_blob(ns, out, scan.last_seq + 1,
@@ -187,8 +196,12 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         root = os.path.join(backing, backingdir.WRITERS_DIR)
         tmp_dir = os.path.join(root, f".compact-{into}-{os.getpid()}")
         os.makedirs(tmp_dir, mode=0o700)
-        backingdir.write_writer_meta(tmp_dir, into,
-                                     merged_from=[os.path.basename(d) for d in dirs])
+        tmp = backingdir.Dir(tmp_dir)
+        try:
+            backingdir.write_writer_meta(tmp, into,
+                                         merged_from=[os.path.basename(d) for d in dirs])
+        finally:
+            tmp.close()
         logs = RunReader(union.writer_dirs)
         live = sum(x.emap.stored_bytes() for x in ns.inodes.values() if x.emap is not None)
         prog = Progress(live, "compact --merge", force=progress)
@@ -204,6 +217,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
         finally:
+            out.close()
             logs.close()
             prog.finish()
         final = os.path.join(root, into)
