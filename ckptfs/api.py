@@ -80,6 +80,7 @@ class MountEntry(NamedTuple):
     dev: str  # 'major:minor'
     fstype: str  # 'ext4', 'fuse.ckptfs', ...
     source: str  # '/dev/vda', the backing path, ...
+    owner: int | None = None  # a FUSE mount's user_id=: the user who mounted it
 
 
 def _unescape(field: str) -> str:
@@ -99,7 +100,12 @@ def mounts() -> list[MountEntry]:
                 fstype, source = parts[i + 1], parts[i + 2]
             except (ValueError, IndexError):
                 continue
-            out.append(MountEntry(_unescape(parts[4]), parts[2], fstype, _unescape(source)))
+            owner = None
+            for opt in (parts[i + 3] if len(parts) > i + 3 else "").split(","):
+                if opt.startswith("user_id="):
+                    owner = int(opt[8:]) if opt[8:].isdigit() else None
+            out.append(MountEntry(_unescape(parts[4]), parts[2], fstype, _unescape(source),
+                                  owner))
     return out
 
 
@@ -132,14 +138,20 @@ def mount_holding(path: str) -> MountEntry | None:
     return best
 
 
-def mount_device_of(mountpoint: str) -> str | None:
-    """'major:minor' of the ckptfs mount at `mountpoint` (the topmost one there), from
-    /proc/self/mountinfo, without touching the mount (_mount_path)."""
+def ckptfs_mount_at(mountpoint: str) -> MountEntry | None:
+    """The ckptfs mount at `mountpoint` (the topmost one there), from /proc/self/mountinfo,
+    without touching the mount (_mount_path)."""
     try:
         e = mount_at(_mount_path(mountpoint))
     except OSError:
         return None
-    return e.dev if e is not None and e.fstype == "fuse.ckptfs" else None
+    return e if e is not None and e.fstype == "fuse.ckptfs" else None
+
+
+def mount_device_of(mountpoint: str) -> str | None:
+    """'major:minor' of the ckptfs mount at `mountpoint` (ckptfs_mount_at)."""
+    e = ckptfs_mount_at(mountpoint)
+    return e.dev if e is not None else None
 
 
 def status_socket_name(dev: str) -> bytes:
@@ -149,21 +161,29 @@ def status_socket_name(dev: str) -> bytes:
 
 
 def _status_socket(mountpoint: str, timeout: float) -> dict | None:
-    dev = mount_device_of(mountpoint)
-    if dev is None:
+    """The daemon's figures from its status socket; None where the mount is to be asked
+    instead: no socket, or one that another user's process holds (an abstract name can be
+    bound by anyone first: only an answer from the user who mounted, or root, and from the
+    process whose pid it reports, is taken)."""
+    e = ckptfs_mount_at(mountpoint)
+    if e is None:
         return None
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(timeout)
         try:
-            s.connect(status_socket_name(dev))
+            s.connect(status_socket_name(e.dev))
         except (ConnectionRefusedError, FileNotFoundError):
             return None  # an older daemon, or another network namespace: use the mount
-        try:  # struct ucred {pid, uid, gid}: who listens there, for the error below
+        try:  # struct ucred {pid, uid, gid}: who listens there
             cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            who = "the ckptfs daemon (pid %d)" % int.from_bytes(cred[:4], sys.byteorder)
         except OSError:
-            who = "the ckptfs daemon"
+            return None
+        peer_pid = int.from_bytes(cred[:4], sys.byteorder)
+        peer_uid = int.from_bytes(cred[4:8], sys.byteorder)
+        if peer_uid not in (0, e.owner):
+            return None
+        who = f"the ckptfs daemon (pid {peer_pid})"
         chunks = []
         try:
             while True:
@@ -177,7 +197,13 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
         s.close()
     if not chunks:
         return None  # (refused: not our user)
-    return json.loads(b"".join(chunks))
+    try:
+        st = json.loads(b"".join(chunks))
+    except ValueError:
+        return None
+    if not isinstance(st, dict) or st.get("pid") != peer_pid:
+        return None  # (not the process that answers for itself)
+    return st
 
 
 def fusermount(mountpoint: str, lazy: bool = False) -> subprocess.CompletedProcess:
@@ -217,12 +243,15 @@ def wait_pid_exit(pid: int, timeout: float) -> bool:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        # a zombie child of ours counts as gone
+        # A zombie counts as gone once its last thread has ended (its files are closed
+        # then; whoever reaps it may take a while): the first thread to end turns the
+        # process into a zombie while the others still run and hold its descriptors.
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ", 1)[1].startswith("Z"):
-                    return True
-        except (OSError, IndexError):
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if fields["State"].split()[0] == "Z" and int(fields["Threads"]) <= 1:
+                return True
+        except (OSError, KeyError, ValueError):
             return True
         time.sleep(0.02)
     return False

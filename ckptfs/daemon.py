@@ -449,16 +449,16 @@ async def serve_status(ops, listener: socket.socket) -> None:
     """`ckptfs status` without the mount: the daemon's figures over its status socket.
     Through the mount (the status xattr) they need a free request task, and when the backing
     store hangs all of them can be waiting for it (docs/reliability.md) - which is when an
-    operator asks. Served on the trio thread, one client at a time, to the daemon's own user
-    and root only (SO_PEERCRED), as the mount itself is without allow_other."""
-    allowed = {0, os.getuid()}
+    operator asks. Served on the trio thread, one client at a time, to those who may read
+    the status xattr (ops.controllers, checked with SO_PEERCRED)."""
     with trio.socket.from_stdlib_socket(listener) as sock:
         while True:
             conn, _ = await sock.accept()
             with conn, trio.move_on_after(5):
                 try:
                     cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                    if int.from_bytes(cred[4:8], sys.byteorder) not in allowed:  # struct ucred
+                    uid = int.from_bytes(cred[4:8], sys.byteorder)  # struct ucred
+                    if uid not in ops.controllers():
                         continue
                     data = memoryview(json.dumps(metrics.status(ops)).encode() + b"\n")
                     while data:

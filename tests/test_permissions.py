@@ -158,3 +158,26 @@ def test_write_by_other_user_clears_setuid(public, mounts, fast_path):
     m = mounts.mount(backing, mp)
     got = {n: stat.S_IMODE(os.stat(os.path.join(mp, n)).st_mode) for n in cases}
     assert got == want
+
+
+def test_control_xattrs_are_for_the_mounts_owner_and_root(public, mounts):
+    """On an --allow-other mount another user may not force barriers (user.ckptfs.sync) nor
+    read the daemon's figures; the owner of the mount's root (a prolog hands it to the job's
+    user) may, and so may root."""
+    mp = os.path.join(public, "mnt")
+    os.mkdir(mp)
+    m = mounts.mount(mountpoint=mp, allow_other=True)
+    probe = f"""
+R = {{}}
+for name in ("user.ckptfs.sync", "user.ckptfs.status"):
+    try:
+        R[name] = len(os.getxattr({mp!r}, name))
+    except OSError as e:
+        R[name] = -e.errno
+"""
+    assert py_as_user(probe) == {"user.ckptfs.sync": -13, "user.ckptfs.status": -13}
+    assert os.getxattr(mp, "user.ckptfs.sync") == b"ok"  # (root)
+    os.chown(mp, NOBODY, NOBODY)  # (the mount's root, handed to the job's user)
+    r = py_as_user(probe)
+    assert r["user.ckptfs.sync"] == 2 and r["user.ckptfs.status"] > 100, r
+    m.stop()

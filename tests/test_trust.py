@@ -149,3 +149,56 @@ def test_a_ckptfs_package_where_the_daemon_starts_never_runs(tmp_path, mounts):
         assert cli("umount", str(mnt), timeout=60).returncode == 0
     assert not marker.exists(), marker.read_text()
     shutil.rmtree(evil)
+
+
+_SQUATTER = r"""
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(b"\0ckptfs-status-" + sys.argv[1].encode())
+s.listen(8)
+print("bound", flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(json.dumps({"pid": 1 << 22, "bytes_durable": 0, "backing": "/",
+                          "uncommitted_changes": 0}).encode() + b"\n")
+    c.close()
+"""
+
+
+def _next_anon_dev(tmp_path) -> str:
+    """The device number the next mount is likely to get (the lowest free anonymous one)."""
+    probe = tmp_path / "probe"
+    probe.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(probe)], check=True)
+    try:
+        return api.mount_at(str(probe)).dev
+    finally:
+        subprocess.run(["umount", str(probe)], check=True)
+
+
+def test_a_status_socket_another_user_bound_first_is_not_believed(tmp_path, mounts):
+    """A user binds the status socket's name of the next mount before its daemon does and
+    answers "pid 4194304, nothing uncommitted": status and umount ask the mount instead."""
+    for _ in range(5):
+        dev = _next_anon_dev(tmp_path)
+        squatter = subprocess.Popen(["/usr/bin/python3", "-c", _SQUATTER, dev], cwd="/",
+                                    stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: (os.setgid(USER), os.setuid(USER)))
+        try:
+            assert squatter.stdout.readline().strip() == "bound"
+            m = mounts.mount()
+            if api.mount_device_of(m.mountpoint) != dev:  # (another mount came between)
+                m.stop()
+                continue
+            st = api.status(m.mountpoint)
+            assert st["pid"] == m.proc.pid, st
+            res = cli("status", m.mountpoint)
+            assert res.returncode == 0 and f"pid {m.proc.pid}" in res.stdout, res.stdout
+            res = cli("umount", m.mountpoint, timeout=60)
+            assert res.returncode == 0, res.stderr
+            assert m.proc.wait(timeout=30) == 0
+            return
+        finally:
+            squatter.kill()
+            squatter.wait()
+    pytest.skip("no mount got the device number foreseen (other mounts meanwhile)")

@@ -1111,7 +1111,16 @@ class CkptOperations(pyfuse3.Operations):
         await self._barrier()
 
     # ------------------------------------------------------------ status (xattrs on the root)
+    def controllers(self) -> set[int]:
+        """Who may use the control xattrs and the status socket: root, the daemon's user and
+        the owner of the mount's root (the job's user a root prolog handed it to); another
+        user of an --allow-other mount may not force barriers or read the figures."""
+        return {0, os.getuid(), self.ns.inodes[ROOT_INO].uid}
+
     async def getxattr(self, inode, name, ctx):
+        if inode == ROOT_INO and name.startswith(XATTR_PREFIX) \
+                and ctx.uid not in self.controllers():
+            raise _err(errno.EACCES)
         if inode == ROOT_INO and name == XATTR_PREFIX + b"status":
             return json.dumps(metrics.status(self)).encode()
         if inode == ROOT_INO and name == XATTR_PREFIX + b"sync":
