@@ -12,6 +12,11 @@ operations it names (whitespace separated; an empty file means "write fsync") fa
     read     read(2)
     list     opendir (listing a directory)
 
+`fsync-lose` fails an fsync as a disk whose writeback failed does on Linux: the bytes written
+to that file since its last good fsync are lost (overwritten with zeros, as the kernel drops
+the pages it could not write back), the fsync fails with EIO, and the next fsync succeeds
+(the error is reported once).
+
 A name prefixed with `hang-` (`hang-fsync`, `hang-write`, `hang-read`) makes that operation
 wait instead, as a store that stopped answering would, until the control file no longer names
 it.
@@ -68,16 +73,22 @@ class FailingFS(pyfuse3.Operations):
         self.dir_paths: dict[int, bytes] = {}  # directory fh -> its path (kept up to date)
         self.next_dir = 1
         self.injected = 0  # EIOs returned so far
+        self.unsynced: dict[int, list[tuple[int, int]]] = {}  # fh -> writes since its fsync
 
     # ------------------------------------------------------------ failure switch
-    def _check(self, op: str) -> None:
+    def _named(self) -> list[str] | None:
         try:
             with open(self.control, "rb") as f:
-                names = f.read().decode(errors="replace").split()
+                return f.read().decode(errors="replace").split()
         except FileNotFoundError:
-            return
+            return None
         except OSError:
-            names = []
+            return []
+
+    def _check(self, op: str) -> None:
+        names = self._named()
+        if names is None:
+            return
         if op in (frozenset(names) or DEFAULT_FAIL):
             self.injected += 1
             if self.injected <= 20 or self.injected % 1000 == 0:
@@ -375,9 +386,11 @@ class FailingFS(pyfuse3.Operations):
         await self._hang("write")
         self._check("write")
         try:
-            return os.pwrite(fh, buf, off)
+            n = os.pwrite(fh, buf, off)
         except OSError as exc:
             raise _oserr(exc) from None
+        self.unsynced.setdefault(fh, []).append((off, n))
+        return n
 
     async def flush(self, fh):
         pass
@@ -385,6 +398,14 @@ class FailingFS(pyfuse3.Operations):
     async def fsync(self, fh, datasync):
         await self._hang("fsync")
         self._check("fsync")
+        lost = self.unsynced.pop(fh, [])
+        if lost and "fsync-lose" in (self._named() or ()):
+            for off, n in lost:  # (the pages the kernel dropped)
+                os.pwrite(fh, bytes(n), off)
+            self.injected += 1
+            print(f"failing_fs: {len(lost)} writes lost, EIO #{self.injected} for fsync",
+                  file=sys.stderr, flush=True)
+            raise pyfuse3.FUSEError(errno.EIO)
         try:
             (os.fdatasync if datasync else os.fsync)(fh)
         except OSError as exc:

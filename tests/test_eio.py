@@ -28,6 +28,7 @@ from helpers_reliability import (
 )
 
 from ckptfs import api
+from ckptfs.bench import drop_caches
 from ckptfs.io.buffers import probe_direct
 
 pytestmark = pytest.mark.timeout(90)
@@ -517,3 +518,36 @@ def test_a_failing_look_at_other_writers_serves_the_view(failing, mounts, fast_p
     assert text.count("looking at other writers' changes:") == 1, text
     assert "looking at other writers' changes works again" in text, text
     assert "internal error" not in text, text
+
+
+def test_a_failed_fdatasync_in_buffered_mode_writes_the_segments_again(failing, mounts):
+    """Linux drops the pages whose writeback failed and reports that once: the store here
+    loses the bytes written since the last good fsync and fails that fsync (failing_fs
+    `fsync-lose`). The fsync reports EIO; the flusher writes those segments again before it
+    syncs again, so that what is committed later is the bytes written, never the zeros."""
+    backing = os.path.join(failing.mountpoint, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.2, io="buffered")
+    sizes = {"a": 2 * MiB + 4321, "b": 3 * MiB + 77}
+    m = mounts.mount(backing, **opts)
+    write_fsync(os.path.join(m.mountpoint, "a"), content("a", sizes["a"]))
+    failing.fail("fsync-lose")
+    fd = os.open(os.path.join(m.mountpoint, "b"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, content("b", sizes["b"]))
+        with pytest.raises(OSError) as ei:
+            os.fsync(fd)
+        assert ei.value.errno == errno.EIO
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    assert "writes lost" in failing.log_text()
+    failing.heal()
+    sync_until_ok(m, errno.EIO, 15, "the segments never landed after the store healed")
+    m.stop()
+    # (the kernel still caches what was written through failing_fs's mount: what is read
+    # next comes from its source files, where the lost bytes are zeros)
+    assert drop_caches()
+    verify_and_remount(mounts, m, backing, opts, sizes).stop()

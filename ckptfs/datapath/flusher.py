@@ -540,12 +540,24 @@ class Flusher:
                    or (written and time.monotonic() - first_written >= SYNC_INTERVAL_S))
             if not due:
                 continue
-            try:
-                if written:
+            if written:
+                try:
                     self.logs.sync()
-                    self.stats.data_syncs = self.logs.syncs
-                    self._call(self._on_durable, written)
-                    written, written_bytes = [], 0
+                except OSError as exc:
+                    log.error("fdatasync of the data logs failed: %s (will retry)", exc)
+                    if not self.release_early:
+                        # Buffered writes: the kernel may have dropped the pages whose
+                        # writeback failed, and it reports that once: a second fdatasync
+                        # would succeed over lost bytes. So the segments (still staged) are
+                        # written again, to the same places, before the next one.
+                        pending = written + pending
+                        written, written_bytes = [], 0
+                    self._call(self._on_error, exc)
+                    continue
+                self.stats.data_syncs = self.logs.syncs
+                self._call(self._on_durable, written)
+                written, written_bytes = [], 0
+            try:
                 self._commit()
             except OSError as exc:
                 log.error("commit failed: %s (will retry)", exc)
