@@ -4,10 +4,12 @@ directories 0700."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
 import tempfile
+import time
 
 import pytest
 from helpers_reliability import NOBODY, cli, py_as_user
@@ -180,4 +182,39 @@ for name in ("user.ckptfs.sync", "user.ckptfs.status"):
     os.chown(mp, NOBODY, NOBODY)  # (the mount's root, handed to the job's user)
     r = py_as_user(probe)
     assert r["user.ckptfs.sync"] == 2 and r["user.ckptfs.status"] > 100, r
+    m.stop()
+
+
+def test_what_open_directory_handles_hold_is_bounded(mounts):
+    """Handles of an unchanged directory share one listing; listings of a directory changed
+    between opens add up to at most LISTING_ENTRIES_MAX entries, then opendir fails with
+    ENFILE, and every entry comes back once the handles are closed."""
+    from ckptfs.fuse.ops import LISTING_ENTRIES_MAX
+
+    m = mounts.mount()
+    d = os.path.join(m.mountpoint, "d")
+    os.mkdir(d)
+    n = 20_000
+    for i in range(n):
+        os.mknod(os.path.join(d, f"f{i:05d}"))
+    fds = [os.open(d, os.O_RDONLY | os.O_DIRECTORY) for _ in range(50)]
+    assert m.status()["listing_entries"] == n
+    refused = None
+    for i in range(LISTING_ENTRIES_MAX // n + 5):
+        os.mknod(os.path.join(d, f"g{i:05d}"))
+        try:
+            fds.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+        except OSError as exc:
+            refused = exc
+            break
+    assert refused is not None and refused.errno == errno.ENFILE, refused
+    assert m.status()["listing_entries"] <= LISTING_ENTRIES_MAX
+    assert os.listdir(m.mountpoint) == ["d"]  # (a small listing still fits)
+    for fd in fds:
+        os.close(fd)
+    deadline = time.monotonic() + 30  # (the kernel sends RELEASEDIR after close returns)
+    while m.status()["listing_entries"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m.status()["listing_entries"] == 0
+    assert len(os.listdir(d)) == n + i + 1
     m.stop()

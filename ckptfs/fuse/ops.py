@@ -75,6 +75,13 @@ SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
 DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (saw_name)
 DCP_PLANS_MAX = 16  # `.metadata` files whose plans are kept (one per checkpoint read)
+# Items of the kept plans together (~120 bytes each): beyond it the oldest plans go, so that
+# crafted `.metadata` files (up to readplan.ITEMS_MAX items each) cannot make the daemon hold
+# gigabytes; a real checkpoint has thousands
+DCP_PLAN_ITEMS_MAX = 1 << 21
+# Entries of directory listings held by open directory handles together: past it, a listing
+# that cannot be shared with one held already is refused (ENFILE) unless it is the only one
+LISTING_ENTRIES_MAX = 1 << 21
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
 # The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
 # cp -r, du and find of the user's tree never see it.
@@ -117,6 +124,18 @@ class _Handle:
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
         self.plan: ReadPlan | None = None  # the order its reader reads the file in (readplan.py)
+
+
+class _Listing:
+    """A directory's sorted entries as its open handles list them (CkptOperations._listing);
+    a directory handle's `flags` holds it."""
+
+    __slots__ = ("entries", "handles", "key")
+
+    def __init__(self, entries: list, key) -> None:
+        self.entries = entries
+        self.handles = 1
+        self.key = key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +225,10 @@ class CkptOperations(pyfuse3.Operations):
         self.read_plans = 0  # read-only opens given a read plan (readplan.py)
         # per `.metadata` inode: ((its mtime, size), the plans of its data files)
         self.dcp_plans: dict[int, tuple[tuple[int, int], dict]] = {}
+        # the listings open directory handles hold (_Listing): by the directory's inode, or
+        # by ("old", id) for a version it no longer has
+        self.listings: dict = {}
+        self.listing_entries = 0
         self.dcp_reading: dict[int, trio.Event] = {}  # (.metadata inodes being read)
         self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (saw_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
@@ -827,6 +850,13 @@ class CkptOperations(pyfuse3.Operations):
                 log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
                 plans = {}
             _keep_newest(self.dcp_plans, meta.ino, (version, plans), DCP_PLANS_MAX)
+            items = {k: sum(map(len, v[1].values())) for k, v in self.dcp_plans.items()}
+            total = sum(items.values())
+            for k in list(self.dcp_plans)[:-1]:  # (the oldest first; the newest stays)
+                if total <= DCP_PLAN_ITEMS_MAX:
+                    break
+                del self.dcp_plans[k]
+                total -= items[k]
             return plans
         except OSError as exc:
             log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
@@ -1080,19 +1110,38 @@ class CkptOperations(pyfuse3.Operations):
         if self.refresher is not None and self.refresher.due():
             await self.refresher.refresh()
         x = self._dir(inode)
+        listing = self._listing(x)
         fh = self.next_fh
         self.next_fh += 1
-        # Snapshot of the entries: readdir resumes by index into it (POSIX allows entries
-        # added or removed during a listing to be missed or shown).
         self.handles[fh] = _Handle(x, 0)
-        self.handles[fh].flags = sorted(x.children.items())
+        self.handles[fh].flags = listing
         return fh
+
+    def _listing(self, x: Inode) -> "_Listing":
+        """The sorted entries of directory x for a new directory handle: readdir resumes by
+        index into them (POSIX allows entries added or removed during a listing to be missed
+        or shown). Handles of a directory that has not changed since share one listing; the
+        entries all held listings have together are bounded (LISTING_ENTRIES_MAX)."""
+        children = x.children
+        held = self.listings.get(x.ino)
+        if held is not None and len(held.entries) == len(children) \
+                and all(children.get(n) == i for n, i in held.entries):
+            held.handles += 1
+            return held
+        if self.listing_entries + len(children) > LISTING_ENTRIES_MAX and self.listings:
+            raise _err(errno.ENFILE)
+        if held is not None:  # (an older version, still held by handles: kept apart)
+            held.key = ("old", id(held))
+            self.listings[held.key] = held
+        listing = self.listings[x.ino] = _Listing(sorted(children.items()), x.ino)
+        self.listing_entries += len(listing.entries)
+        return listing
 
     async def readdir(self, fh, start_id, token):
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
-        entries = h.flags
+        entries = h.flags.entries
         for i in range(start_id, len(entries)):
             name, ino = entries[i]
             x = self.ns.inodes.get(ino)
@@ -1104,7 +1153,14 @@ class CkptOperations(pyfuse3.Operations):
             self.saw_name(h.ino, name, ino)  # (READDIRPLUS: its open may ask no LOOKUP)
 
     async def releasedir(self, fh):
-        self.handles.pop(fh, None)
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        listing = h.flags
+        listing.handles -= 1
+        if listing.handles <= 0 and self.listings.get(listing.key) is listing:
+            del self.listings[listing.key]
+            self.listing_entries -= len(listing.entries)
 
     async def fsyncdir(self, fh, datasync):
         self.fsyncs += 1
