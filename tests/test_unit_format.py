@@ -6,6 +6,7 @@ record that does not parse, a foreign or newer header)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -199,31 +200,34 @@ def test_checksum_damage_in_the_last_group_ends_the_scan(tmp_path):
     assert scan.warnings[1:] and "2 records after the last commit" in scan.warnings[1]
 
 
-def test_oversized_record_ends_the_scan(tmp_path):
-    """A length field beyond the largest record is not trusted, even with a valid COMMIT
-    somewhere after it: it ends the index there."""
-    g1, g3 = _group(1, *G1), _group(3, *G3)
+def test_an_oversized_record_costs_the_records_up_to_the_next_commit(tmp_path):
+    """A length field beyond the largest record is damage, not a tear, when a valid COMMIT
+    comes after it: the records up to that COMMIT are skipped, the scan goes on after it."""
+    g1, g3, g4 = _group(1, *G1), _group(3, *G3), _group(4, *G2)
     # (the body is there in full: only the length limit refuses it, not the file's end)
     huge = REC_HEADER.pack(MAX_RECORD_BODY + 1, 0, records.R_UNLINK) + bytes(MAX_RECORD_BODY + 1)
-    scan = records.read_index(_index(tmp_path, g1, huge, g3))
-    assert scan.groups == [list(G1)]
-    assert scan.valid_bytes == INDEX_HEADER.size + len(g1)
+    path = _index(tmp_path, g1, huge, g3, g4)
+    scan = records.read_index(path)
+    assert scan.groups == [list(G1), list(G2)]  # (g3 ends the damaged stretch: its COMMIT)
+    assert scan.valid_bytes == os.path.getsize(path) and scan.last_seq == 4
     assert len(scan.warnings) == 1 and "oversized" in scan.warnings[0]
-    assert scan.warnings[0].kind == records.INDEX_ENDED  # longer than any record: not a tear
+    assert scan.warnings[0].kind == records.GROUP_SKIPPED
 
 
-def test_well_formed_record_that_does_not_parse_ends_the_scan(tmp_path):
-    """A checksummed record with a bad name was written that way: nothing after it is
-    trusted, not even a later valid commit."""
+def test_a_well_formed_record_that_does_not_parse_costs_its_group_only(tmp_path):
+    """A checksummed record with a bad name (damage that kept the checksum, or a broken
+    writer): its commit group is skipped, the later groups are read, record by record
+    checked as any others."""
     g1, g3 = _group(1, *G1), _group(3, *G3)
     body = struct.pack("<Q", 1) + b"a/b"
     rec = REC_HEADER.pack(len(body), crc32c(body, crc32c(bytes((records.R_UNLINK,)))),
                           records.R_UNLINK) + body
-    scan = records.read_index(_index(tmp_path, g1, rec + records.encode(CommitRec(2, 0)), g3))
-    assert scan.groups == [list(G1)]
-    assert scan.valid_bytes == INDEX_HEADER.size + len(g1)
+    path = _index(tmp_path, g1, rec + records.encode(CommitRec(2, 0)), g3)
+    scan = records.read_index(path)
+    assert scan.groups == [list(G1), list(G3)]
+    assert scan.valid_bytes == os.path.getsize(path)
     assert len(scan.warnings) == 1 and "bad record" in scan.warnings[0]
-    assert scan.warnings[0].kind == records.INDEX_ENDED
+    assert scan.warnings[0].kind == records.GROUP_SKIPPED
 
 
 def test_damage_right_after_the_header(tmp_path):

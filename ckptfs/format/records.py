@@ -3,9 +3,9 @@
 
 Index record: <u32 body length> <u32 crc32c(type + body)> <u8 type> <body>, little endian.
 Replay applies complete commit groups (records up to a COMMIT record). A torn record ends it
-(the tail of a commit a crash interrupted, never acknowledged); a record that fails its checksum
-with a valid COMMIT after it is damage in the middle: that commit group is skipped with a
-warning and replay goes on; a well-formed record that does not parse ends it (docs/format.md).
+(the tail of a commit a crash interrupted, never acknowledged); a damaged record (its checksum,
+its length, or its fields) with a valid COMMIT after it is damage in the middle: that commit
+group is skipped with a warning and replay goes on after that COMMIT (docs/format.md).
 """
 
 from __future__ import annotations
@@ -625,11 +625,12 @@ def scan_index(path: str, data: bytes, tail: bool = False,
                         continue
         problem, blen = _problem(data, pos)
         # A torn tail (a crash during a commit) is the usual case: nothing after it was
-        # acknowledged. But damage in the middle must not cost the commits after it: look
-        # for the next valid COMMIT record, drop the damaged group, resume after it.
-        # (Only for checksum damage: a well-formed record that does not parse was written
-        # that way, by a hostile or broken writer, and nothing after it is trusted.)
-        resume = _resync(data, pos) if problem == "record checksum mismatch" else None
+        # acknowledged. But damage in the middle (a flipped or zeroed byte, a length that
+        # runs past the end, a record that does not parse) must not cost the commits after
+        # it: look for the next valid COMMIT record, drop the damaged group, resume after it.
+        # (Records after it are checked one by one as any others: nothing in them is
+        # trusted more than before.)
+        resume = _resync(data, pos)
         if resume is None:
             if tail and problem.startswith("torn"):
                 break  # (being appended to right now)
