@@ -378,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="example: ckptfs verify /lustre/proj/run42")
     p.add_argument("backing")
     p.add_argument("--writer", default=None, help="writer id (when there are several)")
+    p = sub.add_parser("fsck", help="rebuild a damaged or lost index from the copies of its "
+                       "commit groups in the data logs",
+                       epilog="example: ckptfs fsck /lustre/proj/run42   (exit 0: clean, "
+                       "1: repaired, 2: something is lost; the writers must be unmounted)")
+    p.add_argument("backing")
+    p.add_argument("--writer", default=None, help="only this writer (default: each writer)")
+    p.add_argument("--dry-run", action="store_true", help="report, change nothing")
     p = sub.add_parser("export", help="write the virtual files out as plain files",
                        epilog="example: ckptfs export /lustre/proj/run42 /scratch/step_1000 "
                        "step_1000")
@@ -430,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,
+                "fsck": _offline,
                 "compact": _offline, "gc": _offline, "import": _offline,
                 "options": _options}
     if a.command is None:
@@ -438,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     return handlers[a.command](a)
 
 
-TOOLS = {"ls": "ls", "verify": "verify", "export": "export", "import": "importer",
+TOOLS = {"ls": "ls", "verify": "verify", "fsck": "fsck", "export": "export", "import": "importer",
          "compact": "compact", "gc": "gc"}  # command -> module of ckptfs.tools
 
 

@@ -30,7 +30,7 @@ from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir
-from ckptfs.format.index import IndexWriter, discard_fresh
+from ckptfs.format.index import IndexWriter, discard_fresh, keep_damaged
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
@@ -239,6 +239,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             last_seq, valid, union.warnings = replay(ns, index_path)
         union.warnings += validate_extents(ns, wd.path)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
+        damaged = [w for w in union.warnings if getattr(w, "kind", None)
+                   in (records.GROUP_SKIPPED, records.INDEX_ENDED)]
+        if damaged:  # (kept before anything is cut or rewritten: fsck reads it)
+            kept = keep_damaged(wd.dir, backingdir.INDEX_NAME)
+            log.warning("the index is damaged (%d places); a copy is kept as %s: `ckptfs fsck "
+                        "%s` recovers what the data logs hold", len(damaged), kept, cfg.backing)
         index = IndexWriter(wd.dir, backingdir.INDEX_NAME, valid)
         discard_fresh(wd.dir, backingdir.INDEX_NAME)  # (a crash left it unfinished: index.py)
         # (never a number used before: the index names logs whose files are gone)

@@ -45,13 +45,15 @@ from ckptfs.format.records import (
     SetattrRec,
     SizeRec,
 )
-from ckptfs.io import fault_in, open_engine
+from ckptfs.io import alloc_aligned, fault_in, open_engine
 
 log = logging.getLogger("ckptfs.flusher")
 
 RETRY_S = 1.0
 SYNC_INTERVAL_S = 1.0  # the longest a written segment waits for its fdatasync + commit
 SYNC_BYTES = 1 << 30
+# Copies of commit groups waiting for a segment to go with are written alone past this
+COPY_FLUSH_BYTES = 1 << 20
 _COMMIT = "commit"
 _STOP = "stop"
 _REGISTER = "register"  # (the staging pool is faulted in: register it with the io engine)
@@ -279,9 +281,17 @@ class Flusher:
         self._fault_stop = threading.Event()
         self._fault_go = threading.Event()  # (fault_in_when_due says when)
         self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
+        # Commit groups appended to the index and not yet copied into a data log (flusher
+        # thread): they go into a copy block with the next segments written, or at unmount
+        # (records.copy_block); `copies_from` is the sequence number before the first.
+        self.copies: list[bytes] = []
+        self.copies_from = 0
+        self._committed_upto = 0  # (the flusher thread's own count: the last upto appended)
+        self._copy_buf = None
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
+        self._committed_upto = self.journal.committed_seq
         self.token = trio.lowlevel.current_trio_token()
         self.thread = threading.Thread(target=self._thread_main, name="ckptfs-flusher")
         self.thread.start()
@@ -474,6 +484,8 @@ class Flusher:
             self.logs.close()
             self.stats.data_syncs = self.logs.syncs
             self.engine.close()
+            if self._copy_buf is not None:
+                self._copy_buf.close()
 
     def _loop(self) -> None:
         pending: list[Segment] = []  # sealed, not yet written (or failed: retried)
@@ -564,6 +576,12 @@ class Flusher:
                 self._call(self._on_error, exc)
                 continue
             commit_now = False
+            if stopping or sum(map(len, self.copies)) >= COPY_FLUSH_BYTES:
+                try:
+                    self._write_copies()
+                except OSError as exc:  # (the groups are in the index: only a copy is late)
+                    log.warning("writing the copies of %d commit groups into a data log "
+                                "failed: %s", len(self.copies), exc)
             if stopping:
                 return
 
@@ -583,6 +601,7 @@ class Flusher:
         # Place every segment first (placement may roll over to a new data log and close the
         # old one), then resolve file descriptors: a segment placed in a log that is no longer
         # open gets it opened by name, never a stale descriptor number.
+        copy = self._copy_placed()  # (right after the segment placed last)
         for seg in segs:
             nbytes = round_up(seg.used, self.align)
             if seg.log == NO_LOG:  # first attempt; a retry keeps its place
@@ -591,6 +610,13 @@ class Flusher:
                 self._place(seg, nbytes)
         extra: list[int] = []  # fds opened by name here: synced and closed below
         try:
+            if copy is not None:
+                log_no, loff, view = copy
+                fd, opened = self.logs.fd(log_no)
+                if opened:
+                    extra.append(fd)
+                by_log_fd[log_no] = fd
+                reqs.append((fd, view, loff))
             for seg in segs:
                 nbytes = round_up(seg.used, self.align)
                 fd = by_log_fd.get(seg.log)
@@ -608,6 +634,8 @@ class Flusher:
                 self.engine.fsync(fd, datasync=True)
                 self.logs.syncs += 1
             self.logs.written(by_log_fd)
+            if copy is not None:
+                self.copies = []
         finally:
             for _, mv, _ in reqs:
                 mv.release()
@@ -616,6 +644,47 @@ class Flusher:
         self.stats.segments += len(segs)
         self.stats.bytes_written += written
         self.stats.flush_seconds += time.perf_counter() - t0
+
+    def _copy_placed(self) -> tuple[int, int, memoryview] | None:
+        """The copy block of the commit groups not yet copied, placed in a data log and laid
+        out in an aligned buffer of its own: (log, offset, bytes to write); None if there
+        are none. The copies stay listed until the write succeeds (a failed one is placed
+        again: the space it took is dead bytes)."""
+        if not self.copies:
+            return None
+        body = b"".join(self.copies)
+        nbytes = round_up(records.COPY_HEADER.size + len(body), self.align)
+        log_no, loff = self.logs.place(nbytes, copy=True)
+        if self._copy_buf is None or len(self._copy_buf) < nbytes:
+            if self._copy_buf is not None:
+                self._copy_buf.close()
+            self._copy_buf = alloc_aligned(round_up(nbytes, 1 << 16), populate=False)
+        block = records.copy_block(log_no, loff, self.copies_from, body)
+        view = memoryview(self._copy_buf)[:nbytes]
+        view[:len(block)] = block
+        view[len(block):] = bytes(nbytes - len(block))
+        return log_no, loff, view
+
+    def _write_copies(self) -> None:
+        """Flusher thread: the copies not yet written, alone (at unmount, or when they grew
+        past COPY_FLUSH_BYTES while no segment was written), then the logs synced."""
+        copy = self._copy_placed()
+        if copy is None:
+            return
+        log_no, loff, view = copy
+        fd, opened = self.logs.fd(log_no)
+        try:
+            self.engine.write_all([(fd, view, loff)])
+            if opened:
+                self.engine.fsync(fd, datasync=True)
+            else:
+                self.logs.written({log_no: fd})
+                self.logs.sync()
+        finally:
+            view.release()
+            if opened:
+                os.close(fd)
+        self.copies = []
 
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
         """Trio thread: have the flusher put the fresh index `fresh` (a name beside the live
@@ -650,4 +719,8 @@ class Flusher:
             self.index.append(blob, self.journal.unsent_version)
             self.stats.index_bytes += len(blob)
             self.stats.index_commits += 1
+            if not self.copies:
+                self.copies_from = self._committed_upto
+            self.copies.append(blob)
+            self._committed_upto = upto
         self._call(self._on_committed, upto)

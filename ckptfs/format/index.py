@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 from ckptfs.format import records
 from ckptfs.format.backingdir import NOFOLLOW, Dir, open_index
@@ -33,6 +34,31 @@ def discard_fresh(where: Dir, name: str) -> None:
         where.unlink(name + FRESH_SUFFIX)
     except FileNotFoundError:
         pass
+
+
+DAMAGED_SUFFIX = ".damaged-"  # index.log.damaged-<unix time>: a damaged index, kept for fsck
+
+
+def keep_damaged(where: Dir, name: str) -> str:
+    """A copy of index `name` of `where` beside it, before a writable mount cuts or rewrites
+    what replay could not use: `ckptfs fsck` can still read it. Returns the copy's name."""
+    copy = f"{name}{DAMAGED_SUFFIX}{int(time.time())}"
+    src = where.open(name, os.O_RDONLY)
+    try:
+        dst = where.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            while True:
+                chunk = os.read(src, 1 << 20)
+                if not chunk:
+                    break
+                _write_all(dst, chunk)
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    where.sync()
+    return copy
 
 
 def fsync_dir(path: str) -> None:

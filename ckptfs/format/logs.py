@@ -20,6 +20,37 @@ from ckptfs.system import libc
 log = logging.getLogger("ckptfs.logs")
 
 
+def read_copies(path: str, log: int, chunk_bytes: int = 4 << 20):
+    """The copy blocks of data log `path` (number `log`; records.copy_block), in log order:
+    (offset, the sequence number before its first group, its body). A block is looked for at
+    every 4 KiB boundary; one whose header does not name this place, or whose checksum fails,
+    is not one (or is damaged): skipped."""
+    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        off = records.DATA_HEADER_BYTES
+        while off < size:
+            data = os.pread(fd, min(chunk_bytes, size - off), off)
+            if not data:
+                break
+            for at in range(0, len(data), 4096):
+                if data[at:at + 8] != records.COPY_MAGIC:
+                    continue
+                head = data[at:at + records.COPY_HEADER.size]
+                if len(head) < records.COPY_HEADER.size:
+                    head = os.pread(fd, records.COPY_HEADER.size, off + at)
+                found = records.parse_copy_header(head, log, off + at)
+                if found is None:
+                    continue
+                blen, from_seq, crc = found
+                body = os.pread(fd, blen, off + at + records.COPY_HEADER.size)
+                if len(body) == blen and records.copy_body_ok(head, body, crc):
+                    yield off + at, from_seq, body
+            off += len(data)
+    finally:
+        os.close(fd)
+
+
 class RunError(OSError):
     """A run cannot be read back as it was written: its data log is missing, ends before the
     run does (short read), or the run's bytes fail their checksum. errno EIO, so a mount answers
@@ -229,19 +260,23 @@ class LogWriter:
     def open_numbers(self) -> set[int]:
         return {lg.number for lg in self.slots if lg is not None}
 
-    def place(self, nbytes: int) -> tuple[int, int]:
-        """Where the next segment of `nbytes` (aligned) goes: (log, offset)."""
-        i = self.next_slot % len(self.slots)
+    def place(self, nbytes: int, copy: bool = False) -> tuple[int, int]:
+        """Where the next segment of `nbytes` (aligned) goes: (log, offset). With `copy`, a
+        copy block of commit groups (records.copy_block): right after the segment placed
+        last, in its log (the next segment still starts on a stripe boundary)."""
+        i = (self.next_slot - 1 if copy and self.next_slot else self.next_slot) % len(self.slots)
         lg = self.slots[i]
-        if lg is None or round_up(lg.off, self.stripe) + nbytes > self.log_bytes:
+        start = (lambda o: o) if copy else (lambda o: round_up(o, self.stripe))
+        if lg is None or start(lg.off) + nbytes > self.log_bytes:
             if lg is not None:
                 self._close(lg)
                 self.slots[i] = None
             lg = self.slots[i] = self._open()
-        off = round_up(lg.off, self.stripe)  # segments start on stripe boundaries
+        off = start(lg.off)  # segments start on stripe boundaries
         self._preallocate(lg, off + nbytes)
         lg.off = off + nbytes
-        self.next_slot += 1
+        if not copy:
+            self.next_slot += 1
         return lg.number, off
 
     def fd(self, number: int) -> tuple[int, bool]:

@@ -474,6 +474,9 @@ class IndexScan:
 
     groups: list[list[Record]] = field(default_factory=list)  # complete commit groups
     group_times: list[int] = field(default_factory=list)  # each group's COMMIT wall time (ns)
+    group_seqs: list[int] = field(default_factory=list)  # each group's COMMIT sequence number
+    # for each group: whether damage was skipped right before it (its start is not known)
+    group_after_damage: list[bool] = field(default_factory=list)
     valid_bytes: int = INDEX_HEADER.size  # where the next record may be appended
     warnings: list[str] = field(default_factory=list)
     last_seq: int = 0
@@ -593,6 +596,7 @@ def scan_index(path: str, data: bytes, tail: bool = False,
     scan.version = _check_header(path, data)
     pos = INDEX_HEADER.size
     group: list[Record] = []
+    after_damage = False
     end = len(data)
     header, hsize, type_crc = REC_HEADER.unpack_from, REC_HEADER.size, _TYPE_CRC
     while pos < end:
@@ -617,8 +621,11 @@ def scan_index(path: str, data: bytes, tail: bool = False,
                         if on_group is None:
                             scan.groups.append(group)
                             scan.group_times.append(rec.time_ns)
+                            scan.group_seqs.append(rec.seq)
+                            scan.group_after_damage.append(after_damage)
                         else:
                             on_group(group, rec.time_ns)
+                        after_damage = False
                         group = []
                         scan.valid_bytes = pos
                         scan.last_seq = rec.seq
@@ -645,12 +652,50 @@ def scan_index(path: str, data: bytes, tail: bool = False,
             f"it and the bytes up to {resume} (the damaged commit group) skipped, replay "
             "resumes there"))
         group = []
+        after_damage = True
         pos = resume
         scan.valid_bytes = pos
     if group and not tail:
         scan.warnings.append(Damage(TORN_TAIL, f"{path}: {len(group)} records after the last "
                                            "commit ignored (interrupted commit)"))
     return scan
+
+
+# ---------------------------------------------------------------- copies of commit groups
+# Every commit group appended to the index is also written into the data logs, in a copy
+# block placed right after a segment (at the next segment's write, or at the unmount): the
+# logs then say whose bytes they hold and which names were created, and `ckptfs fsck`
+# rebuilds what a damaged or lost index no longer has (docs/format.md, "Copies").
+COPY_MAGIC = b"CKPTCPY\0"
+COPY_VERSION = 1
+# magic, version, body length, data log, offset in it, the sequence number before the first
+# group, crc32c of the 32 bytes after the magic's and the body
+COPY_HEADER = struct.Struct("<8sIIQQQI4x")
+
+
+def copy_block(log: int, loff: int, from_seq: int, body: bytes) -> bytes:
+    """The copy block of `body` (framed records: whole commit groups, each ending with its
+    COMMIT; the first follows commit `from_seq`) that lies at offset `loff` of data log `log`.
+    Not padded: the writer pads it to its alignment with zeros."""
+    fields = struct.pack("<IIQQQ", COPY_VERSION, len(body), log, loff, from_seq)
+    return COPY_HEADER.pack(COPY_MAGIC, COPY_VERSION, len(body), log, loff, from_seq,
+                            crc32c(body, crc32c(fields[:32]))) + body
+
+
+def parse_copy_header(head: bytes, log: int, loff: int) -> tuple[int, int, int] | None:
+    """(body length, from_seq, crc) of a copy block header read at `loff` of data log `log`;
+    None when it is not one (a copy's header names where it lies: one found elsewhere, in a
+    file's bytes, is not taken)."""
+    if len(head) < COPY_HEADER.size or head[:8] != COPY_MAGIC:
+        return None
+    _, version, blen, at_log, at_off, from_seq, crc = COPY_HEADER.unpack_from(head)
+    if version != COPY_VERSION or at_log != log or at_off != loff or blen > 1 << 30:
+        return None
+    return blen, from_seq, crc
+
+
+def copy_body_ok(head: bytes, body: bytes, crc: int) -> bool:
+    return crc32c(body, crc32c(head[8:40])) == crc
 
 
 def data_log_header(writer: str, log: int) -> bytes:
