@@ -186,9 +186,6 @@ def test_the_damage_experiment(mounts, tmp_path):
         unreadable += eio
         total += len(want)
         print(f"copy {i}: {kind}: absent {absent} after fsck, wrong {bad}")
-        if os.environ.get("CKPTFS_DAMAGE_KEEP") and (bad or wrong):
-            shutil.copytree(backing, d + "-orig")
-            return
         shutil.rmtree(d)
     print(f"\ndamage experiment: {copies} copies of {len(want)} files: absent "
           f"{before_absent / total:.1%} before fsck, {after_absent / total:.1%} after; "
