@@ -289,7 +289,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     interrupts = Interrupts()
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
                     direct=facts["direct"],  # buffers on first use: performance-notes.md
-                    interruptible=interrupts.waiting)
+                    interruptible=interrupts.waiting, on_fatal=flusher.fail)
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
                                                          round_up(seg.used, facts["align"]))

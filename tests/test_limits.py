@@ -123,3 +123,34 @@ def test_a_failed_flusher_fails_every_barrier_with_eio_and_says_why(mounts):
         assert cli("umount", "--force", m.mountpoint, timeout=60).returncode in (0, 1)
     assert not api.is_mounted(m.mountpoint)
     m.proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["loader", "cleaner"])
+def test_a_defect_in_a_loader_or_the_cleaner_fails_the_mount_and_says_why(mounts, where):
+    """A loader thread of the read path, or the maintenance task, ends on an unexpected
+    exception (injected): reads waiting for it end with EIO instead of waiting for ever, and
+    the mount is failed as with the flusher (fsync, sync, umount: EIO and the cause)."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, writer_id="w")
+    with open(os.path.join(m.mountpoint, "a.pt"), "wb") as f:
+        f.write(os.urandom(3 << 20))
+    m.stop()
+    m = mounts.mount(backing, writer_id="w", env={"CKPTFS_FAILPOINT": f"{where}:1"},
+                     clean_idle=0)
+    if where == "loader":  # (the first disk read of the file: EIO, not a hang)
+        with pytest.raises(OSError) as e:
+            with open(os.path.join(m.mountpoint, "a.pt"), "rb") as f:
+                f.read()
+        assert e.value.errno == errno.EIO
+    deadline = time.monotonic() + 30  # (the maintenance looks every second)
+    while not api.status(m.mountpoint)["failed"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = api.status(m.mountpoint)
+    assert st["failed"] == 1 and "failed" in st["last_error"], st
+    res = cli("sync", m.mountpoint, timeout=30)
+    assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr
+    assert cli("umount", m.mountpoint, timeout=60).returncode != 0
+    assert "failpoint" in mounts.log(m)
+    if api.is_mounted(m.mountpoint):
+        cli("umount", "--force", m.mountpoint, timeout=60)
+    m.proc.wait(timeout=30)

@@ -218,3 +218,30 @@ def test_what_open_directory_handles_hold_is_bounded(mounts):
     assert m.status()["listing_entries"] == 0
     assert len(os.listdir(d)) == n + i + 1
     m.stop()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_write_by_another_user_clears_set_user_id_at_once(public, mounts, fast_path):
+    """A write by a user without CAP_FSETID clears S_ISUID (as on ext4), and `stat` right
+    after it shows the mode without it: the kernel's cached attributes are forgotten before
+    the write returns (it would otherwise show 4777, and exec would honour it, until they
+    time out)."""
+    mp = os.path.join(public, "mnt")
+    os.mkdir(mp)
+    m = mounts.mount(mountpoint=mp, allow_other=True, fast_path=fast_path)
+    p = os.path.join(mp, "tool")
+    with open(p, "wb") as f:
+        f.write(b"#!/bin/sh\n")
+    os.chmod(p, 0o4777)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4777  # (cached by the kernel now)
+    r = py_as_user(f"""
+fd = os.open({p!r}, os.O_WRONLY)
+os.write(fd, b"echo hi\\n")
+R = [oct(stat.S_IMODE(os.stat({p!r}).st_mode))]
+os.pwrite(fd, b"#", 0)
+R.append(oct(stat.S_IMODE(os.fstat(fd).st_mode)))
+os.close(fd)
+""")
+    assert r == ["0o777", "0o777"], r
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o777
+    m.stop()

@@ -58,6 +58,7 @@ import trio
 
 from crc32c import crc32c
 
+from ckptfs import failpoints
 from ckptfs.datapath import mover
 from ckptfs.datapath.flusher import ExtentEntry
 from ckptfs.datapath.staging import (
@@ -243,19 +244,21 @@ class Maintainer:
         backoff = TICK_S
         while True:
             try:
+                failpoints.hit("cleaner")
                 await self.tick()
                 backoff = TICK_S
-            except Exception as exc:  # noqa: BLE001 - maintenance must not end the mount
-                # The backing store refused (OSError), or a fault of the maintenance itself:
-                # either way the mount goes on serving; the step is tried again, less often
-                # while it keeps failing.
+            except Exception as exc:  # noqa: BLE001 - said to every waiter, never swallowed
+                # The backing store refused (OSError): tried again, less often while it keeps
+                # failing. A fault of the maintenance itself (a defect) fails the mount: what
+                # it was doing may be half done, and nothing may pretend otherwise.
                 self.errors += 1
                 self.last_error = f"{exc.__class__.__name__}: {exc}"
-                if isinstance(exc, OSError):
-                    log.warning("maintenance: %s (retried)", exc)
-                else:
-                    log.exception("maintenance failed (retried)")
                 self.doing = "idle"
+                if not isinstance(exc, OSError):
+                    log.critical("maintenance failed", exc_info=True)
+                    self.flusher.fail(exc, "the cleaner")
+                    return
+                log.warning("maintenance: %s (retried)", exc)
                 backoff = min(backoff * 2, 60.0)
             await trio.sleep(backoff)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import trio
 
+from ckptfs import failpoints
 from ckptfs.datapath.staging import NO_LOG, Run, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
@@ -59,9 +60,6 @@ _STOP = "stop"
 _REGISTER = "register"  # (the staging pool is faulted in: register it with the io engine)
 FAULT_IN_QUIET_S = 2.0  # a mount that served no READ this long faults its staging pool in
 FAULT_IN_POLL_S = 0.25  # (until then: how often fault_in_when_due looks)
-# Fault injection for the tests of what a defect costs: CKPTFS_FAILPOINT=flusher-commit:N
-# makes the flusher thread's Nth commit raise an unexpected exception (never set in use).
-_FAILPOINT = os.environ.get("CKPTFS_FAILPOINT", "")
 
 
 class _Swap:
@@ -314,6 +312,8 @@ class Flusher:
     async def wait_committed(self, seq: int) -> None:
         """Return when the journal is committed up to `seq` (without sealing the open segment,
         as a barrier does: a commit follows the next flush, or the idle flush)."""
+        if self.failed is not None:
+            raise self.failed
         while self.journal.committed_seq < seq:
             if self.error is not None:
                 raise self.error
@@ -326,6 +326,8 @@ class Flusher:
 
     async def barrier(self) -> None:
         """Return when every change made before the call is in the index and durable."""
+        if self.failed is not None:
+            raise self.failed
         self.staging.seal()
         target = self.journal.last_seq
         if self.journal.committed_seq >= target:
@@ -344,7 +346,12 @@ class Flusher:
         self.staging.seal()
         self.q.put(_STOP)
         await trio.to_thread.run_sync(self.thread.join)
-        if self.journal.pending() or self.inflight_segments:
+        lost = self.journal.pending() or self.inflight_segments
+        if self.failed is not None:
+            raise OSError(5, f"{self.failed.strerror}; " + (
+                "changes staged before it were NOT all made durable" if lost
+                else "everything staged was made durable before the unmount"))
+        if lost:
             raise self.error or OSError(5, "flusher stopped with changes not committed")
 
     def _wake(self) -> None:
@@ -391,12 +398,19 @@ class Flusher:
         self.staging.free_event.set()  # wake writers waiting for a segment: they see the error
         self._wake()
 
-    def _on_failed(self, exc: BaseException) -> None:
-        """Trio thread: the flusher thread ended on `exc`; the mount is failed from now on."""
-        err = OSError(5, f"the flusher thread failed ({exc.__class__.__name__}: {exc}); "
-                         "changes not yet durable cannot be made durable by this mount")
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Trio thread: a defect in `where` (a thread or task of the mount) ended it on `exc`:
+        the mount is failed from now on (every barrier, fsync, sync and the unmount fail with
+        EIO and the cause). The first cause stays."""
+        if self.failed is not None:
+            return
+        err = OSError(5, f"{where} failed ({exc.__class__.__name__}: {exc}): the mount is "
+                         "failed, unmount it and mount again")
         self.failed = err
         self._on_error(err)
+
+    def _on_failed(self, exc: BaseException) -> None:
+        self.fail(exc, "the flusher thread")
 
     def _on_committed(self, upto: int) -> None:
         self.journal.confirm(upto)
@@ -708,10 +722,7 @@ class Flusher:
         self._call(sw.done, err)
 
     def _commit(self) -> None:
-        if _FAILPOINT.startswith("flusher-commit:"):
-            self._failpoint_commits = getattr(self, "_failpoint_commits", 0) + 1
-            if self._failpoint_commits >= int(_FAILPOINT.split(":")[1]):
-                raise RuntimeError("failpoint flusher-commit reached")
+        failpoints.hit("flusher-commit")
         blob, upto = self._call(self.journal.take_committable)
         if blob:
             # A failed write is cut off again (IndexWriter.append), so that later appends stay

@@ -35,6 +35,7 @@ from collections import OrderedDict, deque
 
 import trio
 
+from ckptfs import failpoints
 from ckptfs.datapath.readplan import ReadPlan
 from ckptfs.datapath.staging import ExtentMap, Run
 from ckptfs.format.logs import RunError, RunReader
@@ -109,7 +110,9 @@ class _Chunk:
 class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
                  direct: bool = False, populate: bool = False,
-                 interruptible=trio.CancelScope) -> None:
+                 interruptible=trio.CancelScope, on_fatal=None) -> None:
+        # told (trio thread) when a loader thread ends on a defect: (exception, where)
+        self.on_fatal = on_fatal
         # the data logs: which file holds a run, descriptors (O_DIRECT where it works), chunk
         # reads, checksum checks and their errors
         self.logs = RunReader(writer_dirs, direct=direct)
@@ -858,9 +861,34 @@ class Reader:
                 t.start()
 
     def _loader(self) -> None:
-        """A loader thread: jobs until the reader closes; each result goes into `done`, and
-        the trio thread is called (_landed) unless a call is on its way already, or, with
-        `lazy`, unless no READ waits for it (it lands at the fast path's next settle)."""
+        """A loader thread (_serve_loads) that says so when it ends on a defect: the mount
+        is failed then (on_fatal), and the loads no thread will take fail with EIO."""
+        held: list = []  # (the job the thread works on: its waiters are told too)
+        try:
+            self._serve_loads(held)
+        except BaseException as exc:
+            log.critical("a loader thread of the read path failed", exc_info=True)
+            try:
+                self.token.run_sync_soon(self._loader_failed, exc, held)
+            except trio.RunFinishedError:
+                pass
+
+    def _loader_failed(self, exc: BaseException, held: list) -> None:
+        """Trio thread: a loader thread is gone; the load it held and those queued fail (the
+        threads left take the next ones), and the mount is failed (on_fatal)."""
+        with self.cond:
+            dropped = [j for j in [*held, *self.jobs] if j is not _CHECK]
+            self.jobs.clear()
+        for _, _, _, ld, *_ in dropped:
+            ld.error = OSError(errno.EIO, f"the read path failed: {exc!r}")
+            ld.done.set()
+        if self.on_fatal is not None:
+            self.on_fatal(exc, "a loader thread of the read path")
+
+    def _serve_loads(self, held: list) -> None:
+        """Jobs until the reader closes; each result goes into `done`, and the trio thread is
+        called (_landed) unless a call is on its way already, or, with `lazy`, unless no READ
+        waits for it (it lands at the fast path's next settle)."""
         cond, jobs = self.cond, self.jobs
         while True:
             with cond:
@@ -869,6 +897,8 @@ class Reader:
                 if self.stopping:
                     return
                 job = jobs.popleft()
+                held[:] = [job]
+                failpoints.hit("loader")
                 if job is _CHECK:
                     batch, self.checks, self.check_queued = self.checks, [], False
             if job is _CHECK:
@@ -887,6 +917,7 @@ class Reader:
                     result = (key, buf, gen, ld, lo, hi, ext, 0, exc)
             with cond:
                 self.done.append(result)
+                held.clear()
                 if self.posted or (self.lazy and (job is _CHECK or not job[3].waited)):
                     continue
                 self.posted = True

@@ -75,6 +75,9 @@ log = logging.getLogger("ckptfs")
 FUSE_LOOKUP = 1
 FUSE_FORGET = 2
 FUSE_GETATTR = 3
+FUSE_SETATTR = 4
+FATTR_MODE = 1 << 0  # fuse_setattr_in.valid: the mode is set
+SETATTR_MODE_AT = 68  # offset of fuse_setattr_in.mode
 FUSE_OPEN = 14
 FUSE_READ = 15
 FUSE_WRITE = 16
@@ -805,8 +808,10 @@ class FastPath(RequestWait):
                 if w[0] is x:
                     self.drop_window(other)
         try:
-            self.ops.write_target(fh)
+            h, x = self.ops.write_target(fh)
         except pyfuse3.FUSEError:
+            return
+        if x.mode & SETID_BITS:  # (a WRITE may have to clear them first: ops.clear_setid)
             return
         self.ring.writable(fh, True)
 
@@ -1411,11 +1416,29 @@ class FastPath(RequestWait):
             if sum(map(len, parts)) >= IN_HEADER.size + INIT_IN.size:
                 _, _, _, flags, flags2 = INIT_IN.unpack_from(self.head, IN_HEADER.size)
                 self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
+        if opcode == FUSE_SETATTR and self.ring is not None:
+            self.setattr_seen(b"".join(map(bytes, parts)))
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         self.sock.sendmsg(parts)
         if opcode in INTERRUPTIBLE_FORWARDED:
             self.interrupts.forwarded(unique, pid)
+
+    def setattr_seen(self, msg: bytes) -> None:
+        """A SETATTR that gives a file set-user-ID or set-group-ID: the handles open on it
+        stop taking WRITEs in the queue threads (takes_writes), whose answer would come
+        before the write clears them (ops.clear_setid)."""
+        body = IN_HEADER.size
+        if len(msg) < body + SETATTR_MODE_AT + 4:
+            return
+        valid, = struct.unpack_from("<I", msg, body)
+        mode, = struct.unpack_from("<I", msg, body + SETATTR_MODE_AT)
+        if not (valid & FATTR_MODE and mode & SETID_BITS):
+            return
+        x = self.ops.ns.inodes.get(IN_HEADER.unpack_from(msg)[3])
+        for fh, h in self.ops.handles.items():
+            if h.inode is x:
+                self.ring.writable(fh, False)
 
     def pump(self) -> None:
         """Pass libfuse's replies (and notifications) on to /dev/fuse."""

@@ -122,6 +122,7 @@
 #define FR_O_WRONLY 1
 #define FR_S_IFREG 0100000
 #define FR_S_ISGID 02000
+#define FR_S_ISUID 04000
 #define FR_FOPEN_DIRECT_IO 1u
 #define FR_FOPEN_KEEP_CACHE 2u
 #define FR_FOPEN_NOFLUSH 32u
@@ -585,8 +586,10 @@ static int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *na
         memcpy(c->name, name, len);
         c->name[len] = 0;
         atomic_fetch_add(&f->created_count, 1);
-        if (acc != FR_O_RDONLY)
-            fr_fh_set(f, fh, 1);  /* (full: its WRITEs go to the Python side) */
+        /* (not a set-user/group-ID file: a WRITE there may have to clear them first, on
+         * the Python side; full: its WRITEs go there too) */
+        if (acc != FR_O_RDONLY && !(mode & (FR_S_ISGID | FR_S_ISUID)))
+            fr_fh_set(f, fh, 1);
         memset(out, 0, ENTRY_OUT_SIZE + OPEN_OUT_SIZE);
         fr_put64(out, 0, ino);  /* nodeid, generation 0 */
         fr_put64(out, 16, f->entry_valid);
