@@ -78,63 +78,9 @@ done
 [[ $GLUSTER_BRICK_SIZE =~ ^([1-9][0-9]*[KMGkmg]?)?$ ]] || die 2 "GLUSTER_BRICK_SIZE=$GLUSTER_BRICK_SIZE: e.g. 64M"
 [[ $GLUSTER_TIMEOUT =~ ^[1-9][0-9]*$ ]] || die 2 "GLUSTER_TIMEOUT=$GLUSTER_TIMEOUT: seconds"
 
-# trusted PATH [in]: root alone decides what PATH is. PATH and every directory and symlink on
-# the way to it belong to root; no directory on the way is writable by anyone else unless it is
-# sticky (there no one else can move or remove root's entries); PATH itself is writable by no
-# one else, or with "in" (a directory to create something in) only if it is sticky.
-# Prints the reason and fails when it is not so.
-trusted() {
-    local path=$1 in=${2:-} rest=$1 cur=/ c t st uid mode type hops=0
-    case "$path" in /*) ;; *) echo "$path is not an absolute path"; return 1 ;; esac
-    while :; do
-        rest=${rest#"${rest%%[!/]*}"}
-        st=$(stat -c '%u %a %F' -- "$cur" 2>/dev/null) || { echo "$cur does not exist"; return 1; }
-        read -r uid mode type <<< "$st"
-        [ "$uid" = 0 ] || { echo "$cur belongs to uid $uid, not root"; return 1; }
-        if (( 8#$mode & 8#022 )); then
-            if (( !(8#$mode & 8#1000) )) || { [ -z "$rest" ] && [ -z "$in" ]; }; then
-                echo "$cur is writable by others (mode $mode)"
-                return 1
-            fi
-        fi
-        [ -n "$rest" ] || return 0
-        [ "$type" = directory ] || { echo "$cur is not a directory"; return 1; }
-        c=${rest%%/*}
-        rest=${rest#"$c"}
-        case "$c" in
-            .) continue ;;
-            ..) cur=$(dirname -- "$cur"); continue ;;
-        esac
-        cur=${cur%/}/$c
-        if [ -L "$cur" ]; then
-            uid=$(stat -c %u -- "$cur")
-            [ "$uid" = 0 ] || { echo "$cur is a symlink of uid $uid, not root's"; return 1; }
-            hops=$((hops + 1))
-            [ "$hops" -le 40 ] || { echo "$path: too many symlinks"; return 1; }
-            t=$(readlink -- "$cur")
-            rest=$t/$rest
-            case "$t" in /*) cur=/ ;; *) cur=$(dirname -- "$cur") ;; esac
-        fi
-    done
-}
-
-# make_dir DIR MODE: DIR is afterwards a directory only root can change. A missing DIR (and its
-# missing parents, 0755) is created by mkdir, never through a symlink nor in a directory someone
-# else can change; mkdir fails on whatever else got there first, which is then checked and
-# refused. Prints the reason and fails when it cannot be so.
-make_dir() {
-    local d=$1 parent out
-    parent=$(dirname -- "$d")
-    if [ ! -e "$d" ] && [ ! -L "$d" ]; then
-        if [ ! -e "$parent" ] && [ ! -L "$parent" ]; then
-            make_dir "$parent" 0755 || return 1
-        fi
-        out=$(trusted "$parent" in) || { echo "$out"; return 1; }
-        out=$(mkdir -m "$2" -- "$d" 2>&1) || { echo "$out"; return 1; }
-    fi
-    out=$(trusted "$d") || { echo "$out"; return 1; }
-    [ -d "$d" ] || { echo "$d is not a directory"; return 1; }
-}
+# trusted, make_dir: root-paths.sh, beside this script
+# shellcheck source-path=SCRIPTDIR source=root-paths.sh
+. "${BASH_SOURCE[0]%/*}/root-paths.sh"
 
 # check_dir DIR: DIR is a directory only root can change, or missing from a place where only
 # root can create it. Prints the reason and fails when not.

@@ -25,45 +25,9 @@ log() {
 }
 fail() { log "ERROR: $*"; exit 1; }
 
-# trusted PATH [in]: root alone decides what PATH is. PATH and every directory and symlink on
-# the way to it belong to root; no directory on the way is writable by anyone else unless it is
-# sticky (there no one else can move or remove root's entries); PATH itself is writable by no
-# one else, or with "in" (a directory to create something in) only if it is sticky.
-# Prints the reason and fails when it is not so.
-trusted() {
-    local path=$1 in=${2:-} rest=$1 cur=/ c t st uid mode type hops=0
-    case "$path" in /*) ;; *) echo "$path is not an absolute path"; return 1 ;; esac
-    while :; do
-        rest=${rest#"${rest%%[!/]*}"}
-        st=$(stat -c '%u %a %F' -- "$cur" 2>/dev/null) || { echo "$cur does not exist"; return 1; }
-        read -r uid mode type <<< "$st"
-        [ "$uid" = 0 ] || { echo "$cur belongs to uid $uid, not root"; return 1; }
-        if (( 8#$mode & 8#022 )); then
-            if (( !(8#$mode & 8#1000) )) || { [ -z "$rest" ] && [ -z "$in" ]; }; then
-                echo "$cur is writable by others (mode $mode)"
-                return 1
-            fi
-        fi
-        [ -n "$rest" ] || return 0
-        [ "$type" = directory ] || { echo "$cur is not a directory"; return 1; }
-        c=${rest%%/*}
-        rest=${rest#"$c"}
-        case "$c" in
-            .) continue ;;
-            ..) cur=$(dirname -- "$cur"); continue ;;
-        esac
-        cur=${cur%/}/$c
-        if [ -L "$cur" ]; then
-            uid=$(stat -c %u -- "$cur")
-            [ "$uid" = 0 ] || { echo "$cur is a symlink of uid $uid, not root's"; return 1; }
-            hops=$((hops + 1))
-            [ "$hops" -le 40 ] || { echo "$path: too many symlinks"; return 1; }
-            t=$(readlink -- "$cur")
-            rest=$t/$rest
-            case "$t" in /*) cur=/ ;; *) cur=$(dirname -- "$cur") ;; esac
-        fi
-    done
-}
+# trusted: root-paths.sh, beside this script
+# shellcheck source-path=SCRIPTDIR source=root-paths.sh
+. "${BASH_SOURCE[0]%/*}/root-paths.sh"
 
 conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
 if [ -e "$conf" ] || [ -L "$conf" ]; then
