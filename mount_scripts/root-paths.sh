@@ -60,3 +60,14 @@ make_dir() {
     out=$(trusted "$d") || { echo "$out"; return 1; }
     [ -d "$d" ] || { echo "$d is not a directory"; return 1; }
 }
+
+# source_trusted FILE: FILE read as shell when it exists and root alone controls it (trusted; a
+# missing FILE is fine). Fails with the reason in $trust_why otherwise.
+source_trusted() {
+    trust_why=""
+    [ -e "$1" ] || [ -L "$1" ] || return 0
+    trust_why=$(trusted "$1") || { trust_why="not reading $1: $trust_why"; return 1; }
+    [ -f "$1" ] || { trust_why="not reading $1: not a regular file"; return 1; }
+    # shellcheck source=/dev/null
+    . "$1"
+}

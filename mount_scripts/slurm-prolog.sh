@@ -37,17 +37,11 @@ log() {
 }
 fail() { log "ERROR: $*"; exit 1; }
 
-# trusted, make_dir: root-paths.sh, beside this script
+# trusted, make_dir, source_trusted: root-paths.sh, beside this script
 # shellcheck source-path=SCRIPTDIR source=root-paths.sh
 . "${BASH_SOURCE[0]%/*}/root-paths.sh"
 
-conf=${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}
-if [ -e "$conf" ] || [ -L "$conf" ]; then
-    why=$(trusted "$conf") || fail "not reading $conf: $why"
-    [ -f "$conf" ] || fail "not reading $conf: not a regular file"
-    # shellcheck source=/dev/null
-    . "$conf"
-fi
+source_trusted "${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}" || fail "$trust_why"
 root=${CKPTFS_BACKING_ROOT:-/var/lib/ckptfs}
 mnt=${CKPTFS_MOUNTPOINT:-/ckpt}
 tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
