@@ -681,7 +681,10 @@ class Flusher:
 
     def _write_copies(self) -> None:
         """Flusher thread: the copies not yet written, alone (at unmount, or when they grew
-        past COPY_FLUSH_BYTES while no segment was written), then the logs synced."""
+        past COPY_FLUSH_BYTES while no segment was written), then the logs synced; not in a
+        mount that has written no segment (they wait for its first one)."""
+        if not self.logs.open_numbers():  # (copies go where this mount's segments went:
+            return  # a data log made for them alone would hold no live byte)
         copy = self._copy_placed()
         if copy is None:
             return
