@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import stat
+import time
 from dataclasses import dataclass, field
 
 from ckptfs.format import backingdir, records
@@ -171,6 +173,12 @@ INODE = 2  # (INODE, ino): attributes and cached data
 _MASK = (1 << LAYER_SHIFT) - 1
 
 
+def _attributes(x: Inode) -> tuple:
+    """What the kernel caches of an inode (its attributes)."""
+    return (x.mode, x.uid, x.gid, x.rdev, x.size, x.nlink, x.atime_ns, x.mtime_ns,
+            x.ctime_ns, x.target)
+
+
 def _shared_map(src: ExtentMap) -> ExtentMap:
     """An extent map for the view of another writer's file: the same piece lists as the
     file's own map (so its overwrites and truncates show at once), but dropping it when the
@@ -225,6 +233,20 @@ class View:
         self.max_stamp = 0  # the greatest COMMIT stamp read from another writer
         self.next_layer = 1
         self.own_alias = None  # layer under which other trees name the own writer's logs
+        self.read_at: float | None = None  # time.monotonic() when load() began to read
+        # Directories whose members are yet to be merged (_later), and whether a merge or
+        # carrying out of whiteouts is under way: the walks down a tree (a directory that
+        # appears or goes, every level of it) and up it (whiteouts of directories carried out
+        # as they empty) take their next step from a list, not a call deeper, so a tree of
+        # any depth goes through (a recursion would stop near 1,000 levels, half applied)
+        self._todo: list[tuple[Inode, dict[int, int], bool]] = []
+        self._merging = False
+        self._adopting = False
+        # (layer, directory) of other writers' trees found all whited out (_empty): true
+        # until their trees change or a whiteout goes (more whiteouts keep it true), so a
+        # tree removed level by level from the bottom costs one step per level, not the
+        # whole depth below each
+        self._emptied: set[tuple[int, int]] = set()
         if own:
             union.writer_ids[0] = own
             union.layers[own] = 0
@@ -286,6 +308,7 @@ class View:
 
     def load(self, only: str | None = None) -> None:
         """Build the view of every writer of the backing directory (at mount, or offline)."""
+        self.read_at = time.monotonic()
         self.assign(only)
         for wid, layer in sorted(self.union.layers.items(), key=lambda kv: kv[1]):
             if layer == 0:
@@ -315,6 +338,7 @@ class View:
     def _install(self, layer: int, wdir: str, scan, ident) -> Namespace:
         t = self.build_tree(layer, scan, os.path.join(wdir, backingdir.INDEX_NAME))
         self.union.warnings += validate_extents(t, wdir, layer)
+        self._emptied.clear()
         self.trees[layer] = t
         self.offsets[layer] = scan.valid_bytes
         self.index_ids[layer] = ident
@@ -344,23 +368,57 @@ class View:
 
     def drop_tree(self, layer: int) -> None:
         """A writer whose directory went away (merged by a compaction) or whose index was
-        replaced (rewritten): its entries leave the view (a rewritten one comes back through
-        add_tree)."""
+        replaced (rewritten): its entries leave the view, directories at every depth (a
+        rewritten one comes back through reload_tree)."""
         for d in [d for d, m in self.members.items() if layer in m]:
-            members = {k: v for k, v in self.members[d].items() if k != layer}
-            self._set_members(d, members, fresh=False)
+            m = self.members.get(d)
+            if m is None or layer not in m:
+                continue  # (it left the view with a directory above it, its members too)
+            self._set_members(d, {k: v for k, v in m.items() if k != layer}, fresh=False)
         self.trees.pop(layer, None)
+        self._emptied.clear()
         self.offsets.pop(layer, None)
         self.index_ids.pop(layer, None)
         wid = self.union.writer_ids.get(layer)
         if wid is not None and self.union.layers.get(wid) == layer:
             del self.union.layers[wid]
 
+    def reload_tree(self, layer: int, wdir: str, scan, ident, same_layer: bool = True) -> int:
+        """Writer `layer`'s index was rewritten (an index snapshot, a compaction: another
+        file, which replays to the tree read so far or one further on): its tree is built
+        again from the new one, and the view follows. Under the same layer, so that an entry
+        it still has keeps its number in the view and what the kernel holds of it stays
+        valid (a LOOKUP in a directory it keeps a name of, an open of a file it knows); one
+        it lost leaves the view, one it gained joins, and the kernel forgets the attributes
+        that changed. Under a new layer (the kernel's old numbers then stale: an open of
+        one is answered ESTALE) when `same_layer` is false or the new tree gives a number the
+        kernel knows to another kind of entry. Returns the layer."""
+        wid = self.writer_of(layer)
+        known = {x.ino: x for x in self.ns.inodes.values()
+                 if x.layer == layer and (x.lookups > 0 or x.opens > 0)}
+        kinds = {rec.ino: stat.S_IFMT(rec.mode) for group in scan.groups for rec in group
+                 if type(rec) is InodeRec}
+        if same_layer and all(kinds.get(ino & _MASK, stat.S_IFMT(x.mode)) ==
+                              stat.S_IFMT(x.mode) for ino, x in known.items()):
+            before = {ino: _attributes(x) for ino, x in known.items()}
+            self.drop_tree(layer)
+            self.union.layers[wid] = layer
+            self.add_tree(wdir, scan, ident, layer)
+            for ino, was in before.items():
+                x = self.ns.inodes.get(ino)
+                if x is not None and x.layer == layer and _attributes(x) != was:
+                    self.dirty.add(ino)
+                    self.changed.append((INODE, ino))
+            return layer
+        self.drop_tree(layer)
+        return self.add_tree(wdir, scan, ident)
+
     def apply_group(self, layer: int, group: list, when: int) -> list:
         """One commit group read from the tail of another writer's index. Returns its EXTENT
         and XEXTENT records (the reader drops what it cached of those log ranges) and its
         RETIRE records (the reader lets go of those logs)."""
         t = self.trees[layer]
+        self._emptied.clear()
         touched = _Touched()
         first_x = len(t.xunlinks)
         leaving = self._leaving(t, self.writer_of(layer), group)
@@ -416,6 +474,7 @@ class View:
                 continue  # (another name of it is left)
             for parent, name in self.wo_dirs.pop((wid, ino), ()):
                 wo.discard((parent, ino, name))
+                self._emptied.clear()
         if not wo:
             del self.wo[wid]
 
@@ -453,15 +512,23 @@ class View:
             return False
         return not s.is_dir or self._empty(layer, s, wo)
 
-    def _empty(self, layer: int, d: Inode, wo: set, depth: int = 0) -> bool:
+    def _empty(self, layer: int, d: Inode, wo: set) -> bool:
         """Nothing in another writer's directory `d` is visible (all of it whited out)."""
         t = self.trees[layer]
-        for name, ci in d.children.items():
-            if (d.ino, ci, name) not in wo:
+        emptied = self._emptied
+        top, todo, seen = d, [d], 0
+        while todo:
+            d = todo.pop()
+            seen += 1
+            if seen > len(t.inodes):  # (a damaged tree with a cycle: not empty)
                 return False
-            c = t.inodes[ci]
-            if c.is_dir and (depth > 4096 or not self._empty(layer, c, wo, depth + 1)):
-                return False
+            for name, ci in d.children.items():
+                if (d.ino, ci, name) not in wo:
+                    return False
+                c = t.inodes[ci]
+                if c.is_dir and (layer, ci) not in emptied:
+                    todo.append(c)
+        emptied.add((layer, top.ino))
         return True
 
     def _touch(self, layer: int, parent: int, name: bytes) -> None:
@@ -491,7 +558,18 @@ class View:
 
     def _adopt_own(self) -> None:
         """Carry out other writers' whiteouts of own entries: an UNLINK of the own writer
-        (journaled), so the own tree, its index and its space accounting agree with the view."""
+        (journaled), so the own tree, its index and its space accounting agree with the view.
+        One carried out may let the next one up apply (own_removed): it joins the list this
+        loop works through."""
+        if self._adopting:
+            return
+        self._adopting = True
+        try:
+            self._adopt_all()
+        finally:
+            self._adopting = False
+
+    def _adopt_all(self) -> None:
         while self.adopt:
             rec = self.adopt.pop(0)
             p = self.ns.inodes.get(rec.parent)
@@ -615,11 +693,17 @@ class View:
         wo = self.wo.get(self.writer_of(layer), set())
 
         def remove(parent: int, ino: int, name: bytes) -> None:
-            x = t.inodes.get(ino)
-            if x is not None and x.is_dir:  # (all of it whited out: what _whited asks)
-                for cname, ci in list(x.children.items()):
-                    remove(ino, ci, cname)
-            t.apply(UnlinkRec(parent, name))
+            # (all of it whited out: what _whited asks; each entry after those inside it)
+            found, todo = [], [(parent, ino, name)]
+            while todo:
+                p, i, n = todo.pop()
+                found.append((p, n))
+                x = t.inodes.get(i)
+                if x is not None and x.is_dir:
+                    todo.extend((i, ci, cname) for cname, ci in x.children.items())
+            for p, n in reversed(found):
+                t.apply(UnlinkRec(p, n))
+            self._emptied.clear()
         gone = 0
         for parent, ino, name in sorted(wo):
             p = t.inodes.get(parent)
@@ -722,7 +806,7 @@ class View:
             self.conflicts.pop(key, None)
         if new is cur:
             if new is not None and new.is_dir:
-                self._set_members(new, members or {}, fresh=False)
+                self._later(new, members or {}, fresh=False)
             return
         if cur is not None:
             self._detach(v, name, cur)
@@ -740,6 +824,8 @@ class View:
             x.layer = layer
             x.nlink = 2 if s.is_dir else 0
             self.ns.inodes[ino] = x
+        elif x.is_dir and x.nlink <= 0:  # (one the kernel kept while it was out of the view)
+            x.nlink = 2
         self._sync(x, s)
         return x
 
@@ -767,17 +853,22 @@ class View:
         if x.is_dir:
             v.nlink += 1
             x.parent = v.ino
-            self._set_members(x, members, fresh=True)
+            self._later(x, members, fresh=True)
         elif x.layer != 0:
             x.nlink += 1
 
-    def _detach(self, v: Inode, name: bytes, x: Inode) -> None:
+    def _detach(self, v: Inode, name: bytes, x: Inode, clear: list | None = None) -> None:
+        """Take x out of view directory v (`clear`: a directory's own clearing goes there,
+        for _clear's loop)."""
         del v.children[name]
         if x.is_dir:
             v.nlink -= 1
             if x.layer != 0 and self.names.get(x.ino) != (v, name):
                 return  # moved: attached in its new place already (a rename in its tree)
-            self._clear(x)
+            if clear is None:
+                self._clear(x)
+            else:
+                clear.append(x)
         if x.layer == 0:
             return  # an own entry a conflict hides: it stays in the own tree
         if self.names.get(x.ino, (None,))[0] is v:
@@ -798,18 +889,42 @@ class View:
 
     def _clear(self, d: Inode) -> None:
         """A view directory leaves the view: the other writers' entries in it go with it
-        (the own ones stay in the own tree)."""
-        for layer, src in self.members.pop(d, {}).items():
-            if self.placed.get((layer, src)) is d:
-                del self.placed[(layer, src)]
-        for name in list(d.children):
-            c = self.ns.inodes[d.children[name]]
-            if c.layer != 0:
-                self._detach(d, name, c)
-            elif c.is_dir:
-                self._clear(c)
-        for key in [k for k in self.conflicts if k[0] is d]:
-            del self.conflicts[key]
+        (the own ones stay in the own tree), and so on down."""
+        todo = [d]
+        while todo:
+            d = todo.pop()
+            for layer, src in self.members.pop(d, {}).items():
+                if self.placed.get((layer, src)) is d:
+                    del self.placed[(layer, src)]
+            for name in list(d.children):
+                c = self.ns.inodes[d.children[name]]
+                if c.layer != 0:
+                    self._detach(d, name, c, todo)
+                elif c.is_dir:
+                    todo.append(c)
+            for key in [k for k in self.conflicts if k[0] is d]:
+                del self.conflicts[key]
+            if d.nlink < 0:  # (out of the view before its subdirectories left it)
+                d.nlink = 0
+
+    def _later(self, d: Inode, members: dict[int, int], fresh: bool) -> None:
+        """_set_members(d, ...), now when no merge is under way, else by the one that is,
+        once the step it is in is done (see _todo)."""
+        self._todo.append((d, members, fresh))
+        if self._merging:
+            return
+        self._merging = True
+        try:
+            while self._todo:
+                d, members, fresh = self._todo.pop()
+                if fresh and d.layer != 0 and d.ino not in self.names:
+                    continue  # (left the view again meanwhile: nothing to show in it)
+                self._set_members(d, members, fresh)
+        except BaseException:
+            self._todo.clear()
+            raise
+        finally:
+            self._merging = False
 
     def _set_members(self, d: Inode, members: dict[int, int], fresh: bool) -> None:
         old = self.members.get(d, {})
@@ -909,20 +1024,66 @@ class View:
         return out
 
 
-def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple[int, int]] | str":
-    """A writer's index, read whole: (scan, (st_dev, st_ino) of the file read), or a warning
-    when it cannot be used. A writer without an index yet has an empty tree."""
+# The bytes of an index just before where its reader stopped (the end of the last commit
+# group it applied: that group's COMMIT record, seq and time, unique to that index). The next
+# tail read starts that many bytes early and compares them: a writer that restarted may have
+# cut bytes another mount had read (an append that failed, a network file system that lost
+# what it had not written back) and appended others over them, and a rewritten index may reuse
+# the inode number of one before it; either is then read whole, never from the middle.
+MARK_BYTES = 32
+
+
+def index_ident(st: os.stat_result, data: bytes, start: int, end: int) -> tuple:
+    """What a tail read checks before it reads on: (st_dev, st_ino, the MARK_BYTES of the
+    index before `end`), `data` holding the index's bytes from `start`."""
+    return st.st_dev, st.st_ino, data[max(0, end - MARK_BYTES - start):end - start]
+
+
+def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple] | str":
+    """A writer's index, read whole: (scan, its ident (index_ident) as read), or a warning
+    when it cannot be used. A writer without an index yet has an empty tree. (One open: the
+    identity and the bytes are of the same file, whatever replaces it meanwhile.)"""
     index = os.path.join(wdir, backingdir.INDEX_NAME)
     backingdir.refresh_attributes(wdir)
     try:
-        st = os.stat(index)
-        scan = records.read_index(index)
+        with records.open_index_file(index) as f:
+            st = os.fstat(f.fileno())
+            data = f.read()
+        scan = records.scan_index(index, data)
     except FileNotFoundError:
         return records.IndexScan(valid_bytes=0), (0, 0)
-    except (FormatError, OSError) as exc:
+    except OSError as exc:  # (named by path, not by the descriptor: the same each time)
+        return records.Damage(records.WRITER_SKIPPED, f"writer {os.path.basename(wdir)} "
+                              f"skipped: {index}: {exc.strerror or exc}")
+    except FormatError as exc:
         return records.Damage(records.WRITER_SKIPPED,
                               f"writer {os.path.basename(wdir)} skipped: {exc}")
-    return scan, (st.st_dev, st.st_ino)
+    return scan, index_ident(st, data, 0, scan.valid_bytes)
+
+
+def read_tail(index: str, offset: int, ident: tuple | None):
+    """The commit groups appended to `index` since byte `offset` (where the groups read
+    before end), as records.read_index_tail reads them, and the ident to keep for the next
+    read; None when the index is not the one read before (`ident`: another file, or other
+    bytes before `offset`): it is read whole then. Raises FormatError, OSError."""
+    ident = ident or (0, 0)
+    mark = ident[2] if len(ident) > 2 else b""
+    start = offset - len(mark)
+    with records.open_index_file(index) as f:
+        st = os.fstat(f.fileno())
+        head = f.read(records.INDEX_HEADER.size)
+        f.seek(start)
+        data = f.read()
+    # (an index that was not there when read before: whichever is there now is the one)
+    if ident[:2] != (0, 0) and (st.st_dev, st.st_ino) != ident[:2] or \
+            data[:len(mark)] != mark:
+        return None
+    scan = records.scan_index(index, head + data[len(mark):], tail=True)
+    end = offset
+    if scan.valid_bytes >= records.INDEX_HEADER.size:
+        end = offset + scan.valid_bytes - records.INDEX_HEADER.size
+    scan.valid_bytes = end
+    return scan, index_ident(st, data, start, end) if end > offset else ident
 
 
 def load_foreign(ns: Namespace, backing: str, own_writer: str | None, union: Union,

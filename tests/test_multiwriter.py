@@ -421,3 +421,98 @@ def test_ro_mount_reads_with_o_direct_where_the_store_allows(mounts):
     assert ro.status()["read_disk_bytes"] > 0
     ro.stop()
     assert sorted(os.listdir(os.path.join(backing, "writers", "w0"))) == before
+
+
+DEEP = 2000  # levels: a path that long is past PATH_MAX, so every walk goes by directory fds
+
+
+def deep_walk(root: str, levels: int) -> tuple[int, bytes | None]:
+    """Down d/d/... from `root` by directory descriptors, listing each level: (how many
+    levels hold exactly `d`, the bytes of f in the last one, if it lists just f)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(levels + 1):
+            names = os.listdir(fd)
+            if names != ["d"]:
+                break
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        if names != ["f"]:
+            return level, None
+        f = os.open("f", os.O_RDONLY, dir_fd=fd)
+        try:
+            return level, os.read(f, 1 << 20)
+        finally:
+            os.close(f)
+    finally:
+        os.close(fd)
+
+
+def deep_make(root: str, levels: int, data: bytes) -> None:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        f = os.open("f", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
+        try:
+            os.write(f, data)
+        finally:
+            os.close(f)
+    finally:
+        os.close(fd)
+
+
+def deep_remove(root: str, levels: int) -> None:
+    """rm -r of d/d/.../f below `root`, from the bottom up, one descriptor at a time."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.unlink("f", dir_fd=fd)
+        for _ in range(levels):
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            os.rmdir("d", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tree_thousands_of_levels_deep_shows_on_the_other_mount_and_goes(mounts):
+    """One writer's tree 2,000 directories deep, a file at the bottom: the other mount lists
+    every level and reads the file (its looks merge the tree in, level by level, without a
+    recursion per level), so does a remount of it; then the other mount removes the whole
+    tree (whiteouts of another writer's entries), and the writer sees it gone, live and
+    after a remount."""
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0")
+    b = mounts.mount(backing, writer_id="w1")
+    data = os.urandom(5000)
+    deep_make(a.mountpoint, DEEP, data)
+    a.sync()
+    time.sleep(1.0)  # (--refresh: b's next look reads it)
+    assert deep_walk(b.mountpoint, DEEP) == (DEEP, data)
+    b.stop()
+    b = mounts.mount(backing, mountpoint=b.mountpoint, writer_id="w1")
+    assert deep_walk(b.mountpoint, DEEP) == (DEEP, data)
+    deep_remove(b.mountpoint, DEEP)
+    assert os.listdir(b.mountpoint) == []
+    b.sync()
+    time.sleep(1.0)
+    assert os.listdir(a.mountpoint) == []
+    a.stop()
+    a = mounts.mount(backing, mountpoint=a.mountpoint, writer_id="w0")
+    assert os.listdir(a.mountpoint) == []
+    assert "Traceback" not in mounts.log(a) + mounts.log(b)
+    a.stop()
+    b.stop()
+    assert listed(backing) <= {"", "/"}
+    verify_ok(backing)

@@ -229,3 +229,145 @@ def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
     assert view.settled_whiteouts(view.trees[l2].xunlinks) == {("w1", 2)}
     view.apply_group(l1, [InodeRec(9, 1, b"later", 0o100644, 0, 0, 0, 1, 1, 1)], 13)
     assert sorted(view.ns.inodes[ROOT_INO].children) == []  # (still hidden)
+
+
+def numbers_of(view: View, w: str) -> set[int]:
+    """The view's inode numbers of writer w's entries in the tree."""
+    layer = view.union.layers[w]
+    return {ino for ino, x in view.ns.inodes.items()
+            if x.layer == layer and (x.nlink > 0 or x.is_dir and ino in view.names)}
+
+
+@pytest.mark.parametrize("seed", range(200, 260))
+def test_a_rewritten_index_read_again_gives_the_same_view_and_numbers(tmp_path, seed):
+    """Another writer's index rewritten (an index snapshot: the same tree in another file,
+    with what it committed since) is read whole again, its old tree dropped from the view
+    (directories at every depth) and the new one merged in: the view is the one a fresh
+    mount builds, and an entry the kernel knows keeps its number (a directory it holds
+    a name of stays valid for a LOOKUP in it)."""
+    rng = random.Random(seed)
+    h, backing = written_history(rng, tmp_path)
+    fresh = load_foreign(Namespace(now_ns=0), backing, None, Union())
+    live = View(Namespace(now_ns=0), Union(), backing, None)
+    layers = {w: live.add_tree(os.path.join(backing, backingdir.WRITERS_DIR, w),
+                               records.IndexScan(), (0, 0)) for w in WRITERS}
+    pending = {w: list(h.groups[w]) for w in WRITERS}
+    applied: dict[str, list] = {w: [] for w in WRITERS}
+    rewrites = rng.randrange(1, 4)
+    while any(pending.values()):
+        w = rng.choice([w for w in WRITERS if pending[w]])
+        applied[w].append(pending[w].pop(0))
+        live.apply_group(layers[w], *applied[w][-1])
+        if rewrites and rng.random() < 0.15:
+            rewrites -= 1
+            w = rng.choice(WRITERS)  # its index rewritten, with groups not read yet
+            k = rng.randrange(len(pending[w]) + 1)
+            applied[w] += pending[w][:k]
+            del pending[w][:k]
+            for x in live.ns.inodes.values():
+                x.lookups = 1  # (the kernel knows every entry)
+            before = numbers_of(live, w)
+            scan = records.IndexScan(groups=[g for g, _ in applied[w]],
+                                     group_times=[t for _, t in applied[w]])
+            wdir = os.path.join(backing, backingdir.WRITERS_DIR, w)
+            assert live.reload_tree(layers[w], wdir, scan, (0, 0)) == layers[w]
+            after = numbers_of(live, w)
+            assert not after & live.gone, seed  # (kept or new: the kernel's are valid)
+            assert before - after <= live.gone, seed  # (those it lost are stale)
+    assert shape(live) == shape(fresh), seed
+    assert sorted(c.path for c in live.conflict_list()) == \
+        sorted(c.path for c in fresh.conflict_list())
+
+
+def test_a_writer_that_leaves_takes_its_directories_at_every_depth(tmp_path):
+    """A writer whose directory goes (or whose index is read again) leaves the view with
+    every directory of it, however deep, and nothing else."""
+    backing = str(tmp_path / "backing")
+    dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
+    for d in dirs.values():
+        os.makedirs(d)
+    view = View(Namespace(now_ns=0), Union(), backing, None)
+    l1, l2 = (view.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    view.apply_group(l1, [InodeRec(2, 1, b"a", 0o40755, 0, 0, 0, 1, 1, 1),
+                          InodeRec(3, 2, b"b", 0o40755, 0, 0, 0, 1, 1, 1),
+                          InodeRec(4, 3, b"f", 0o100644, 0, 0, 0, 1, 1, 1),
+                          InodeRec(5, 1, b"c", 0o40755, 0, 0, 0, 1, 1, 1)], 10)
+    view.apply_group(l2, [InodeRec(2, 1, b"a", 0o40755, 0, 0, 0, 1, 1, 1),
+                          InodeRec(3, 2, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 11)
+    assert shape(view) == {b"a": {b"b": {b"f": ("w1", 4)}, b"g": ("w2", 3)}, b"c": {}}
+    view.drop_tree(l1)
+    assert shape(view) == {b"a": {b"g": ("w2", 3)}}
+    assert all(x.layer != l1 for x in view.ns.inodes.values())
+
+
+DEEP = 2000
+
+
+def chain(levels: int, top: int = 1) -> list:
+    """mkdir d/d/d/... `levels` deep below directory `top` (inodes top+1 ...), a file f at the
+    bottom."""
+    recs = [InodeRec(top + 1 + i, top + i, b"d", 0o40755, 0, 0, 0, 1, 1, 1)
+            for i in range(levels)]
+    return recs + [InodeRec(top + 1 + levels, top + levels, b"f", 0o100644, 0, 0, 0, 1, 1, 1)]
+
+
+def depth_of(view: View) -> tuple[int, bool]:
+    """How many directories d/d/... the view has from its root down, and whether f is in the
+    last one."""
+    ns, x, n = view.ns, view.ns.inodes[ROOT_INO], 0
+    while b"d" in x.children:
+        x, n = ns.inodes[x.children[b"d"]], n + 1
+    return n, b"f" in x.children
+
+
+def test_a_tree_thousands_of_levels_deep_comes_and_goes(tmp_path):
+    """Another writer's tree 2,000 directories deep: built, merged, removed by whiteouts of a
+    third writer (from the bottom up, as `rm -r` does), carried out by its own writer, and
+    dropped, without a recursion per level (Python stops near 1,000 of them)."""
+    backing = str(tmp_path / "backing")
+    wdirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
+    for d in wdirs.values():
+        os.makedirs(d)
+    recs = chain(DEEP)
+    bottom = recs[-1].ino
+    removal = [XUnlinkRec("w1", DEEP + 1, bottom, b"f")] + \
+        [XUnlinkRec("w1", 1 + i, 2 + i, b"d") for i in reversed(range(DEEP))]
+    # one commit group at a time, as a mount's looks read them
+    view = View(Namespace(now_ns=0), Union(), backing, None)
+    l1, l2 = (view.add_tree(wdirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    view.apply_group(l1, recs, 10)
+    assert depth_of(view) == (DEEP, True)
+    view.apply_group(l2, removal[:DEEP // 2], 11)  # (f and the lowest directories)
+    assert depth_of(view) == (DEEP - DEEP // 2 + 1, False)
+    view.apply_group(l2, removal[DEEP // 2:], 12)
+    assert view.ns.inodes[ROOT_INO].children == {}
+    # a deep tree that leaves the view (its writer's directory gone), or is read again
+    view = View(Namespace(now_ns=0), Union(), backing, None)
+    l1 = view.add_tree(wdirs["w1"], records.IndexScan(), (0, 0))
+    view.apply_group(l1, recs, 10)
+    for x in view.ns.inodes.values():
+        x.lookups = 1
+    assert view.reload_tree(l1, wdirs["w1"], records.IndexScan(groups=[recs],
+                                                                 group_times=[10]), (0, 0)) == l1
+    assert depth_of(view) == (DEEP, True) and not view.gone
+    view.drop_tree(l1)
+    assert view.ns.inodes[ROOT_INO].children == {} and len(view.gone) == DEEP + 1
+    # read whole, as a mount does, and by its own writer, which carries the removal out
+    h = {"w1": [(recs, 10)], "w2": [(removal, 11)]}
+    for w, groups in h.items():
+        blob = [records.index_header(records.CROSS_INDEX_VERSION)]
+        for seq, (g, stamp) in enumerate(groups, 1):
+            blob += [records.encode(r) for r in g] + [records.encode(CommitRec(seq, stamp))]
+        with open(os.path.join(wdirs[w], backingdir.INDEX_NAME), "wb") as f:
+            f.write(b"".join(blob))
+    whole = load_foreign(Namespace(now_ns=0), backing, None, Union())
+    assert whole.ns.inodes[ROOT_INO].children == {}
+    assert whole.carry_out(whole.union.layers["w1"]) == 1  # (the top one, with all below it)
+    assert whole.trees[whole.union.layers["w1"]].inodes.keys() == {ROOT_INO}
+    ns = Namespace(now_ns=0)
+    own = View(ns, Union(), backing, "w1")
+    own.union.writer_dirs[0] = wdirs["w1"]
+    replay(ns, os.path.join(wdirs["w1"], backingdir.INDEX_NAME))
+    own.load()
+    own.adopt_pending()
+    assert ns.inodes[ROOT_INO].children == {} and len(ns.inodes) == 1

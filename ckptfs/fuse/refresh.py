@@ -16,8 +16,11 @@ attributes and pages of changed files, are invalidated. The invalidations are wr
 worker thread: the kernel may hold the directory's lock for a request the trio thread has yet
 to answer.
 
-An index that was replaced (rewritten by a compaction or an index snapshot: another file) is
-read whole again; a writer directory that went away leaves the view.
+An index that was replaced (rewritten by a compaction, an index snapshot or a restart: another
+file, or bytes other than those read before where the last read stopped: replay.read_tail)
+is read whole again, and its tree takes the place of the old one with the same inode numbers
+for the entries it kept (replay.View.reload_tree); a writer directory that went away leaves
+the view. A writer whose changes fail to apply is read whole again in a second look at once.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import trio
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import FormatError, RetireRec, XExtentRec
-from ckptfs.replay import ENTRY, INODE, View, read_writer
+from ckptfs.replay import ENTRY, INODE, View, read_tail, read_writer
 
 log = logging.getLogger("ckptfs")
 
 PAUSE_S = 0.005  # the longest the trio thread applies a tail before it serves requests again
 IDLE_PERIOD_S = 1.0  # how often --refresh 0 looks in the background (it looks at every request)
+REREAD = (-1, -1)  # the ident of an index to read whole at the next look (no file has it)
 
 # linux/fuse.h: notifications are "replies" with unique 0 and the code in the error field
 FUSE_NOTIFY_INVAL_INODE = 2
@@ -68,7 +72,16 @@ class Refresher:
         self.backing = backing
         self.delay = delay_s
         self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
-        self.last = trio.current_time()  # of the last look that started (the mount's own)
+        # When the last look started (the background looks' clock), and when the last look
+        # whose changes are all in the view started: how fresh the view is, what a request's
+        # --refresh counts from (a look still reading or applying has brought nothing yet, or
+        # some of it). At mount both are when the view's load began, which read every
+        # writer's index before the mount served.
+        self.last = trio.current_time()
+        if view.read_at is not None:
+            self.last -= max(0.0, time.monotonic() - view.read_at)
+        self.fresh = self.last
+        self.took = 0.0  # how long the last look took, from its start to its changes in view
         self.running: trio.Event | None = None
         # Set by every open, lookup and listing (due()): the background looker goes on only
         # while they come, and waits for this while nobody uses the mount.
@@ -111,16 +124,16 @@ class Refresher:
 
     def due(self) -> bool:
         """Whether a look is due (asked by an open, lookup or listing, which looks first
-        then); the mount counts as in use from here."""
+        then, or waits for the one running); the mount counts as in use from here."""
         self.asked.set()
-        return trio.current_time() - self.last >= self.delay
+        return trio.current_time() - self.fresh >= self.delay
 
     def fresh_until(self) -> float:
         """Until when (time.monotonic()) an open, lookup or listing needs no look first; now
         while a look's changes are being applied."""
         if self.applying:
             return time.monotonic()
-        return time.monotonic() + (self.last + self.delay - trio.current_time())
+        return time.monotonic() + (self.fresh + self.delay - trio.current_time())
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -134,17 +147,20 @@ class Refresher:
         it, unless something is open on the mount (an open file's view is kept as fresh as
         before: a truncate or chmod through it may copy it up), until the next one comes
         (which looks itself, the look being due by then): an idle mount makes no calls to
-        the backing store."""
+        the backing store. Each starts a little before the view turns --refresh old (twice
+        as long as the last look took, at most a tenth of the period): a request that comes
+        while a look is under way and finds the view that old waits for it."""
         period = self.delay if self.delay > 0 else IDLE_PERIOD_S
         while True:
             self.asked = trio.Event()
-            await trio.sleep(max(0.0, self.last + period - trio.current_time()))
+            lead = min(2 * self.took, period / 10)
+            await trio.sleep(max(0.0, self.last + period - lead - trio.current_time()))
             if not self.asked.is_set() and not self.in_use():  # nobody asked, nothing open
                 self.idle_pauses += 1
                 self._let_go()
                 await self.asked.wait()
                 continue
-            if trio.current_time() - self.last >= period:
+            if trio.current_time() - self.last >= period - lead:
                 try:
                     await self.refresh(by_request=False)
                 except Exception:
@@ -166,19 +182,25 @@ class Refresher:
     async def _refresh(self, arrived: float) -> None:
         while self.running is not None:
             await self.running.wait()
-            if self.last >= arrived - self.delay:
+            if self.fresh >= arrived - self.delay:
                 return
         self.running = trio.Event()
-        self.last = trio.current_time()
+        self.last = started = trio.current_time()
         try:
             view = self.view
-            known = {layer: (view.union.writer_dirs[layer], view.offsets.get(layer, 0),
-                             view.index_ids.get(layer))
-                     for layer in view.trees}
-            names = set(view.union.layers)
-            unread = {layer: view.union.writer_dirs[layer] for layer in view.unloaded()}
-            found = await trio.to_thread.run_sync(self._look, known, names, unread)
-            await self._apply(found)
+            # (a writer whose changes could not be applied is read whole at once, in a
+            # second look: the request waiting for this one gets the view it asked for)
+            for _ in range(2):
+                known = {layer: (view.union.writer_dirs[layer], view.offsets.get(layer, 0),
+                                 view.index_ids.get(layer))
+                         for layer in view.trees}
+                names = set(view.union.layers)
+                unread = {layer: view.union.writer_dirs[layer] for layer in view.unloaded()}
+                found = await trio.to_thread.run_sync(self._look, known, names, unread)
+                if not await self._apply(found):
+                    break
+            self.fresh = started
+            self.took = trio.current_time() - started
         finally:
             ev, self.running = self.running, None
             ev.set()
@@ -255,7 +277,7 @@ class Refresher:
                 self.errors += 1
                 self._warn(f"writer {wid}: {exc}")
                 continue
-            if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident or \
+            if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident[:2] or \
                     st.st_size < offset:
                 got = read_writer(wdir)
                 self.reads += 1
@@ -266,14 +288,20 @@ class Refresher:
             if st.st_size <= start:
                 continue
             try:
-                scan, _ = records.read_index_tail(index, start)
+                got = read_tail(index, start, ident)
             except (FormatError, OSError) as exc:
                 self.errors += isinstance(exc, OSError)
                 self._warn(f"writer {wid}: {exc}")
                 continue
             self.reads += 1
             self.bytes_read += st.st_size - start
-            out.append(("tail", layer, scan, (st.st_dev, st.st_ino)))
+            if got is None:  # (not the index read before, whatever its name and size say)
+                got = read_writer(wdir)
+                self.reads += 1
+                if not isinstance(got, str):
+                    out.append(("replaced", layer, wdir, *got))
+                continue
+            out.append(("tail", layer, *got))
         for layer, wdir in unread.items():  # writers whose index could not be read: again
             if os.path.basename(wdir) not in present:
                 out.append(("gone", layer))
@@ -312,14 +340,16 @@ class Refresher:
             log.warning("%s", msg)
 
     # ------------------------------------------------------------ trio thread
-    async def _apply(self, found: list[tuple]) -> None:
+    async def _apply(self, found: list[tuple]) -> bool:
+        """Whether a writer is to be read again whole (its changes failed to apply)."""
         view = self.view
         self._release()
+        again = False
         if found:  # (a look that found nothing changes nothing: answers prepared stand)
             self.applying = True
             try:
                 self._view_changed()
-                await self._apply_found(found)
+                again = await self._apply_found(found)
             finally:
                 self.applying = False
                 self._view_changed()  # (and what was answered while it paused)
@@ -328,60 +358,96 @@ class Refresher:
         self._warned = len(view.union.warnings)
         if view.max_stamp > self.journal.seen_ns:
             self.journal.seen_ns = view.max_stamp
+        return again
 
-    async def _apply_found(self, found: list[tuple]) -> None:
-        """The changes a look found, into the view (see _apply)."""
-        view = self.view
+    async def _apply_found(self, found: list[tuple]) -> bool:
+        """The changes a look found, into the view (see _apply). A writer whose changes fail
+        to apply (an error in this code: the view may hold them half applied) is read whole
+        again and its tree built anew; returns whether one was."""
+        again = False
         t0 = time.perf_counter()
         for item in found:
-            kind = item[0]
-            if kind == "tail":
-                _, layer, scan, ident = item
-                if layer not in view.trees:
-                    continue
-                for group, when in zip(scan.groups, scan.group_times):
-                    runs = view.apply_group(layer, group, when)
-                    self._drop_cached(layer, runs)
-                    self.groups += 1
-                    self.records += len(group)
-                    if time.perf_counter() - t0 > PAUSE_S:
-                        self._account(t0)
-                        await trio.lowlevel.checkpoint()
-                        t0 = time.perf_counter()
-                view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
-                view.index_ids[layer] = ident
-            elif kind == "new":
-                _, wdir, scan, ident = item
-                if os.path.basename(wdir) in view.union.layers:
-                    continue
-                view.add_tree(wdir, scan, ident)
-                self.writers_added += 1
-                log.info("writer %s joined the view", os.path.basename(wdir))
-            elif kind == "unread":
-                wdir = item[1]
-                if os.path.basename(wdir) not in view.union.layers:
-                    view.add_writer(wdir)
-                    self.writers_added += 1
-            elif kind == "read":
-                _, layer, wdir, scan, ident = item
-                wid = os.path.basename(wdir)
-                if layer in view.trees or view.union.layers.get(wid) != layer:
-                    continue
-                view.add_tree(wdir, scan, ident, layer)
-                log.info("writer %s: its index read, it joins the view", wid)
-            elif kind == "replaced":
-                _, layer, wdir, scan, ident = item
-                view.drop_tree(layer)
-                self._forget(layer, self.reader.logs_of(layer))
-                view.add_tree(wdir, scan, ident)
-                self.writers_reloaded += 1
-                log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
-            elif kind == "gone":
-                view.drop_tree(item[1])
-                self._forget(item[1], self.reader.logs_of(item[1]))
-                log.info("writer %s left the backing directory",
-                         view.union.writer_ids.get(item[1]))
+            try:
+                t0 = await self._apply_item(item, t0)
+            except Exception:
+                again = True
+                wid = self._reread(item)
+                log.exception("applying the changes of writer %s (its index is read again "
+                              "whole)", wid)
         self._account(t0)
+        return again
+
+    async def _apply_item(self, item: tuple, t0: float) -> float:
+        """One thing a look found, into the view; returns when the trio thread last served
+        requests (it does between commit groups, every PAUSE_S)."""
+        view = self.view
+        kind = item[0]
+        if kind == "tail":
+            _, layer, scan, ident = item
+            if layer not in view.trees:
+                return t0
+            for group, when in zip(scan.groups, scan.group_times):
+                runs = view.apply_group(layer, group, when)
+                self._drop_cached(layer, runs)
+                self.groups += 1
+                self.records += len(group)
+                if time.perf_counter() - t0 > PAUSE_S:
+                    self._account(t0)
+                    await trio.lowlevel.checkpoint()
+                    t0 = time.perf_counter()
+            view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
+            view.index_ids[layer] = ident
+        elif kind == "new":
+            _, wdir, scan, ident = item
+            if os.path.basename(wdir) in view.union.layers:
+                return t0
+            view.add_tree(wdir, scan, ident)
+            self.writers_added += 1
+            log.info("writer %s joined the view", os.path.basename(wdir))
+        elif kind == "unread":
+            wdir = item[1]
+            if os.path.basename(wdir) not in view.union.layers:
+                view.add_writer(wdir)
+                self.writers_added += 1
+        elif kind == "read":
+            _, layer, wdir, scan, ident = item
+            wid = os.path.basename(wdir)
+            if layer in view.trees or view.union.layers.get(wid) != layer:
+                return t0
+            view.add_tree(wdir, scan, ident, layer)
+            log.info("writer %s: its index read, it joins the view", wid)
+        elif kind == "replaced":
+            _, layer, wdir, scan, ident = item
+            self._forget(layer, self.reader.logs_of(layer))
+            # (the same layer, the view's numbers kept, unless a READ still uses a log of
+            # the old tree: a log its writer removed and made again would then be read
+            # from the chunks cached of the old one)
+            view.reload_tree(layer, wdir, scan, ident,
+                             same_layer=not any(lay == layer for lay, _ in self.held))
+            self.writers_reloaded += 1
+            log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
+        elif kind == "gone":
+            view.drop_tree(item[1])
+            self._forget(item[1], self.reader.logs_of(item[1]))
+            log.info("writer %s left the backing directory",
+                     view.union.writer_ids.get(item[1]))
+        return t0
+
+    def _reread(self, item: tuple) -> str | None:
+        """The writer of a look's `item` is read whole at the next look (as an index that
+        was rewritten); returns its id."""
+        view = self.view
+        kind = item[0]
+        if kind in ("tail", "gone"):
+            wid = view.writer_of(item[1])
+        elif kind in ("new", "unread"):
+            wid = os.path.basename(item[1])
+        else:
+            wid = os.path.basename(item[2])
+        layer = view.union.layers.get(wid)
+        if layer in view.trees:
+            view.index_ids[layer] = REREAD
+        return wid
 
     def _view_changed(self) -> None:
         """Directories may change: what was left with the ring's queue threads goes."""
