@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import errno
 import os
-import time
+
+from crc32c import crc32c
 
 from ckptfs.format import records
 from ckptfs.format.backingdir import NOFOLLOW, Dir, open_index
@@ -36,27 +37,39 @@ def discard_fresh(where: Dir, name: str) -> None:
         pass
 
 
-DAMAGED_SUFFIX = ".damaged-"  # index.log.damaged-<unix time>: a damaged index, kept for fsck
+DAMAGED_SUFFIX = ".damaged-"  # index.log.damaged-<crc32c>: a damaged index, kept for fsck
 
 
 def keep_damaged(where: Dir, name: str) -> str:
     """A copy of index `name` of `where` beside it, before a writable mount cuts or rewrites
-    what replay could not use: `ckptfs fsck` can still read it. Returns the copy's name."""
-    copy = f"{name}{DAMAGED_SUFFIX}{int(time.time())}"
+    what replay could not use: `ckptfs fsck` can still read it. Named by its CRC32C, so that
+    each mount of the same damaged index keeps it once. Returns the copy's name."""
+    tmp = f"{name}{DAMAGED_SUFFIX}tmp.{os.getpid()}"
+    try:
+        where.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    crc = 0
     src = where.open(name, os.O_RDONLY)
     try:
-        dst = where.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        dst = where.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             while True:
                 chunk = os.read(src, 1 << 20)
                 if not chunk:
                     break
+                crc = crc32c(chunk, crc)
                 _write_all(dst, chunk)
             os.fsync(dst)
         finally:
             os.close(dst)
     finally:
         os.close(src)
+    copy = f"{name}{DAMAGED_SUFFIX}{crc:08x}"
+    if where.exists(copy):
+        where.unlink(tmp)
+    else:
+        where.rename(tmp, copy)
     where.sync()
     return copy
 

@@ -17,7 +17,7 @@ the first group after each stretch. Each copy block says where its groups start.
 
 Nothing is invented: every record of the result was written by the writer, in the index or in
 a copy. The data is not read (`ckptfs verify` checks every run's checksum). The rebuilt index
-replaces the old one atomically; the old one is kept beside it (index.log.damaged-<time>).
+replaces the old one atomically; the old one is kept beside it (index.log.damaged-<crc32c>).
 Copies live in data logs until the cleaner gives their space back (punched or cleaned logs):
 groups older than that can come only from the index.
 """
