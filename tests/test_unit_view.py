@@ -207,16 +207,22 @@ def test_what_the_view_keeps_of_a_removed_entry_goes_once_the_kernel_forgot_it(t
     assert view.gone == set() and seen.ino not in ns.inodes
 
 
-def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
-    """A whiteout hides another writer's entry until that writer removes it; then the view
-    keeps nothing of it (the writer never uses the inode number again), while a whiteout of
-    an entry that is still there, or not read yet, stays."""
+def _two_writers(tmp_path):
+    """A view of two empty writers w1, w2 of a fresh backing directory: (view, layers)."""
     backing = str(tmp_path / "backing")
     dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
     for d in dirs.values():
         os.makedirs(d)
     view = View(Namespace(now_ns=0), Union(), backing, None)
     l1, l2 = (view.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    return view, l1, l2
+
+
+def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
+    """A whiteout hides another writer's entry until that writer removes it; then the view
+    keeps nothing of it (the writer never uses the inode number again), while a whiteout of
+    an entry that is still there, or not read yet, stays."""
+    view, l1, l2 = _two_writers(tmp_path)
     view.apply_group(l1, [InodeRec(2, 1, b"f", 0o100644, 0, 0, 0, 1, 1, 1),
                           InodeRec(3, 1, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
     view.apply_group(l2, [XUnlinkRec("w1", 1, 2, b"f"), XUnlinkRec("w1", 1, 3, b"g"),
@@ -282,12 +288,7 @@ def test_a_rewritten_index_read_again_gives_the_same_view_and_numbers(tmp_path, 
 def test_a_writer_that_leaves_takes_its_directories_at_every_depth(tmp_path):
     """A writer whose directory goes (or whose index is read again) leaves the view with
     every directory of it, however deep, and nothing else."""
-    backing = str(tmp_path / "backing")
-    dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
-    for d in dirs.values():
-        os.makedirs(d)
-    view = View(Namespace(now_ns=0), Union(), backing, None)
-    l1, l2 = (view.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    view, l1, l2 = _two_writers(tmp_path)
     view.apply_group(l1, [InodeRec(2, 1, b"a", 0o40755, 0, 0, 0, 1, 1, 1),
                           InodeRec(3, 2, b"b", 0o40755, 0, 0, 0, 1, 1, 1),
                           InodeRec(4, 3, b"f", 0o100644, 0, 0, 0, 1, 1, 1),

@@ -205,16 +205,20 @@ def test_durable_files_show_on_the_peer_around_its_restarts(mounts, tmp_path):
         errors: list[str] = []
         reader = Reader(m["b"], durable)
         reader.start()
+
+        def opens_after_refresh(f: tuple[str, int]) -> None:
+            """a makes f durable; b's first open of it --refresh seconds after its fsync."""
+            t = save_durable(m["a"], *f)
+            until(t + REFRESH)
+            bad = opens_as(m["b"], *f)
+            if bad:
+                errors.append(f"{bad}, {seen_after(m['b'], *f, t)} its fsync")
+
         try:
             # a file a makes durable at once, beside the newest of its steps (a directory
             # b's kernel may hold), and b's first open of it --refresh seconds after its fsync
             newest = max((n.split("/")[0] for n in durable), default=f"r{rnd:02d}s0000")
-            late = (f"{newest}/late", 3000)
-            t_late = save_durable(m["a"], *late)
-            until(t_late + REFRESH)
-            bad = opens_as(m["b"], *late)
-            if bad:
-                errors.append(f"{bad}, {seen_after(m['b'], *late, t_late)} its fsync")
+            opens_after_refresh((f"{newest}/late", 3000))
             # everything a had made durable before the kill, 1.2 s after the remount
             until(ready + 1.2)
             for name, (size, _) in sorted(durable.items()):
@@ -225,12 +229,7 @@ def test_durable_files_show_on_the_peer_around_its_restarts(mounts, tmp_path):
                                   f"{seen_after(m['b'], name, size, ready)} the remount")
                     break
             # and one in a directory b has not seen yet
-            fresh = (f"r{rnd:02d}new/f", 70000)
-            t_fresh = save_durable(m["a"], *fresh)
-            until(t_fresh + REFRESH)
-            bad = opens_as(m["b"], *fresh)
-            if bad:
-                errors.append(f"{bad}, {seen_after(m['b'], *fresh, t_fresh)} its fsync")
+            opens_after_refresh((f"r{rnd:02d}new/f", 70000))
         finally:
             reader.stop.set()
             reader.join(30)

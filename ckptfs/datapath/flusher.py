@@ -283,6 +283,7 @@ class Flusher:
         # thread): they go into a copy block with the next segments written, or at unmount
         # (records.copy_block); `copies_from` is the sequence number before the first.
         self.copies: list[bytes] = []
+        self.copies_bytes = 0
         self.copies_from = 0
         self._committed_upto = 0  # (the flusher thread's own count: the last upto appended)
         self._copy_buf = None
@@ -590,7 +591,7 @@ class Flusher:
                 self._call(self._on_error, exc)
                 continue
             commit_now = False
-            if stopping or sum(map(len, self.copies)) >= COPY_FLUSH_BYTES:
+            if stopping or self.copies_bytes >= COPY_FLUSH_BYTES:
                 try:
                     self._write_copies()
                 except OSError as exc:  # (the groups are in the index: only a copy is late)
@@ -649,7 +650,7 @@ class Flusher:
                 self.logs.syncs += 1
             self.logs.written(by_log_fd)
             if copy is not None:
-                self.copies = []
+                self.copies, self.copies_bytes = [], 0
         finally:
             for _, mv, _ in reqs:
                 mv.release()
@@ -682,32 +683,16 @@ class Flusher:
     def _write_copies(self) -> None:
         """Flusher thread: the copies not yet written, alone (at unmount, or when they grew
         past COPY_FLUSH_BYTES while no segment was written), then the logs synced; not in a
-        mount that has written no segment (they wait for its first one)."""
-        if not self.logs.open_numbers():  # (copies go where this mount's segments went:
-            return  # a data log made for them alone would hold no live byte)
-        copy = self._copy_placed()
-        if copy is None:
-            return
-        log_no, loff, view = copy
-        fd, opened = self.logs.fd(log_no)
-        try:
-            self.engine.write_all([(fd, view, loff)])
-            if opened:
-                self.engine.fsync(fd, datasync=True)
-            else:
-                self.logs.written({log_no: fd})
-                self.logs.sync()
-        finally:
-            view.release()
-            if opened:
-                os.close(fd)
-        self.copies = []
+        mount that has written no segment (they wait for its first one: a data log made for
+        them alone would hold no live byte)."""
+        if self.copies and self.logs.open_numbers():
+            self._write_segments([])
+            self.logs.sync()
 
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
         """Trio thread: have the flusher put the fresh index `fresh` (a name beside the live
-        index, equivalent to the live
-        index's first `upto` bytes) in place, between two commits, with the groups committed
-        since; `done(error or None)` is called on the trio thread after."""
+        index, equivalent to its first `upto` bytes) in place, between two commits, with the
+        groups committed since; `done(error or None)` is called on the trio thread after."""
         self.q.put(_Swap(fresh, upto, version, done))
 
     def _swap(self, sw: _Swap) -> None:
@@ -736,5 +721,6 @@ class Flusher:
             if not self.copies:
                 self.copies_from = self._committed_upto
             self.copies.append(blob)
+            self.copies_bytes += len(blob)
             self._committed_upto = upto
         self._call(self._on_committed, upto)

@@ -48,12 +48,7 @@ from ckptfs import metrics
 from ckptfs.datapath import writes
 from ckptfs.fuse import loop
 from ckptfs.fuse.interrupts import Interrupts
-from ckptfs.fuse.refresh import (
-    FUSE_NOTIFY_INVAL_INODE,
-    IDLE_PERIOD_S,
-    INVAL_INODE_OUT,
-    OUT_HEADER,
-)
+from ckptfs.fuse.refresh import ATTRS, IDLE_PERIOD_S
 from ckptfs.namespace import (
     CONTROL_LAYER,
     RENAME_EXCHANGE,
@@ -1044,18 +1039,11 @@ class CkptOperations(pyfuse3.Operations):
     def forget_attributes(self, ino: int) -> None:
         """Tell the kernel, before the answer that follows, that inode `ino`'s attributes it
         caches (300 s) are stale: a write that cleared set-user-ID must not leave `stat` (or
-        exec) seeing the old mode. Attributes only (offset -1): nothing waits on a page."""
-        fd = self.refresher.notify_fd if self.refresher is not None else -1
-        try:
-            if fd >= 0:
-                os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + INVAL_INODE_OUT.size,
-                                             FUSE_NOTIFY_INVAL_INODE, 0)
-                         + INVAL_INODE_OUT.pack(ino, -1, 0))
-            else:
-                pyfuse3.invalidate_inode(ino, attr_only=True)
-        except OSError as exc:  # (not known to the kernel: nothing cached)
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
-                log.warning("invalidating the attributes of inode %d: %s", ino, exc)
+        exec) seeing the old mode."""
+        if self.refresher is not None:
+            self.refresher.send([(ATTRS, ino)])
+        else:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
 
     def piece_recorder(self, x: Inode, off: int):
         """on_piece for Staging, for a write of file x at offset `off` (datapath/writes.py)."""

@@ -51,13 +51,19 @@ INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino, offset, length (0, 0: attributes
 INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, name length, flags
 
 
+# (ATTRS, ino): an inode's attributes only; nothing waits on a page, so it may be sent from
+# the trio thread before an answer (ops.forget_attributes)
+ATTRS = 3
+
+
 def notification(kind: int, a: int, name: bytes = b"") -> bytes:
-    """The /dev/fuse message that makes the kernel forget an entry or an inode's cache."""
+    """The /dev/fuse message that makes the kernel forget an entry, an inode's cache, or
+    (ATTRS) an inode's attributes."""
     if kind == ENTRY:
         body = INVAL_ENTRY_OUT.pack(a, len(name), 0) + name + b"\0"
         code = FUSE_NOTIFY_INVAL_ENTRY
     else:
-        body = INVAL_INODE_OUT.pack(a, 0, 0)
+        body = INVAL_INODE_OUT.pack(a, -1 if kind == ATTRS else 0, 0)
         code = FUSE_NOTIFY_INVAL_INODE
     return OUT_HEADER.pack(OUT_HEADER.size + len(body), code, 0) + body
 
@@ -502,7 +508,8 @@ class Refresher:
             self.view.dirty.difference_update(c[1] for c in changes if c[0] == INODE)
 
     def send(self, changes: list[tuple]) -> None:
-        """Worker thread: tell the kernel to forget what changed."""
+        """Worker thread (the trio thread for ATTRS alone): tell the kernel to forget what
+        changed."""
         for c in changes:
             self.notifications += 1
             try:
@@ -513,7 +520,7 @@ class Refresher:
                     if c[0] == ENTRY:
                         pyfuse3.invalidate_entry(c[1], c[2])
                     else:
-                        pyfuse3.invalidate_inode(c[1])
+                        pyfuse3.invalidate_inode(c[1], attr_only=c[0] == ATTRS)
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
                     log.warning("invalidating %r in the kernel: %s", c, exc)
