@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from ckptfs import api
-from test_mount_scripts import (CKPTFS, SCRIPTS, SMALL_FLAGS, needs_fuse, needs_root, sh,
-                                track)  # noqa: F401  (track: the fixture)
+import test_mount_scripts
+from test_mount_scripts import CKPTFS, SCRIPTS, SMALL_FLAGS, needs_fuse, needs_root, sh
+
+track = test_mount_scripts.track  # (the fixture, by its name)
 
 NOBODY = 65534
 PROLOG = os.path.join(SCRIPTS, "slurm-prolog.sh")
