@@ -89,6 +89,7 @@ CTL_NAME = b".ckptfs"
 CTL_DIR_INO = (1 << 63) - 2
 CTL_STATS_INO = (1 << 63) - 1
 SETID_BITS = stat.S_ISUID | stat.S_ISGID
+MODE_BITS = 0o7777  # the bits of a requested mode a new entry keeps (those the umask leaves)
 
 
 def clamp_time(ns: int) -> int:
@@ -429,11 +430,11 @@ class CkptOperations(pyfuse3.Operations):
         parent = self._own_dir(parent)
         if now is None:
             now = time.time_ns()
-        gid = ctx.gid
-        if parent.mode & stat.S_ISGID:
-            gid = parent.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
+        gid = self.inherited_gid(parent)
+        if gid is None:
+            gid = ctx.gid
+        elif stat.S_ISDIR(mode):
+            mode |= stat.S_ISGID
         if ino is None:
             ino = self.ns.new_ino()
         self.ns.change(InodeRec(ino, parent.ino, name, mode, ctx.uid, gid, rdev, now, now, now,
@@ -442,6 +443,17 @@ class CkptOperations(pyfuse3.Operations):
         x = self.ns.inodes[ino]
         x.lookups += 1
         return x
+
+    @staticmethod
+    def inherited_gid(parent: Inode) -> int | None:
+        """The group a new entry in directory `parent` takes: the directory's where it is
+        set-group-ID, else (None) its creator's."""
+        return parent.gid if parent.mode & stat.S_ISGID else None
+
+    @staticmethod
+    def new_file_mode(mode: int, umask: int) -> int:
+        """A new file's mode from CREATE's mode and umask."""
+        return stat.S_IFREG | (mode & ~umask & MODE_BITS)
 
     # ------------------------------------------------------------ lookups and attributes
     def find(self, parent_inode: int, name: bytes) -> Inode | None:
@@ -593,7 +605,7 @@ class CkptOperations(pyfuse3.Operations):
         return self._attr(self._new(parent_inode, name, mode & ~ctx.umask, ctx, rdev))
 
     async def mkdir(self, parent_inode, name, mode, ctx):
-        mode = stat.S_IFDIR | (mode & ~ctx.umask & 0o7777)
+        mode = stat.S_IFDIR | (mode & ~ctx.umask & MODE_BITS)
         return self._attr(self._new(parent_inode, name, mode, ctx))
 
     async def symlink(self, parent_inode, name, target, ctx):
@@ -610,7 +622,7 @@ class CkptOperations(pyfuse3.Operations):
                     ) -> tuple[pyfuse3.FileInfo, Inode]:
         """CREATE: the new file, open (create() answers pyfuse3 with its attributes). A create
         the ring's queue threads answered comes with its numbers (reserve) and time."""
-        mode = stat.S_IFREG | (mode & ~ctx.umask & 0o7777)
+        mode = self.new_file_mode(mode, ctx.umask)
         x = self._new(parent_inode, name, mode, ctx, ino=ino, now=now_ns)
         self.saw_name(parent_inode, name, x.ino)  # (read back in this mount: no LOOKUP)
         fh = self._open_handle(x, flags, ctx, fh)
@@ -885,24 +897,36 @@ class CkptOperations(pyfuse3.Operations):
         self._open_handle(x, flags, ctx, fh)
 
     def _file_info(self, x: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
+        fi = self.file_info(flags, x.size, x.ino in self.written_direct, fh)
+        if self.direct_write(flags):
+            self.written_direct.add(x.ino)
+        else:
+            self.written_direct.discard(x.ino)
+        return fi
+
+    def direct_write(self, flags: int) -> bool:
+        """Whether a handle opened with `flags` bypasses the page cache for its writes."""
+        return self.settings.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
+
+    def file_info(self, flags: int, size: int = 0, written_direct: bool = False,
+                  fh: int = 0) -> pyfuse3.FileInfo:
+        """How a handle opened with `flags` on a file of `size` bytes uses the kernel's page
+        cache (written_direct: the file was last written through a direct handle); by
+        default a new file's, which the queue threads' CREATEs answer with (create_policy)."""
         # Write-only handles bypass the kernel page cache when direct_writes is on: the
         # application's buffers go straight into WRITE requests (one copy less, no page-cache
         # growth, no dirty-page throttling, close() does not wait for writeback); readers keep
         # the page cache and its readahead. A file written that way may have stale pages
         # cached from an earlier read: the next read-open drops them (keep_cache off).
-        direct = self.settings.direct_writes and (flags & os.O_ACCMODE) == os.O_WRONLY
-        if direct:
-            self.written_direct.add(x.ino)
+        if self.direct_write(flags):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
-        keep = x.ino not in self.written_direct
-        self.written_direct.discard(x.ino)
         if (self.negotiated.direct_reads and (flags & os.O_ACCMODE) == os.O_RDONLY
-                and x.size >= DIRECT_READ_MIN_BYTES):
+                and size >= DIRECT_READ_MIN_BYTES):
             # --direct-reads: read() goes straight from the daemon into the reader's buffer
             # (no page-cache copy); MAP_SHARED mmap of such a handle fails with ENODEV. Files
             # under one READ request keep the page cache: their small header reads hit it.
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not written_direct)
 
     async def read(self, fh, off, size, gather=False):
         """pyfuse3's READ; `gather` (the fast path): a list of buffers instead of one."""
