@@ -281,6 +281,9 @@ METRICS = {
                       "Dead data log bytes given back by punching holes"),
     "logs_cleaned": ("data_logs_cleaned_total", "counter",
                      "Data logs whose live bytes the cleaner moved out"),
+    "cleaner_turns": ("cleaner_turns_total", "counter",
+                      "Maintenance ticks that found the writers idle (the cleaner's turn, "
+                      "taken or passed)"),
     "bytes_moved": ("cleaner_moved_bytes_total", "counter",
                     "Live bytes the cleaner copied into the current data log"),
     "clean_seconds": ("cleaner_seconds_total", "counter", "Time the cleaner spent moving"),

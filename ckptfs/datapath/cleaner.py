@@ -194,6 +194,7 @@ class Maintainer:
         self.snapshot_peak_rss = 0  # the last one's process: its peak resident memory
         self.checksum_block = CHECKSUM_BLOCK_BYTES
         self.logs_cleaned = 0
+        self.cleaner_turns = 0  # ticks that found the writers idle: the cleaner's turn
         self.bytes_moved = 0
         self.clean_seconds = 0.0
         self.damaged_runs: set[tuple[int, int]] = set()  # (log, offset): not moved, reported
@@ -276,10 +277,12 @@ class Maintainer:
             await self.snapshot()
         if self.idle() and self.punch_ok:
             await self.punch()
-        if self.idle() and self.clean_below > 0:
-            victim = self.victim()
-            if victim is not None:
-                await self.clean(victim)
+        if self.idle():  # (the cleaner's turn, also when --clean-below 0 turns it off)
+            if self.clean_below > 0:
+                victim = self.victim()
+                if victim is not None:
+                    await self.clean(victim)
+            self.cleaner_turns += 1
         now = trio.current_time()
         if now - self._disk_checked >= DISK_USAGE_S:
             # Only what writes, retires, punches or moves changes the logs' blocks: an idle
@@ -768,6 +771,7 @@ class Maintainer:
             "index_snapshot_seconds": round(self.snapshot_seconds, 3),
             "index_snapshot_peak_rss_bytes": self.snapshot_peak_rss,
             "logs_cleaned": self.logs_cleaned,
+            "cleaner_turns": self.cleaner_turns,
             "bytes_moved": self.bytes_moved,
             "clean_seconds": round(self.clean_seconds, 3),
             "maintenance": self.doing,
