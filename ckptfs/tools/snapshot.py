@@ -49,12 +49,16 @@ class Snapshot:
         return x
 
     def walk(self, top: Inode, prefix: str):
-        """(path, inode) for `top` and everything below it, depth first, sorted by name."""
-        yield prefix or "/", top
-        if top.children is not None:
-            for name in sorted(top.children):
-                child = self.ns.inodes[top.children[name]]
-                yield from self.walk(child, f"{prefix}/{name.decode(errors='surrogateescape')}")
+        """(path, inode) for `top` and everything below it, depth first, sorted by name;
+        without recursion (a tree may be deeper than Python's recursion limit)."""
+        stack = [(prefix, top)]
+        while stack:
+            path, x = stack.pop()
+            yield path or "/", x
+            if x.children is not None:
+                stack.extend((f"{path}/{name.decode(errors='surrogateescape')}",
+                              self.ns.inodes[x.children[name]])
+                             for name in sorted(x.children, reverse=True))
 
 
 class Progress:
