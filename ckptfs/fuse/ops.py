@@ -794,6 +794,10 @@ class CkptOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
             self.ns.change(SizeRec(x.ino, 0, now, now))
+        if flags & os.O_TRUNC and ctx.uid != 0 and x.mode & SETID_BITS:
+            # (the kernel leaves an O_TRUNC open to the file system, atomic_o_trunc: it
+            # clears the set-ID bits as a truncate by a user without CAP_FSETID does)
+            self.clear_setid(x)
         plan = None  # (read before the handle is made: nothing to undo if it fails)
         if flags & os.O_ACCMODE == os.O_RDONLY and x.size > DIRECT_READ_MIN_BYTES:
             plan = await self._read_plan(x)
