@@ -30,6 +30,7 @@ from ckptfs.system import libc
 
 XATTR_STATUS = "user.ckptfs.status"
 XATTR_SYNC = "user.ckptfs.sync"
+XATTR_LEVEL = "user.ckptfs.level"
 
 
 
@@ -49,11 +50,42 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-def sync(mountpoint: str) -> None:
-    """Barrier: returns when everything written to the mount before the call is durable in the
-    backing directory. Raises OSError with the flusher's errno (ENOSPC, EIO) when it is not."""
+LEVELS = ("staged", "node", "backing")  # how durable a change is, least first
+
+
+def sync(mountpoint: str, level: str | None = None) -> None:
+    """Barrier: returns when everything written to the mount before the call is durable at
+    `level` ("node": in the node tier; "backing": in the backing directory; None: what the
+    mount's --durability says, the backing directory by default). Raises OSError with the
+    errno of the store that failed (ENOSPC, EIO) when it is not."""
+    if level not in (None, "node", "backing"):
+        raise ValueError(f"level must be node or backing, not {level!r}")
     syncfs(mountpoint)
-    os.getxattr(mountpoint, XATTR_SYNC)
+    os.getxattr(mountpoint, XATTR_SYNC + (f".{level}" if level else ""))
+
+
+def level(path: str) -> str:
+    """How durable the file or directory tree at `path` (on a ckptfs mount) is now: "staged",
+    "node" (in the node tier) or "backing" (in the backing directory)."""
+    return os.getxattr(path, XATTR_LEVEL).decode()
+
+
+def wait_level(path: str, want: str = "backing", timeout: float | None = None,
+               poll_s: float = 0.05) -> str:
+    """Return once the file or tree at `path` is durable at `want` or better (its level);
+    TimeoutError after `timeout` seconds. A rotation that waits so for step N never deletes
+    step N-1 before step N is in the backing directory."""
+    if want not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, not {want!r}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        now = level(path)
+        if LEVELS.index(now) >= LEVELS.index(want):
+            return now
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{path} is {now}, not {want}, after {timeout} s")
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 1.5, 0.5)
 
 
 def status(mountpoint: str, timeout: float = 30.0) -> dict:

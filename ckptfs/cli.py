@@ -103,7 +103,7 @@ def _mount(a) -> int:
     values = options.config_values(a)
     # (absolute: the daemon works from `/`, so that it holds no directory busy and a child
     # it starts finds nothing of where it was started)
-    for key in ("prometheus_file", "log_file"):
+    for key in ("prometheus_file", "log_file", "local_dir"):
         if values.get(key):
             values[key] = os.path.abspath(values[key])
     cfg = MountConfig(os.path.abspath(a.backing), os.path.abspath(a.mountpoint), **values)
@@ -254,9 +254,21 @@ def _sync(a) -> int:
     from ckptfs import api
 
     try:
-        api.sync(a.mountpoint)
+        api.sync(a.mountpoint, a.level)
     except OSError as exc:
         return _fail(f"sync {a.mountpoint}: {exc.strerror or exc}")
+    return 0
+
+
+def _wait(a) -> int:
+    from ckptfs import api
+
+    try:
+        api.wait_level(a.path, a.level, timeout=a.timeout)
+    except TimeoutError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"wait {a.path}: {exc.strerror or exc}")
     return 0
 
 
@@ -355,8 +367,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds the whole umount may take: the drain (a barrier that does not "
                    "complete in time fails the umount, unless --force) and the daemon's exit")
     p = sub.add_parser("sync", help="barrier: returns when everything is durable",
-                       epilog="example: ckptfs sync /ckpt")
+                       epilog="example: ckptfs sync /ckpt   ckptfs sync --level backing /ckpt")
     p.add_argument("mountpoint")
+    p.add_argument("--level", choices=("node", "backing"), default=None,
+                   help="what to wait for: node (the node tier) or backing (the backing "
+                   "directory); default: the mount's --durability")
+    p = sub.add_parser("wait", help="wait until a file or directory tree is durable at a level",
+                       epilog="example: ckptfs wait --level backing /ckpt/step_1000   (then "
+                       "step_999 can go)")
+    p.add_argument("path")
+    p.add_argument("--level", choices=("node", "backing"), default="backing",
+                   help="node (the node tier) or backing (the backing directory; default)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up (exit 1) after this many seconds (default: wait)")
     p = sub.add_parser("status", help="live figures of a mount",
                        epilog="example: ckptfs status /ckpt --json")
     p.add_argument("mountpoint")
@@ -435,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="as mount.ckptfs reads it: one '-o' option per line, 'value' or 'flag'")
     sub.add_parser("bench", help=f"benchmarks: ckptfs bench {'|'.join(BENCHES)} --help")
     a = parser.parse_args(argv)
-    handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "status": _status,
+    handlers = {"mount": _mount, "umount": _umount, "sync": _sync, "wait": _wait,
+                "status": _status,
                 "demo": _demo, "ls": _offline, "verify": _offline, "export": _offline,
                 "fsck": _offline,
                 "compact": _offline, "gc": _offline, "import": _offline,

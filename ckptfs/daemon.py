@@ -24,7 +24,7 @@ import trio
 
 from ckptfs import options
 from ckptfs.api import mount_at, status_socket_name
-from ckptfs.datapath import cleaner
+from ckptfs.datapath import cleaner, tier
 from ckptfs.datapath.flusher import Flusher, Journal
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
@@ -41,6 +41,7 @@ from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import Namespace
+from ckptfs.options import format_size
 from ckptfs.replay import Union, View, replay, validate_extents
 
 log = logging.getLogger("ckptfs")
@@ -87,6 +88,12 @@ def _check_config(self) -> None:
         raise ValueError("--clean-idle must not be negative")
     if self.index_snapshot_ratio != 0 and self.index_snapshot_ratio < 1.1:
         raise ValueError("--index-snapshot-ratio must be 0 (never) or at least 1.1")
+    if self.durability not in ("backing", "node"):
+        raise ValueError("--durability must be backing or node")
+    if self.durability == "node" and not self.local_dir:
+        raise ValueError("--durability node needs the node tier (--local-dir)")
+    if self.local_dir and self.readonly:
+        raise ValueError("--local-dir is for a mount that writes (drop --ro)")
     if self.stripe_bytes % 4096 or self.stripe_bytes > self.log_bytes // 2:
         raise ValueError("--stripe-size must be a multiple of 4 KiB (and well below "
                          "--log-size)")
@@ -183,7 +190,44 @@ def prepare(cfg: MountConfig) -> dict:
         facts["direct"] = info.supported
         facts["align"] = max(info.offset_align, info.mem_align, 4096) if info.supported else 4096
         facts["io_reason"] = info.reason
+    if cfg.local_dir:
+        _prepare_tier(cfg, facts)
     return facts
+
+
+def _prepare_tier(cfg: MountConfig, facts: dict) -> None:
+    """The node tier's checks: its directory, its size, its I/O. The flusher writes there, the
+    drain into the backing directory at the same offsets: segments are aligned for both."""
+    local = cfg.local_dir
+    if not os.path.isdir(local):
+        raise MountError(f"local directory {local} does not exist or is not a directory")
+    if not os.access(local, os.W_OK | os.X_OK):
+        raise MountError(f"local directory {local} is not writable")
+    rl, rb = os.path.realpath(local), os.path.realpath(cfg.backing)
+    rm = os.path.realpath(cfg.mountpoint)
+    for a, b in ((rl, rb), (rb, rl), (rl, rm)):
+        if a == b or a.startswith(b + os.sep):
+            raise MountError("the local directory, the backing directory and the mount point "
+                             "must not be one inside another")
+    size = cfg.local_bytes or tier.local_size_default(local)
+    least = 8 * cfg.segment_bytes * cfg.data_logs
+    if size < least:
+        raise MountError(f"--local-size {options.format_size(size)} is too small for the node "
+                         f"tier: at least {options.format_size(least)} (8 segments per data log)")
+    facts["local_bytes"] = size
+    # a data log is at most a quarter of the tier per log written at once: drained logs
+    # can then always be removed to make room (the open ones stay)
+    facts["log_bytes"] = max(cfg.segment_bytes + records.DATA_HEADER_BYTES,
+                             min(cfg.log_bytes, size // (4 * cfg.data_logs)) // 4096 * 4096)
+    facts["backing_direct"] = facts["direct"]
+    if cfg.io_mode == "buffered":
+        return
+    info = probe_direct(local)
+    if cfg.io_mode == "direct" and not info.supported:
+        raise MountError(f"O_DIRECT is not available on {local}: {info.reason}")
+    facts["direct"] = info.supported
+    if info.supported:
+        facts["align"] = max(facts["align"], info.offset_align, info.mem_align)
 
 
 def open_writer(cfg: MountConfig) -> "WriterDir | None":
@@ -195,6 +239,17 @@ def open_writer(cfg: MountConfig) -> "WriterDir | None":
     wd = WriterDir(cfg.backing, cfg.writer_id)
     wd.open()
     return wd
+
+
+def open_tier(cfg: MountConfig, wd: WriterDir) -> tuple[WriterDir, int]:
+    """After open_writer(): the node tier's writer directory, locked, and how much of its index
+    the backing directory holds (tier.reconcile)."""
+    local = tier.open_local(cfg.local_dir, cfg.backing, cfg.writer_id)
+    try:
+        return local, tier.reconcile(local.dir, wd.dir)
+    except BaseException:
+        local.close()
+        raise
 
 
 def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
@@ -213,14 +268,26 @@ def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
         facts, wd = prepared
     if wd is not None and not facts["direct"]:
         log.info("buffered I/O on %s: %s", cfg.backing, facts["io_reason"])
+    local = None
+    if wd is not None and cfg.local_dir:
+        try:
+            local, facts["drained_index"] = open_tier(cfg, wd)
+        except (FormatError, OSError) as exc:
+            wd.close()
+            if ready:
+                ready(f"error: {exc}")
+            raise MountError(str(exc)) from None
     try:
-        return trio.run(_serve, cfg, wd, facts, ready)
+        return trio.run(_serve, cfg, wd, facts, ready, local)
     finally:
+        if local is not None:
+            local.close()
         if wd is not None:
             wd.close()
 
 
-async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> int:
+async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
+                 local: WriterDir | None = None) -> int:
     journal = Journal()
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
     t0 = time.perf_counter()
@@ -232,24 +299,33 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     view.assign()
     gc.disable()  # (until the trees are built: replay.bulk_load)
     index, next_log = None, 1
+    # the writer's own directory: the node tier's when there is one (the backing directory
+    # then gets a copy of it: datapath/tier.py)
+    own = local or wd
+    mirror = wd if local is not None else None
     if wd is not None:
-        index_path = os.path.join(wd.path, backingdir.INDEX_NAME)
+        index_path = os.path.join(own.path, backingdir.INDEX_NAME)
         last_seq, valid = 0, 0
         if os.path.exists(index_path):
             last_seq, valid, union.warnings = replay(ns, index_path)
-        union.warnings += validate_extents(ns, wd.path)
+        union.warnings += validate_extents(ns, own.path, also=mirror.path if mirror else None)
         journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
+        if local is not None and facts["drained_index"] < valid:  # (their level: node)
+            scan, _ = records.read_index_tail(
+                index_path, max(facts["drained_index"], records.INDEX_HEADER.size))
+            journal.touch((r for g in scan.groups for r in g), last_seq)
         damaged = [w for w in union.warnings if getattr(w, "kind", None)
                    in (records.GROUP_SKIPPED, records.INDEX_ENDED)]
         if damaged:  # (kept before anything is cut or rewritten: fsck reads it)
-            kept = keep_damaged(wd.dir, backingdir.INDEX_NAME)
+            kept = keep_damaged(own.dir, backingdir.INDEX_NAME)
             log.warning("the index is damaged (%d places); a copy is kept as %s: `ckptfs fsck "
                         "%s` recovers what the data logs hold", len(damaged), kept, cfg.backing)
-        index = IndexWriter(wd.dir, backingdir.INDEX_NAME, valid)
-        discard_fresh(wd.dir, backingdir.INDEX_NAME)  # (a crash left it unfinished: index.py)
+        index = IndexWriter(own.dir, backingdir.INDEX_NAME, valid)
+        discard_fresh(own.dir, backingdir.INDEX_NAME)  # (a crash left it unfinished: index.py)
         # (never a number used before: the index names logs whose files are gone)
-        next_log = max(max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
-        union.writer_dirs[0] = wd.path
+        next_log = max(max(backingdir.data_logs(own.path), default=0),
+                       max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
+        union.writer_dirs[0] = own.path
         union.writer_ids[0] = cfg.writer_id
     view.load()
     union.conflicts = view.conflict_list()
@@ -279,9 +355,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     # (the flusher has the pool faulted in once the mount serves: a mount does not wait for
     # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg))
-    flusher = Flusher(wd.dir if wd else None, cfg.writer_id, staging, journal, engine=cfg.engine,
-                      depth=cfg.queue_depth, direct=facts["direct"], align=facts["align"],
-                      log_bytes=cfg.log_bytes, next_log=next_log, index=index,
+    flusher = Flusher(own.dir if wd else None, cfg.writer_id, staging, journal,
+                      engine=cfg.engine, depth=cfg.queue_depth, direct=facts["direct"],
+                      align=facts["align"], log_bytes=facts.get("log_bytes", cfg.log_bytes),
+                      next_log=next_log, index=index,
                       io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
                       stripe_bytes=cfg.stripe_bytes, fixed_buffers=cfg.populate)
     # requests whose caller is being killed, answered early (the fast path, the barriers, the
@@ -289,17 +366,33 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     interrupts = Interrupts()
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
                     direct=facts["direct"],  # buffers on first use: performance-notes.md
-                    interruptible=interrupts.waiting, on_fatal=flusher.fail)
+                    interruptible=interrupts.waiting, on_fatal=flusher.fail,
+                    fallback={0: mirror.path} if mirror else None)
+    node_tier = None
+    if mirror is not None:
+        node_tier = tier.Tier(local, mirror.dir, drained_index=facts["drained_index"],
+                              limit_bytes=facts["local_bytes"],
+                              open_log_bytes=facts["log_bytes"] * cfg.data_logs,
+                              engine=cfg.engine,
+                              depth=cfg.queue_depth, direct=facts["backing_direct"],
+                              io_chunk_bytes=cfg.io_chunk_bytes)
+        node_tier.on_fatal = flusher.fail
+        node_tier.open_logs = flusher.open_logs
+        node_tier.reader = reader
+        flusher.tier = node_tier
+        flusher.durability = cfg.durability
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
                                                          round_up(seg.used, facts["align"]))
     maintainer = None
     if wd is not None:
         space = cleaner.LogSpace(facts["align"])
-        space.count(ns, backingdir.data_logs(wd.path))
+        space.count(ns, {**backingdir.data_logs(wd.path), **backingdir.data_logs(own.path)})
         cleaner.install(space)
         flusher.durable_hook = space.durable
-        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, wd.dir)
+        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, own.dir)
+        if node_tier is not None:
+            maintainer.tier, maintainer.mirror = node_tier, mirror.dir
         maintainer.configure(staging, cfg)
         maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
         maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)
@@ -324,6 +417,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
     refresher.in_use = lambda: bool(ops.handles)
     if wd is not None:
         flusher.start()
+        if node_tier is not None:
+            node_tier.start(journal.committed_seq)
+            log.info("node tier in %s (%s), durability %s", cfg.local_dir,
+                     format_size(facts["local_bytes"]), cfg.durability)
         log.info("io engine %s, %s I/O, queue depth %d, %d x %d MiB segments",
                  flusher.engine_name, info["io_mode"], cfg.queue_depth,
                  len(staging.buffers), cfg.segment_bytes // MiB)
@@ -343,6 +440,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         pyfuse3.init(ops, cfg.mountpoint, options)
     except Exception as exc:
         await flusher.stop()
+        if node_tier is not None:
+            await node_tier.stop()
         msg = f"error: cannot mount {cfg.mountpoint}: {exc}"
         if ready:
             ready(msg)
@@ -366,6 +465,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
             nursery.start_soon(refresher.run)
             if maintainer is not None:
                 nursery.start_soon(maintainer.run)
+            if node_tier is not None:
+                nursery.start_soon(node_tier.run)
             reader.background = True  # (readahead and checks ahead in its threads)
             nursery.start_soon(reader.note_replayed, replayed)
             if flusher.fixed_buffers:
@@ -395,7 +496,11 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready) -> 
         ops.release_all()  # (handles whose RELEASE the unmount cut off)
         try:
             with trio.CancelScope(shield=True):
-                await flusher.stop()
+                try:
+                    await flusher.stop()
+                finally:
+                    if node_tier is not None:
+                        await node_tier.stop()
                 log.info("unmounted: all data and index records durable (%d bytes, %d segments)",
                          flusher.stats.payload_bytes, flusher.stats.segments)
         except OSError as exc:

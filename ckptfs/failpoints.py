@@ -1,7 +1,11 @@
 """Fault injection for the tests of what a defect costs: with CKPTFS_FAILPOINT=NAME:N in the
 daemon's environment, the Nth time the code passes failpoint NAME it raises an unexpected
 exception (RuntimeError). Never set in use. The failpoints: `flusher-commit` (the flusher
-thread's commit), `loader` (a loader thread's job), `cleaner` (a step of the maintenance)."""
+thread's commit), `loader` (a loader thread's job), `cleaner` (a step of the maintenance),
+`drain` (a cycle of the node tier's drain).
+
+With CKPTFS_HOLD=NAME:PATH, the code waits at hold point NAME while the file PATH exists: the
+tests hold the node tier's drain (`drain`) to see changes that are node-durable only."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import os
 
 _NAME, _, _N = os.environ.get("CKPTFS_FAILPOINT", "").partition(":")
 _passes: dict[str, int] = {}
+_HOLD, _, _HOLD_PATH = os.environ.get("CKPTFS_HOLD", "").partition(":")
 
 
 def hit(name: str) -> None:
@@ -18,3 +23,8 @@ def hit(name: str) -> None:
     n = _passes[name] = _passes.get(name, 0) + 1
     if n == int(_N or 1):
         raise RuntimeError(f"failpoint {name} reached")
+
+
+def held(name: str) -> bool:
+    """Whether hold point `name` is held now (CKPTFS_HOLD names it and its file exists)."""
+    return name == _HOLD and bool(_HOLD_PATH) and os.path.exists(_HOLD_PATH)

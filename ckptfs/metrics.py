@@ -109,6 +109,8 @@ def status(ops) -> dict:
         "shared_mmap_of_direct_files": ops.negotiated.shared_mmap_direct,
         **(ops.request_wait.counts() if ops.request_wait else loop.NO_COUNTS),
         **(ops.maintainer.status() if ops.maintainer is not None else {}),
+        **({"durability": ops.flusher.durability, **ops.flusher.tier.status()}
+           if ops.flusher.tier is not None else {}),
     }
 
 
@@ -331,10 +333,33 @@ METRICS = {
     "writers_unread": ("writers_unread", "gauge",
                        "Other writers whose index could not be read (tried again at every "
                        "look; meanwhile no data log of this writer is given back)"),
+    "tier_local_size": ("tier_local_size_bytes", "gauge",
+                        "Space the node tier may take (--local-size)"),
+    "tier_local_bytes": ("tier_local_bytes", "gauge",
+                         "Space the node tier's data logs take (drained ones included)"),
+    "tier_node_seq": ("tier_node_sequence", "gauge",
+                      "Sequence number of the last change durable in the node tier"),
+    "tier_backing_seq": ("tier_backing_sequence", "gauge",
+                         "Sequence number of the last change drained to the backing directory"),
+    "tier_backlog_bytes": ("tier_backlog_bytes", "gauge",
+                           "Data log bytes node-durable but not yet in the backing directory"),
+    "tier_backlog_age_s": ("tier_backlog_age_seconds", "gauge",
+                           "Age of the oldest change not yet drained (0: none)"),
+    "tier_drained_bytes": ("tier_drained_bytes_total", "counter",
+                           "Bytes the drain copied to the backing directory"),
+    "tier_drain_seconds": ("tier_drain_seconds_total", "counter", "Time the drain spent copying"),
+    "tier_drain_rate": ("tier_drain_rate_bytes_per_second", "gauge",
+                        "Speed of the last drain cycle of at least 8 MiB"),
+    "tier_drain_errors": ("tier_drain_errors_total", "counter",
+                          "Drain cycles the backing directory failed (retried)"),
+    "tier_evicted_logs": ("tier_evicted_logs_total", "counter",
+                          "Drained data logs removed from the node tier to make room"),
+    "tier_evicted_bytes": ("tier_evicted_bytes_total", "counter",
+                           "Space given back by removing drained data logs"),
 }
 # words and flags: labels of ckptfs_info
 INFO_LABELS = ("pid", "backing", "engine", "io_mode", "readonly", "direct_reads",
-               "shared_mmap_of_direct_files", "transport")
+               "shared_mmap_of_direct_files", "transport", "durability", "tier_local_dir")
 # derived (ckptfs_data_log_written_bytes_total / ckptfs_flush_seconds_total), or in ckptfs_info
 NOT_METRICS = {"flush_gbps", "pid"}
 

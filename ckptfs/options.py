@@ -156,6 +156,17 @@ OPTIONS: tuple[Option, ...] = (
            "with torch.load/DCP. Automatic: on where the kernel keeps MAP_SHARED mmap of such "
            "files possible (Linux 6.6+, with the fast path), else off; forced on without that, "
            "MAP_SHARED mmap (safetensors, numpy memmap) of those files fails with ENODEV"),
+    Option("local-dir", "local_dir", "str", "",
+           "the node tier: a directory on node-local storage where segments are written and "
+           "committed first (node-durable), drained to the backing directory in the "
+           "background (docs/operations.md, \"The node tier\")", metavar="DIR"),
+    Option("local-size", "local_bytes", "size", 0,
+           "space the node tier may take in --local-dir; writers wait while it is full of "
+           "data not yet drained (0: half the free space there at mount)"),
+    Option("durability", "durability", "choice", "backing",
+           "what fsync and `ckptfs sync` wait for with the node tier: backing (the backing "
+           "directory) or node (the node tier; the drain follows in the background)",
+           choices=("backing", "node")),
     Option("allow-other", "allow_other", "flag", False,
            "let other users see the mount (needs user_allow_other for non-root)"),
     Option("prometheus", "prometheus_file", "str", "",

@@ -114,10 +114,14 @@ def apply_group(ns: Namespace, group: list, when: int, where: str, warnings: lis
                                            f"{where}: record skipped: {exc}"))
 
 
-def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0) -> list[str]:
+def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0,
+                     also: str | None = None) -> list[str]:
     """Extents that point past the end of their data log (or at a missing log) are dropped so
-    the index never points at garbage; each is reported."""
+    the index never points at garbage; each is reported. `also`: a second directory holding
+    the same logs (the node tier's backing copy), the longer of the two copies counting."""
     sizes = {n: os.path.getsize(p) for n, p in backingdir.data_logs(writer_dir).items()}
+    for n, p in (backingdir.data_logs(also).items() if also else ()):
+        sizes[n] = max(sizes.get(n, 0), os.path.getsize(p))
     if all(end <= sizes.get(n, -1) for n, end in ns.extent_ends.items()):
         return []  # (no run can end beyond its log: the walk below would find nothing)
     warnings = []

@@ -19,6 +19,7 @@ def status(**extra) -> dict:
     st = {"pid": 4242, "backing": "/lustre/run42", "mountpoint": "/ckpt", "writer": "node1",
           "engine": "io_uring", "io_mode": "direct", "readonly": False, "direct_reads": True,
           "shared_mmap_of_direct_files": True, "transport": "io_uring", "flush_gbps": 1.5,
+          "durability": "backing", "tier_local_dir": "/nvme/ckptfs",
           "last_error": "", "ring_error": "",
           "forwarded_by_opcode": {"3": 7}}
     st.update({key: i + 1 for i, key in enumerate(METRICS)})
@@ -60,7 +61,8 @@ def test_words_and_flags_are_labels_of_info():
     assert info.labels == {"mountpoint": "/ckpt", "writer": "node1", "pid": "4242",
                            "backing": "/lustre/run42", "engine": "io_uring",
                            "io_mode": "direct", "readonly": "false", "direct_reads": "true",
-                           "shared_mmap_of_direct_files": "true", "transport": "io_uring"}
+                           "shared_mmap_of_direct_files": "true", "transport": "io_uring",
+                           "durability": "backing", "tier_local_dir": "/nvme/ckptfs"}
     assert set(info.labels) - {"mountpoint", "writer"} == set(INFO_LABELS)
     for key in NOT_METRICS | {"last_error", "forwarded_by_opcode", "readonly", "ring_error"}:
         assert f"ckptfs_{key}" not in fams

@@ -218,6 +218,12 @@ class Maintainer:
         # Whether other writers share the backing directory (the daemon sets it; looked at
         # on every tick, as writers may join while mounted): then dead bytes wait grace().
         self.shared: Callable[[], bool] = lambda: False
+        # With the node tier (datapath/tier.py): the backing copy of the writer's directory.
+        # Files are removed and punched in both copies, and only once the drain has passed
+        # the commit that made it safe; no index snapshot (the backing index must stay a
+        # prefix of the local one).
+        self.tier = None
+        self.mirror = None
         self._disk_checked = -DISK_USAGE_S
         self._disk_key: tuple = ()  # what had happened at the last look (tick)
 
@@ -350,6 +356,7 @@ class Maintainer:
                 ns.change(RetireRec(lg))
         self.doing = f"retiring data logs {', '.join(map(str, logs))}"
         await self.flusher.wait_committed(self.journal.last_seq)
+        await self._drained(self.journal.last_seq)
         for lg in logs:
             space.forget(lg)
             self.dead_since.pop(lg, None)
@@ -377,15 +384,28 @@ class Maintainer:
             except OSError:
                 pass
         freed = 0
-        for lg in logs:
-            name = backingdir.data_log_name(lg)
-            try:
-                freed += self.where.stat(name).st_blocks * 512
-                self.where.unlink(name)
-            except FileNotFoundError:
-                pass
-        self.where.sync()
+        for where in self._copies():
+            for lg in logs:
+                name = backingdir.data_log_name(lg)
+                try:
+                    blocks = where.stat(name).st_blocks * 512
+                    where.unlink(name)
+                except FileNotFoundError:
+                    continue
+                if where is self.where:
+                    freed += blocks
+            where.sync()
         return freed
+
+    def _copies(self) -> list:
+        """The writer's directory, and the node tier's backing copy of it when there is one."""
+        return [self.where] if self.mirror is None else [self.where, self.mirror]
+
+    async def _drained(self, seq: int) -> None:
+        """With the node tier: wait until the drain has passed `seq` (what the caller does to
+        the files is safe in the backing copy only then)."""
+        if self.tier is not None:
+            await self.tier.wait_backing(seq)
 
     def _release_held(self) -> None:
         for lg in list(self._held):
@@ -397,7 +417,7 @@ class Maintainer:
     async def snapshot_due(self) -> bool:
         idx = self.flusher.index
         ratio = self.snapshot_ratio
-        if not ratio or idx.size < self.snapshot_min:
+        if not ratio or idx.size < self.snapshot_min or self.tier is not None:
             return False
         if self.fresh_bytes is None or idx.size > ratio * self.fresh_bytes:
             self.fresh_bytes = await self.estimate()  # (the tree may have grown: look again)
@@ -537,6 +557,7 @@ class Maintainer:
             # everything that killed those bytes, committed first: no committed extent is
             # left pointing into a range punched
             await self.flusher.wait_committed(self.journal.last_seq)
+            await self._drained(self.journal.last_seq)
             holes = {}
             for lg in cands:
                 ranges = [r for r in self._dead_ranges(lg, live.get(lg, []), ends.get(lg, 0))
@@ -591,29 +612,31 @@ class Maintainer:
     def _punch(self, holes: dict[int, list[tuple[int, int]]]) -> int:
         """Worker thread: punch the holes; the blocks freed."""
         freed = 0
-        for lg, ranges in holes.items():
-            try:
-                fd = self.where.open(backingdir.data_log_name(lg), os.O_WRONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                before = os.fstat(fd).st_blocks
-                for a, b in ranges:
-                    try:
-                        punch_hole(fd, a, b - a)
-                    except OSError as exc:
-                        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                            log.info("the backing store cannot punch holes (%s): the cleaner "
-                                     "copies instead", exc.strerror)
-                            self.punch_ok = False
-                            break
-                        raise
-                os.fsync(fd)
-                freed += (before - os.fstat(fd).st_blocks) * 512
-            finally:
-                os.close(fd)
-            if not self.punch_ok:
-                break
+        for where in self._copies():
+            for lg, ranges in holes.items():
+                try:
+                    fd = where.open(backingdir.data_log_name(lg), os.O_WRONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    before = os.fstat(fd).st_blocks
+                    for a, b in ranges:
+                        try:
+                            punch_hole(fd, a, b - a)
+                        except OSError as exc:
+                            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                                log.info("the backing store cannot punch holes (%s): the "
+                                         "cleaner copies instead", exc.strerror)
+                                self.punch_ok = False
+                                break
+                            raise
+                    os.fsync(fd)
+                    if where is self.where:
+                        freed += (before - os.fstat(fd).st_blocks) * 512
+                finally:
+                    os.close(fd)
+                if not self.punch_ok:
+                    return freed
         return freed
 
     # ------------------------------------------------------------ the cleaner
@@ -672,7 +695,8 @@ class Maintainer:
         t0 = time.perf_counter()
         moved = 0
         if self._logs is None:
-            self._logs = RunReader({0: self.writer_dir})
+            self._logs = RunReader({0: self.writer_dir}, fallback=None if self.mirror is None
+                                   else {0: self.mirror.path})
         try:
             i = 0
             while i < len(pieces):

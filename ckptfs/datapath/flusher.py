@@ -41,10 +41,14 @@ from ckptfs.format.records import (
     CommitRec,
     ExtentRec,
     InodeRec,
+    LinkRec,
     Record,
+    RenameRec,
     RetireRec,
     SetattrRec,
     SizeRec,
+    UnlinkRec,
+    XExtentRec,
 )
 from ckptfs.io import alloc_aligned, fault_in, open_engine
 
@@ -80,6 +84,13 @@ class ExtentEntry:
         self.run = run
 
 
+# What a change touches, for the levels: the inode it changes, the directories whose entries
+_TOUCHES_INO = frozenset((InodeRec, ExtentEntry, ExtentRec, SetattrRec, SizeRec, LinkRec,
+                          XExtentRec))
+_TOUCHES_PARENT = {InodeRec: ("parent",), UnlinkRec: ("parent",), LinkRec: ("parent",),
+                   RenameRec: ("old_parent", "new_parent")}
+
+
 class Journal:
     """Changes not yet in the index, in order. Trio thread only."""
 
@@ -98,6 +109,10 @@ class Journal:
         self.last_stamp = 0
         self.seen_ns = 0
         self.stamp_hook = None  # called with (the records of a commit group, its stamp)
+        # inode -> sequence number of its newest change not known to be in the backing
+        # directory (a directory's too when an entry of it changed): the levels
+        self.touched: dict[int, int] = {}
+        self._prune_at = 4096
 
     def stamp(self) -> int:
         """The next COMMIT stamp (trio thread)."""
@@ -108,6 +123,37 @@ class Journal:
     def add(self, item: Record | ExtentEntry) -> None:
         self.last_seq += 1
         self.entries.append((self.last_seq, item))
+        t = type(item)
+        if t in _TOUCHES_INO:
+            self.touched[item.ino] = self.last_seq
+        if t in _TOUCHES_PARENT:
+            for name in _TOUCHES_PARENT[t]:
+                self.touched[getattr(item, name)] = self.last_seq
+
+    def touch(self, recs, seq: int) -> None:
+        """Records committed before this mount whose changes are not in the backing
+        directory yet (the node tier's undrained index): pending until `seq` is."""
+        for item in recs:
+            t = type(item)
+            if t in _TOUCHES_INO:
+                self.touched[item.ino] = seq
+            if t in _TOUCHES_PARENT:
+                for name in _TOUCHES_PARENT[t]:
+                    self.touched[getattr(item, name)] = seq
+
+    def touched_seq(self, inos) -> int:
+        """The sequence number of the newest change to any of `inos` still pending in some
+        level (0: none): what says whether a file or a tree is staged, node- or
+        backing-durable (ops.level_of)."""
+        touched = self.touched
+        return max((touched.get(i, 0) for i in inos), default=0)
+
+    def prune(self, upto: int) -> None:
+        """Forget the changes up to `upto` (in the backing directory): nothing is pending of
+        them any more. Done when the table has doubled since it was last pruned."""
+        if len(self.touched) > self._prune_at:
+            self.touched = {i: s for i, s in self.touched.items() if s > upto}
+            self._prune_at = max(4096, 2 * len(self.touched))
 
     def tail(self) -> Record | ExtentEntry | None:
         return self.entries[-1][1] if self.entries else None
@@ -287,6 +333,11 @@ class Flusher:
         self.copies_from = 0
         self._committed_upto = 0  # (the flusher thread's own count: the last upto appended)
         self._copy_buf = None
+        # The node tier (datapath/tier.py; None without --local-dir): told each commit, asked
+        # for local room before segments are written; `durability`: the level fsync and a
+        # barrier without one wait for ("backing" or "node")
+        self.tier = None
+        self.durability = "backing"
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -325,19 +376,31 @@ class Flusher:
         """Ask for a commit of whatever is committable (namespace-only changes)."""
         self.q.put(_COMMIT)
 
-    async def barrier(self) -> None:
-        """Return when every change made before the call is in the index and durable."""
+    async def barrier(self, level: str | None = None) -> None:
+        """Return when every change made before the call is durable at `level` ("node": in
+        the index; "backing": in the backing directory, which with the node tier is later;
+        None: the mount's --durability)."""
         if self.failed is not None:
             raise self.failed
         self.staging.seal()
         target = self.journal.last_seq
-        if self.journal.committed_seq >= target:
-            return
-        self.q.put(_COMMIT)
-        while self.journal.committed_seq < target:
-            if self.error is not None:
-                raise self.error
-            await self.committed.wait()
+        if self.journal.committed_seq < target:
+            self.q.put(_COMMIT)
+            while self.journal.committed_seq < target:
+                if self.error is not None:
+                    raise self.error
+                await self.committed.wait()
+        if self.tier is not None and (level or self.durability) == "backing":
+            await self.tier.wait_backing(target)
+
+    def level(self, seq: int) -> str:
+        """Where a change with sequence number `seq` is durable: "staged" (not yet), "node"
+        (in the node tier's index), "backing" (in the backing directory)."""
+        if seq > self.journal.committed_seq:
+            return "staged"
+        if self.tier is not None and seq > self.tier.backing_seq:
+            return "node"
+        return "backing"
 
     async def stop(self) -> None:
         """Unmount: seal, drain, commit and join the thread. Raises if data could not be made
@@ -415,6 +478,9 @@ class Flusher:
 
     def _on_committed(self, upto: int) -> None:
         self.journal.confirm(upto)
+        if self.tier is not None:
+            self.tier.note_committed(upto)
+        self.journal.prune(self.tier.backing_seq if self.tier is not None else upto)
         self._wake()
 
     def _call(self, fn, *args):
@@ -522,6 +588,8 @@ class Flusher:
             else:
                 if self.error is not None and (pending or written or commit_now):
                     timeout = RETRY_S  # failing store: retry at a steady pace
+                elif pending:  # (waiting for the node tier's room)
+                    timeout = 0.0
                 elif written:
                     timeout = max(0.0, first_written + SYNC_INTERVAL_S - time.monotonic())
                 else:
@@ -546,24 +614,41 @@ class Flusher:
                     self._swap(it)
                 elif type(it) is Segment:
                     pending.append(it)
-            if pending:
+            hold = False
+            batch = pending
+            if pending and self.tier is not None:
+                # The node tier's local space: segments wait for room (those that fit go
+                # first), and what is written is committed before waiting (the drain takes
+                # only what is committed).
+                batch = pending[:self.tier.reserve(
+                    [round_up(s.used, self.align) if s.log == NO_LOG else 0 for s in pending])]
+                if not batch:
+                    if not (written or commit_now):
+                        if stopping and self.tier.error is not None:
+                            stop_attempts += 1  # (the backing store fails: the unmount ends)
+                            if stop_attempts > 3:
+                                return
+                        self.tier.wait_room(RETRY_S)
+                        continue
+                    hold = True
+            if batch:
                 try:
-                    self._write_segments(pending)
+                    self._write_segments(batch)
                 except OSError as exc:
-                    log.error("flush of %d segments failed: %s (will retry)", len(pending), exc)
+                    log.error("flush of %d segments failed: %s (will retry)", len(batch), exc)
                     self._call(self._on_error, exc)
                     continue
                 if not written:
                     first_written = time.monotonic()
-                written += pending
-                written_bytes += sum(seg.used for seg in pending)
+                written += batch
+                written_bytes += sum(seg.used for seg in batch)
                 if self.release_early:
-                    self._call(self._on_written, pending)
-                pending = []
+                    self._call(self._on_written, batch)
+                pending = pending[len(batch):]
             # Group commit: one fdatasync of the data logs and one index commit cover all
             # segments written since the last one. Now when asked (a barrier, unmount, a
             # namespace change waiting), else every SYNC_INTERVAL_S or SYNC_BYTES.
-            due = (commit_now or stopping or written_bytes >= SYNC_BYTES
+            due = (commit_now or stopping or hold or written_bytes >= SYNC_BYTES
                    or (written and time.monotonic() - first_written >= SYNC_INTERVAL_S))
             if not due:
                 continue
@@ -597,6 +682,8 @@ class Flusher:
                 except OSError as exc:  # (the groups are in the index: only a copy is late)
                     log.warning("writing the copies of %d commit groups into a data log "
                                 "failed: %s", len(self.copies), exc)
+                if stopping and self.tier is not None:  # (the copies go to the backing too)
+                    self.tier.committed(self._committed_upto, self.index.size, self.logs.ends())
             if stopping:
                 return
 
@@ -723,4 +810,6 @@ class Flusher:
             self.copies.append(blob)
             self.copies_bytes += len(blob)
             self._committed_upto = upto
+            if self.tier is not None:
+                self.tier.committed(upto, self.index.size, self.logs.ends())
         self._call(self._on_committed, upto)

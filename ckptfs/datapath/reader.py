@@ -110,12 +110,13 @@ class _Chunk:
 class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
                  direct: bool = False, populate: bool = False,
-                 interruptible=trio.CancelScope, on_fatal=None) -> None:
+                 interruptible=trio.CancelScope, on_fatal=None,
+                 fallback: dict[int, str] | None = None) -> None:
         # told (trio thread) when a loader thread ends on a defect: (exception, where)
         self.on_fatal = on_fatal
         # the data logs: which file holds a run, descriptors (O_DIRECT where it works), chunk
         # reads, checksum checks and their errors
-        self.logs = RunReader(writer_dirs, direct=direct)
+        self.logs = RunReader(writer_dirs, direct=direct, fallback=fallback)
         self.max_chunks = max(8, cache_bytes // CHUNK_BYTES)
         # readahead window in chunks (--prefetch; at least one unless it is 0)
         self.window = max(1, prefetch_bytes // CHUNK_BYTES) if prefetch_bytes > 0 else 0

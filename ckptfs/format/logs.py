@@ -74,8 +74,12 @@ class RunReader:
     read, is read buffered from then on. read_run is for buffered readers (a run's offset is
     not aligned)."""
 
-    def __init__(self, writer_dirs: dict[int, str], *, direct: bool = False) -> None:
+    def __init__(self, writer_dirs: dict[int, str], *, direct: bool = False,
+                 fallback: dict[int, str] | None = None) -> None:
         self.writer_dirs = writer_dirs
+        # layer -> a second directory holding the same logs, for a log missing from the first
+        # (the node tier's backing copy: datapath/tier.py)
+        self.fallback = fallback or {}
         self.direct = direct
         self.fds: dict[tuple[int, int], int] = {}  # (layer, log) -> descriptor
         self.stale: list[int] = []  # replaced O_DIRECT descriptors, closed with the reader
@@ -111,9 +115,20 @@ class RunReader:
                             raise
                         fd = os.open(path, flags)  # O_DIRECT refused: buffered
                 except FileNotFoundError:
-                    raise RunError(f"data log {self.where(layer, number)}: missing") from None
+                    fd = self._open_fallback(layer, number, flags)
                 self.fds[(layer, number)] = fd
             return fd
+
+    def _open_fallback(self, layer: int, number: int, flags: int) -> int:
+        """The log from the layer's second directory (buffered: the other file system's
+        O_DIRECT was not probed); RunError if it is missing there too."""
+        other = self.fallback.get(layer)
+        if other is not None:
+            try:
+                return os.open(os.path.join(other, data_log_name(number)), flags)
+            except FileNotFoundError:
+                pass
+        raise RunError(f"data log {self.where(layer, number)}: missing")
 
     def _buffered(self, layer: int, number: int, bad: int) -> int:
         """A buffered descriptor in place of `bad`, an O_DIRECT one whose reads were refused."""
@@ -259,6 +274,13 @@ class LogWriter:
 
     def open_numbers(self) -> set[int]:
         return {lg.number for lg in self.slots if lg is not None}
+
+    def ends(self) -> dict[int, int | None]:
+        """Every log this writer made: how far it is taken (written, once the segments placed
+        are), log -> offset; None for a log closed (trimmed to its end: its size is final)."""
+        out: dict[int, int | None] = dict.fromkeys(self.opened)
+        out.update({lg.number: lg.off for lg in self.slots if lg is not None})
+        return out
 
     def place(self, nbytes: int, copy: bool = False) -> tuple[int, int]:
         """Where the next segment of `nbytes` (aligned) goes: (log, offset). With `copy`, a

@@ -71,6 +71,11 @@ BLOCK_BYTES = 4096
 # (256 pages per request) sends as two READs.
 IO_BLOCK_BYTES = 512 << 10
 XATTR_PREFIX = b"user.ckptfs."
+# user.ckptfs.sync: a barrier at the mount's --durability; .sync.node, .sync.backing at that
+# level. user.ckptfs.level on any file or directory: how durable it is (level_of)
+XATTR_SYNC_LEVELS = {XATTR_PREFIX + b"sync": None, XATTR_PREFIX + b"sync.node": "node",
+                     XATTR_PREFIX + b"sync.backing": "backing"}
+XATTR_LEVEL = XATTR_PREFIX + b"level"
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
 DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (saw_name)
@@ -1129,7 +1134,7 @@ class CkptOperations(pyfuse3.Operations):
         self.fsyncs += 1
         await self._barrier()
 
-    async def _barrier(self) -> None:
+    async def _barrier(self, level: str | None = None) -> None:
         # A barrier waits for the backing store, which may never answer: when the caller is
         # being killed, the request is answered EINTR early and this wait ends, so that the
         # task serves requests again; the barrier goes on (fuse/interrupts.py).
@@ -1137,7 +1142,7 @@ class CkptOperations(pyfuse3.Operations):
             if scope.cancel_called:  # answered before it started
                 raise _err(errno.EINTR)
             try:
-                await self.flusher.barrier()
+                await self.flusher.barrier(level)
             except OSError as exc:
                 raise _err(exc.errno or errno.EIO) from None
         if scope.cancelled_caught:
@@ -1211,14 +1216,32 @@ class CkptOperations(pyfuse3.Operations):
         user of an --allow-other mount may not force barriers or read the figures."""
         return {0, os.getuid(), self.ns.inodes[ROOT_INO].uid}
 
+    def level_of(self, ino: int) -> str:
+        """How durable a file is, or a directory with everything under it: "staged", "node"
+        (the node tier) or "backing" (the backing directory), by the newest change to any of
+        its inodes not yet known to be in the backing directory."""
+        x = self._inode(ino)
+        inos, todo, inodes = [x.ino], [x], self.ns.inodes
+        while todo:  # (iterative: trees of any depth)
+            d = todo.pop()
+            if d.children:
+                for i in d.children.values():
+                    inos.append(i)
+                    c = inodes.get(i)
+                    if c is not None and c.children:
+                        todo.append(c)
+        return self.flusher.level(self.journal.touched_seq(inos))
+
     async def getxattr(self, inode, name, ctx):
+        if name == XATTR_LEVEL:  # (any user who reaches the file may ask)
+            return self.level_of(inode).encode()
         if inode == ROOT_INO and name.startswith(XATTR_PREFIX) \
                 and ctx.uid not in self.controllers():
             raise _err(errno.EACCES)
         if inode == ROOT_INO and name == XATTR_PREFIX + b"status":
             return json.dumps(metrics.status(self)).encode()
-        if inode == ROOT_INO and name == XATTR_PREFIX + b"sync":
-            await self._barrier()
+        if inode == ROOT_INO and name in XATTR_SYNC_LEVELS:
+            await self._barrier(XATTR_SYNC_LEVELS[name])
             if self.refresher is not None:  # and what the others made durable before it
                 await self.refresher.refresh()
             return b"ok"

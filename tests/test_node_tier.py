@@ -1,0 +1,230 @@
+"""The node tier (--local-dir): segments are committed in a directory on node-local storage first
+and drained to the backing directory in the background (ckptfs/datapath/tier.py).
+
+What a user relies on, each on real mounts: the backing directory stays an ordinary one (a mount
+without the tier, `ckptfs verify`), the levels (`user.ckptfs.level`, `ckptfs sync --level`,
+`ckptfs wait`), a killed daemon (node-durable files come back bit-exact from the same local
+directory and the drain finishes; without it, exactly the backing-durable files are there),
+a foreign local directory refused, local space bounded (writers wait, never fail), and the
+cleaner's removals and hole punching done to both copies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+from helpers_reliability import MiB, cli, content, read_all, status_reaches, wait_unmounted
+
+from ckptfs import api
+
+pytestmark = pytest.mark.timeout(180)
+
+OPTS = dict(staging_size="16M", segment_size="1M", idle_flush=0.2, writer_id="w")
+
+
+def _write(mnt: str, name: str, size: int, fsync: bool = False) -> bytes:
+    data = content(name, size)
+    path = os.path.join(mnt, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, size, MiB):
+            os.write(fd, data[off:off + MiB])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return data
+
+
+def _check(mnt: str, files: dict[str, bytes], absent: tuple = ()) -> None:
+    for name, data in files.items():
+        got = read_all(os.path.join(mnt, name))
+        assert got == data, f"{name}: {len(got)} bytes read back, {len(data)} written"
+    for name in absent:
+        assert not os.path.exists(os.path.join(mnt, name)), f"{name} should not be there"
+
+
+def _blocks(d: str) -> int:
+    return sum(os.stat(os.path.join(d, n)).st_blocks * 512 for n in os.listdir(d)
+               if n.startswith("data-"))
+
+
+def test_a_save_drains_into_an_ordinary_backing_directory(mounts, tmp_path):
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    m = mounts.mount(backing, local_dir=local, **OPTS)
+    files = {f"step/t{i}.pt": b"" for i in range(12)}
+    for i, name in enumerate(files):
+        files[name] = _write(m.mountpoint, name, (i * 397 * 1024) % (5 * MiB) + 1,
+                             fsync=i % 3 == 0)
+    assert api.level(os.path.join(m.mountpoint, "step/t0.pt")) in ("node", "backing")
+    api.sync(m.mountpoint)  # (--durability backing: the backing directory has it all)
+    assert api.level(os.path.join(m.mountpoint, "step")) == "backing"
+    assert api.level(m.mountpoint) == "backing"
+    st = api.status(m.mountpoint)
+    assert st["tier_backlog_bytes"] == 0 and st["tier_drained_bytes"] > 0, st
+    assert st["tier_backing_seq"] == st["tier_node_seq"] > 0, st
+    _check(m.mountpoint, files)
+    m.stop()
+    own = os.path.join(backing, "writers", "w")
+    assert os.path.exists(os.path.join(local, "writers", "w", "index.log"))
+    # the backing directory alone: a read-only mount without the tier, and the offline check
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ro = mounts.mount(backing, ro=True)
+    _check(ro.mountpoint, files)
+    ro.stop()
+    with open(os.path.join(own, "index.log"), "rb") as b, \
+            open(os.path.join(local, "writers", "w", "index.log"), "rb") as lo:
+        assert b.read() == lo.read(), "the backing index is the node tier's, byte for byte"
+
+
+def test_levels_and_a_killed_daemon_with_node_durability(mounts, tmp_path):
+    """Step 0 is saved and synced to the backing directory; then the drain is held and step 1
+    saved with --durability node: fsync and sync return, its level is node, `ckptfs wait
+    --level backing` times out. kill -9. Without the local directory (a copy of the backing
+    directory, a fresh local one) exactly step 0 is there; with it, step 1 is back bit-exact,
+    the drain finishes once let go, and the backing directory alone then shows both."""
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    hold = str(tmp_path / "hold-drain")
+    env = {"CKPTFS_HOLD": f"drain:{hold}"}
+    m = mounts.mount(backing, local_dir=local, durability="node", env=env, **OPTS)
+    step0 = {f"step0/t{i}.pt": _write(m.mountpoint, f"step0/t{i}.pt", 300_000 * (i + 1))
+             for i in range(4)}
+    api.sync(m.mountpoint, "backing")
+    assert api.level(os.path.join(m.mountpoint, "step0")) == "backing"
+    open(hold, "w").close()
+    step1 = {f"step1/t{i}.pt": _write(m.mountpoint, f"step1/t{i}.pt", 700_000 * (i + 1),
+                                      fsync=i == 0) for i in range(4)}
+    api.sync(m.mountpoint)  # (--durability node)
+    assert api.level(os.path.join(m.mountpoint, "step1")) == "node"
+    assert api.level(os.path.join(m.mountpoint, "step1/t0.pt")) == "node"
+    assert api.level(os.path.join(m.mountpoint, "step0")) == "backing"
+    assert api.level(m.mountpoint) == "node"
+    res = cli("wait", "--level", "backing", "--timeout", "1",
+              os.path.join(m.mountpoint, "step1"))
+    assert res.returncode == 1 and "is node, not backing" in res.stderr, res.stderr
+    assert cli("wait", "--level", "node", os.path.join(m.mountpoint, "step1")).returncode == 0
+    st = api.status(m.mountpoint)
+    assert st["tier_backlog_bytes"] > 0 and st["tier_backing_seq"] < st["tier_node_seq"], st
+    os.kill(m.pid, signal.SIGKILL)
+    cli("umount", m.mountpoint)
+    assert wait_unmounted(m.mountpoint)
+    m.proc.wait(10)
+
+    # the node lost: the backing directory (copied, so the real one stays for below) with a
+    # fresh local directory, and with none
+    lost = str(tmp_path / "backing-copy")
+    shutil.copytree(backing, lost, symlinks=True)
+    fresh = str(tmp_path / "fresh-local")
+    os.mkdir(fresh)
+    n = mounts.mount(lost, local_dir=fresh, **OPTS)
+    _check(n.mountpoint, step0, absent=("step1",))
+    n.stop()
+    ro = mounts.mount(lost, ro=True)
+    _check(ro.mountpoint, step0, absent=("step1",))
+    ro.stop()
+
+    # the same node again: everything node-durable is back, and drains
+    again = mounts.mount(backing, local_dir=local, env=env, **OPTS)
+    _check(again.mountpoint, {**step0, **step1})
+    assert api.level(os.path.join(again.mountpoint, "step1")) == "node"
+    os.unlink(hold)
+    api.wait_level(os.path.join(again.mountpoint, "step1"), "backing", timeout=60)
+    again.stop()
+    ro = mounts.mount(backing, ro=True)
+    _check(ro.mountpoint, {**step0, **step1})
+    ro.stop()
+
+
+def test_a_local_directory_of_another_backing_directory_is_refused(mounts, tmp_path):
+    a, b = mounts.backing("a"), mounts.backing("b")
+    local = str(tmp_path / "local")
+    os.mkdir(local)
+    m = mounts.mount(a, local_dir=local, **OPTS)
+    _write(m.mountpoint, "x.pt", 1000)
+    m.stop()
+    mp = str(tmp_path / "mp")
+    os.mkdir(mp)
+    res = cli("mount", b, mp, "--local-dir", local, "--writer-id", "w")
+    assert res.returncode != 0 and "node tier of another backing directory" in res.stderr, \
+        res.stderr
+    assert not api.is_mounted(mp)
+    other = str(tmp_path / "other")
+    os.makedirs(os.path.join(other, "writers", "w"))
+    res = cli("mount", a, mp, "--local-dir", other, "--writer-id", "w")
+    assert res.returncode != 0 and "not a ckptfs node tier" in res.stderr, res.stderr
+    res = cli("mount", a, mp, "--durability", "node")
+    assert res.returncode != 0 and "needs the node tier" in res.stderr, res.stderr
+
+
+def test_local_space_is_bounded_and_writers_wait_for_the_drain(mounts, tmp_path):
+    """--local-size 12M with 1 MiB segments (data logs of 3 MiB): 40 MB saved while the drain
+    is held fill the tier and the writer waits (it neither fails nor finishes); let go, it
+    finishes, drained logs are removed to make room, and every file reads back (from the
+    backing copy where the local one is gone)."""
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    hold = str(tmp_path / "hold-drain")
+    open(hold, "w").close()
+    m = mounts.mount(backing, local_dir=local, local_size="12M",
+                     env={"CKPTFS_HOLD": f"drain:{hold}"}, **OPTS)
+    files: dict[str, bytes] = {}
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            for i in range(10):
+                files[f"t{i}.pt"] = _write(m.mountpoint, f"t{i}.pt", 4 * MiB)
+            api.sync(m.mountpoint)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    t = threading.Thread(target=save)
+    t.start()
+    # the writer had its chance: staging (16M) and the tier (12M) are full of undrained data
+    status_reaches(m, "writers_waiting", 1, timeout=60)
+    st = api.status(m.mountpoint)
+    assert t.is_alive() and not errors, errors
+    assert st["tier_backlog_bytes"] >= 6 * MiB, st
+    assert _blocks(os.path.join(local, "writers", "w")) <= 12 * MiB
+    os.unlink(hold)
+    t.join(120)
+    assert not t.is_alive() and not errors, errors
+    st = api.status(m.mountpoint)
+    assert st["tier_evicted_logs"] > 0 and st["tier_backlog_bytes"] == 0, st
+    assert _blocks(os.path.join(local, "writers", "w")) <= 12 * MiB
+    _check(m.mountpoint, files)
+    m.stop()
+    again = mounts.mount(backing, local_dir=local, **OPTS)
+    _check(again.mountpoint, files)
+    again.stop()
+
+
+def test_the_cleaner_removes_retired_logs_from_both_copies(mounts, tmp_path):
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    m = mounts.mount(backing, local_dir=local, local_size="64M", clean_idle=0.2, **OPTS)
+    for i in range(8):
+        _write(m.mountpoint, f"old/t{i}.pt", 3 * MiB)
+    api.sync(m.mountpoint)
+    logs = sorted(n for n in os.listdir(os.path.join(backing, "writers", "w"))
+                  if n.startswith("data-"))
+    assert len(logs) >= 2, logs
+    shutil.rmtree(os.path.join(m.mountpoint, "old"))
+    keep = _write(m.mountpoint, "new.pt", 100_000)
+    api.sync(m.mountpoint)
+    status_reaches(m, "logs_retired", 1, timeout=60)
+    for d in (os.path.join(backing, "writers", "w"), os.path.join(local, "writers", "w")):
+        left = set(n for n in os.listdir(d) if n.startswith("data-"))
+        assert logs[0] not in left, (d, left)
+    _check(m.mountpoint, {"new.pt": keep})
+    m.stop()
+    ro = mounts.mount(backing, ro=True)
+    _check(ro.mountpoint, {"new.pt": keep}, absent=("old",))
+    ro.stop()
