@@ -348,7 +348,8 @@ def test_one_option_table_makes_the_parser_the_config_the_api_and_the_docs():
              "fuse_uring": True,
              "writeback_cache": True,
              "direct_writes": False, "direct_reads": True, "allow_other": True,
-             "prometheus": "/tmp/p.prom", "ro": True, "no_populate": True, "debug": True}
+             "prometheus": "/tmp/p.prom", "ro": True, "no_populate": True, "debug": True,
+             "local_dir": "/nvme/ckptfs", "local_size": "200G", "durability": "node"}
     # a new option gets a case here; log_file is api.Mount's own keyword (the daemon's log)
     assert set(given) | {"log_file"} == {o.dest for o in options.OPTIONS}
     sub = argparse.ArgumentParser().add_subparsers(dest="command")
