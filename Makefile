@@ -23,7 +23,10 @@ deps:
 	fi
 
 # The virtual environment; torch is pinned so that this machine takes its CPU build.
-$(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py ckptfs/fuse/ring.c
+# (the C module: io/_uring_build.py builds it from these sources and headers)
+C_SOURCES := $(wildcard ckptfs/io/*.c ckptfs/io/*.h ckptfs/fuse/*.c ckptfs/fuse/*.h)
+
+$(STAMP): pyproject.toml setup.py ckptfs/io/_uring_build.py $(C_SOURCES)
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
@@ -75,4 +78,4 @@ lint: setup
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check ckptfs tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info ckptfs/io/*.so ckptfs/io/_uring_cffi.c
+	rm -rf $(VENV) build *.egg-info ckptfs/io/*.so ckptfs/io/_uring_cffi.c ckptfs/io/*.o ckptfs/fuse/*.o

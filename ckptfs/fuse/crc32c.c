@@ -1,4 +1,4 @@
-/* CRC32C (Castagnoli) in C, for the bytes the queue threads land in staging (fuse/ring.c,
+/* CRC32C (Castagnoli) in C, for the bytes the queue threads land in staging (fuse/ring_landing.c,
  * ck_fring_sum_landed: summed before the Python side records them, with no Python per slice),
  * and the arithmetic the Python side needs to join such checksums into a run's
  * (staging.Checksums). The values are those of the `crc32c` package: ck_crc32c(0, p, n) is

@@ -37,7 +37,7 @@ a buffer is free, as pyfuse3's path would (that buffer then stays with the waiti
 the next read gets a new one). libfuse's `debug` output does not
 show the requests answered here.
 
-Once INIT is answered the queue threads (fuse/ring.py, ring.c) take over the reading: C
+Once INIT is answered the queue threads (fuse/ring.py, ring*.c) take over the reading: C
 threads, one per CPU, on /dev/fuse (the default) or on FUSE's io_uring queues
 (`--fuse-uring`). They answer a small file's requests and land WRITE payloads themselves and
 hand every other request to this loop (`serve_ring`), which serves it with the handlers above;
@@ -54,6 +54,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 import time
 from collections import deque
@@ -63,46 +64,74 @@ import trio
 
 from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.datapath.staging import ExtentMap
+from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import ATTR_TIMEOUT_S, CONTROL_LAYER, CTL_NAME, SETID_BITS
+from ckptfs.fuse.ops import (
+    ATTR_TIMEOUT_S,
+    CONTROL_LAYER,
+    CTL_NAME,
+    IO_BLOCK_BYTES,
+    SETID_BITS,
+)
+from ckptfs.fuse.protocol import (
+    ATTR_OUT,
+    CREATE_IN,
+    ENTRY_OUT,
+    FATTR_MODE,
+    FLUSH_IN,
+    FOPEN_DIRECT_IO,
+    FOPEN_KEEP_CACHE,
+    FOPEN_NOFLUSH,
+    FOPEN_NONSEEKABLE,
+    FUSE_BATCH_FORGET,
+    FUSE_CREATE,
+    FUSE_DIRECT_IO_ALLOW_MMAP,
+    FUSE_FLUSH,
+    FUSE_FORGET,
+    FUSE_FSYNC,
+    FUSE_FSYNCDIR,
+    FUSE_GETATTR,
+    FUSE_GETXATTR,
+    FUSE_INIT,
+    FUSE_INIT_EXT,
+    FUSE_INTERRUPT,
+    FUSE_IOCTL,
+    FUSE_LOOKUP,
+    FUSE_MAX_PAGES,
+    FUSE_OPEN,
+    FUSE_OVER_IO_URING,
+    FUSE_READ,
+    FUSE_RELEASE,
+    FUSE_SETATTR,
+    FUSE_WRITE,
+    FUSE_WRITE_CACHE,
+    FUSE_WRITE_KILL_SUIDGID,
+    INIT_IN,
+    INIT_OUT,
+    INTERRUPT_IN,
+    IN_HEADER,
+    OPEN_IN,
+    OPEN_OUT,
+    OUT_HEADER,
+    READ_IN,
+    RELEASE_IN,
+    WRITE_IN,
+    WRITE_OUT,
+)
 from ckptfs.namespace import ROOT_INO
 
 log = logging.getLogger("ckptfs")
 
-# linux/fuse.h (protocol 7.12 and later)
-FUSE_LOOKUP = 1
-FUSE_FORGET = 2
-FUSE_GETATTR = 3
-FUSE_SETATTR = 4
-FATTR_MODE = 1 << 0  # fuse_setattr_in.valid: the mode is set
-SETATTR_MODE_AT = 68  # offset of fuse_setattr_in.mode
-FUSE_OPEN = 14
-FUSE_READ = 15
-FUSE_WRITE = 16
-FUSE_RELEASE = 18
-FUSE_FSYNC = 20
-FUSE_GETXATTR = 22
-FUSE_FLUSH = 25
-FUSE_INIT = 26
-FUSE_FSYNCDIR = 30
-FUSE_CREATE = 35
-FUSE_INTERRUPT = 36
-FUSE_IOCTL = 39
-FUSE_BATCH_FORGET = 42
-FUSE_WRITE_CACHE = 1 << 0  # write_flags: the kernel's writeback of page-cache pages
-FUSE_WRITE_KILL_SUIDGID = 1 << 2  # write_flags: the writer lacks CAP_FSETID (direct writes)
-FOPEN_DIRECT_IO = 1 << 0
-FOPEN_KEEP_CACHE = 1 << 1
-FOPEN_NONSEEKABLE = 1 << 2
-FOPEN_NOFLUSH = 1 << 5
-FUSE_INIT_EXT = 1 << 30  # flags2 holds bits 32-63
-FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36  # Linux 6.6+: MAP_SHARED mmap of FOPEN_DIRECT_IO files
-IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen pad
-RW_IN = struct.Struct("<QQIIQII")  # fh offset size rw_flags lock_owner flags pad (read/write)
-FH_IN = struct.Struct("<Q")  # fh: the first field of fuse_flush_in and fuse_release_in
-INTERRUPT_IN = struct.Struct("<Q")  # the unique of the interrupted request
+# offsets in FUSE's wire protocol (fuse/protocol.h)
+SETATTR_MODE_AT = protocol.layout("fuse_setattr_in").offset("mode")
+INIT_OUT_FLAGS2 = protocol.layout("fuse_init_out").offset("flags2")  # (64-byte reply: 7.23+)
+INIT_OUT_MAX_PAGES = protocol.layout("fuse_init_out").offset("max_pages")  # (7.28+)
+HEAD = IN_HEADER.size + WRITE_IN.size  # a WRITE's or READ's header and op part: 80 bytes
+WRITE_REPLY = struct.Struct("<" + OUT_HEADER.format[1:] + WRITE_OUT.format[1:])  # header, body
+_U16 = struct.Struct("<H")  # a field of that size at an offset of the protocol's layouts
+_U32 = struct.Struct("<I")
 # Requests that get no answer (the queue threads read them from /dev/fuse like any other)
 NO_REPLY = frozenset((FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT))
 # Requests that do not depend on a RELEASE before them (a lookup, a new file, attributes): a
@@ -115,22 +144,6 @@ RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
-OUT_HEADER = struct.Struct("<IiQ")  # len error unique
-WRITE_OUT = struct.Struct("<IiQII")  # out header + size pad
-INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
-INIT_OUT = struct.Struct("<IIIIHHI")  # major minor max_readahead flags max_bg congestion max_write
-INIT_OUT_FLAGS2 = 32  # offset of flags2 in fuse_init_out (64 bytes since 7.23)
-INIT_OUT_MAX_PAGES = struct.Struct("<H")  # fuse_init_out.max_pages, at offset 28 (7.28+)
-FUSE_MAX_PAGES = 1 << 22
-OPEN_IN = struct.Struct("<II")  # flags open_flags
-CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags
-# fuse_attr: ino size blocks atime mtime ctime (s) atime mtime ctime (ns) mode nlink uid gid
-# rdev blksize flags
-ATTR = "QQQqqqIIIIIIIIII"
-ENTRY_OUT = struct.Struct("<QQQQII" + ATTR)  # nodeid generation entry/attr valid (s, ns), attr
-ATTR_OUT = struct.Struct("<QII" + ATTR)  # attr_valid attr_valid_nsec dummy, attr
-OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
-HEAD = IN_HEADER.size + RW_IN.size  # 80
 # A read window (the queue threads answer a handle's next READs from the read cache): at most
 # this many bytes of the file, and all windows together pin at most this share of the cache.
 WINDOW_BYTES = 16 << 20
@@ -146,7 +159,7 @@ PREPARED_TTL_S = 2.0
 # and how many may stand at most (more: all go, the next ones are prepared anew). A
 # checkpoint is often loaded from several directories in turn (a model's tensors and each
 # optimizer state's: one file of each in turn), each with its names prepared ahead: room for
-# twelve such directories (fuse/ring.c holds 64, and wakes this side once a directory has
+# twelve such directories (fuse/ring_reads.c holds 64, and wakes this side once a directory has
 # LOOKUPS_LEFT of them left: every second file, with four ahead).
 LOOKUPS_AHEAD = 4
 LOOKUPS_MAX = 48
@@ -418,7 +431,7 @@ class FastPath(RequestWait):
                 await self.simple(unique, self.ops.flush)
                 return False
             if opcode == FUSE_RELEASE:
-                self.release(unique, FH_IN.unpack_from(head, IN_HEADER.size)[0])
+                self.release(unique, RELEASE_IN.unpack_from(head, IN_HEADER.size)[0])
                 return False
             if opcode == FUSE_IOCTL:
                 # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of
@@ -465,14 +478,14 @@ class FastPath(RequestWait):
         if not extlen:
             self.answered += 1
             if opcode == FUSE_WRITE:
-                fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(h, op)
+                fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(h, op)
                 done, err = self.ring_landed.pop(i, (0, 0))
                 if size != psz or err:
                     self.reply_error(unique, err or errno.EIO)
                     return False
                 if done == size:
                     self.writes_in_place += 1
-                    self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
+                    self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0))
                     return False
                 await self.write_landed(unique, fh, off, size, write_flags, pid, None, None,
                                         pay, done)
@@ -481,10 +494,10 @@ class FastPath(RequestWait):
                 await self.read(unique, pid, h, op)
                 return False
             if opcode == FUSE_FLUSH:
-                await self.simple(unique, self.ops.flush, FH_IN.unpack_from(h, op)[0])
+                await self.simple(unique, self.ops.flush, FLUSH_IN.unpack_from(h, op)[0])
                 return False
             if opcode == FUSE_RELEASE:
-                self.release(unique, FH_IN.unpack_from(h, op)[0])
+                self.release(unique, RELEASE_IN.unpack_from(h, op)[0])
                 return False
             if opcode in self.entry_ops:
                 await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
@@ -492,7 +505,7 @@ class FastPath(RequestWait):
                 return False
             self.answered -= 1
         head = bytearray(h[:IN_HEADER.size])
-        struct.pack_into("<I", head, 0, IN_HEADER.size + opsize + psz)
+        _U32.pack_into(head, 0, IN_HEADER.size + opsize + psz)
         try:
             self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
         finally:
@@ -501,7 +514,7 @@ class FastPath(RequestWait):
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
-        fh, off, size, write_flags, _, _, _ = RW_IN.unpack_from(self.head, IN_HEADER.size)
+        fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(self.head, IN_HEADER.size)
         if n != HEAD + size:
             self.reply_error(unique, errno.EIO)
             return
@@ -558,7 +571,7 @@ class FastPath(RequestWait):
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
                         ops.wrote(h, x, off + done[0], done[0])
-                        self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, done[0], 0))
+                        self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, done[0], 0))
                     else:
                         self.reply_error(unique, errno.EINTR)
                     return
@@ -575,10 +588,10 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return
         self.writes_in_place += 1
-        self.send(WRITE_OUT.pack(WRITE_OUT.size, 0, unique, size, 0))
+        self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0))
 
     async def read(self, unique: int, pid: int = 0, head=None, at: int = IN_HEADER.size) -> None:
-        fh, off, size, _, _, _, _ = RW_IN.unpack_from(self.head if head is None else head, at)
+        fh, off, size, _, _, _, _ = READ_IN.unpack_from(self.head if head is None else head, at)
         token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
         try:
             # guarded: only FUSEError escapes
@@ -727,7 +740,7 @@ class FastPath(RequestWait):
         """What the queue threads answered is taken in, the releases run and prepared windows
         that waited too long go: on the idle sealer's tick and before the status is read. (A
         WRITE they landed whole and answered wakes this side only once a segment fills or the
-        landed list is half full, ring.c: a file written and kept open would otherwise stay
+        landed list is half full, ring_landing.c: a file written and kept open would otherwise stay
         unrecorded until the next request.)"""
         if self.ring is not None:
             self.settle_ring()
@@ -760,7 +773,7 @@ class FastPath(RequestWait):
         writers, a request pyfuse3 served). Only this writer's own directories, under the
         number the kernel knows them by."""
         if self.ring is not None and d.layer == 0 and d.ino == nodeid:
-            self.ring.attr_put(nodeid, attr_out)
+            self.ring.attr_put(nodeid, attr_out, self.ops.inherited_gid(d))
 
     def dir_names(self, nodeid: int) -> None:
         """With the ring, after a LOOKUP of a name not in directory `nodeid`: the queue threads
@@ -823,7 +836,7 @@ class FastPath(RequestWait):
 
     async def simple(self, unique: int, handler, fh: int | None = None) -> None:
         if fh is None:
-            fh, = FH_IN.unpack_from(self.head, IN_HEADER.size)
+            fh = FLUSH_IN.unpack_from(self.head, IN_HEADER.size)[0]
         try:
             await handler(fh)
         except pyfuse3.FUSEError as exc:
@@ -890,7 +903,7 @@ class FastPath(RequestWait):
         ops = self.ops
         ops.ns.watch = self
         if not ops.settings.readonly:
-            ring.create_setup(ops.settings.direct_writes, self.entry_valid)
+            ring.create_setup(self.create_policy())
             ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
         self.offer_zone()
         flusher = self.ops.flusher
@@ -903,6 +916,20 @@ class FastPath(RequestWait):
         log.info("%s: %d queues of %d entries (%d KiB each), %d of them served from their own "
                  "CPU", "queue threads on /dev/fuse" if dev else "FUSE over io_uring",
                  ring.nqueues, ring.depth, payload >> 10, ring.counts()["ring_queues_pinned"])
+
+    def create_policy(self) -> fring.CreatePolicy:
+        """What a file the queue threads create is: what a CREATE served here makes of it
+        (ops.new_file_mode, ops.file_info for a new file, _open_flags, takes_writes), handed
+        over as data (fuse/ring.h, struct ck_fring_policy)."""
+        ops = self.ops
+        file_type = stat.S_IFMT(ops.new_file_mode(0, 0))
+        modes = range(4)  # (by access mode: O_RDONLY, O_WRONLY, O_RDWR, O_ACCMODE)
+        return fring.CreatePolicy(
+            entry_valid=self.entry_valid, attr_valid=ATTR_VALID, file_type=file_type,
+            mode_bits=ops.new_file_mode(0xFFFFFFFF, 0) & ~file_type, blksize=IO_BLOCK_BYTES,
+            open_flags=tuple(_open_flags(ops.file_info(acc), acc) for acc in modes),
+            writes_here=tuple(acc != os.O_RDONLY for acc in modes),
+            no_writes_mode=SETID_BITS)  # (a WRITE may have to clear them: ops.clear_setid)
 
     def offer_zone(self) -> None:
         """Offer the staging's tails to the queue threads for the next WRITE payloads (once
@@ -1017,7 +1044,7 @@ class FastPath(RequestWait):
                 self.prepare_lookups(parent, name)
 
     def make_created(self, created: list[tuple]) -> None:
-        """Make the files the queue threads created (fuse/ring.c), in order, as the CREATE
+        """Make the files the queue threads created (fuse/ring_dirs.c), in order, as the CREATE
         would have made them here, with their numbers and time: the INODE record, the open
         handle (the queue threads put it in the writable set themselves; it may be released
         already). The queue threads have the directory's names and attributes as they are
@@ -1060,7 +1087,7 @@ class FastPath(RequestWait):
         """After a LOOKUP found `name` in directory `parent`: the answers to LOOKUPs of the
         names after it in the directory's creation order (LOOKUPS_AHEAD of them), each
         file's next OPEN prepared too where its bytes are cached (prepare_open), so that the
-        queue threads answer a restore's next files without this side (fuse/ring.c,
+        queue threads answer a restore's next files without this side (fuse/ring_reads.c,
         fr_lookup). Only files no one has open with one name, in one of this writer's own
         directories; every change of a directory or of a file's attributes, a handle that
         can write, a file's extent map changing and a look at other writers that brings
@@ -1179,7 +1206,7 @@ class FastPath(RequestWait):
         answer its next READs of the bytes from there (from 0 for a file that fits in one
         window, unless the bytes cached from 0 stop short of `off`: `torch.load` reads a
         zip's directory at its end in several small READs first) that are in the read cache,
-        checked, from the cache's buffers (fuse/ring.c, fr_read), until the
+        checked, from the cache's buffers (fuse/ring_reads.c, fr_read), until the
         window runs out (the READ past it comes here and opens the next), the handle is
         released, or the file may change (a write, a truncate, a handle that can write, a look
         at other writers that brings changes). Only for a handle that reads alone: the only
@@ -1259,7 +1286,7 @@ class FastPath(RequestWait):
         """After a LOOKUP found file x (or a file `ahead` names after it, prepare_lookups):
         when its first bytes are in the read cache, checked, and no one has it open, a
         window over them is prepared with a new handle number, and the queue threads answer
-        the file's next read-only OPEN themselves (fuse/ring.c, fr_open): a restore's small
+        the file's next read-only OPEN themselves (fuse/ring_reads.c, fr_open): a restore's small
         file is then a LOOKUP here and an OPEN, READs and a RELEASE without this side. The
         window is dropped as any other when the file may change; at most PREPARED_MAX wait
         for their OPEN (past it, one of the files furthest ahead goes: those of several
@@ -1431,8 +1458,8 @@ class FastPath(RequestWait):
         body = IN_HEADER.size
         if len(msg) < body + SETATTR_MODE_AT + 4:
             return
-        valid, = struct.unpack_from("<I", msg, body)
-        mode, = struct.unpack_from("<I", msg, body + SETATTR_MODE_AT)
+        valid, = _U32.unpack_from(msg, body)
+        mode, = _U32.unpack_from(msg, body + SETATTR_MODE_AT)
         if not (valid & FATTR_MODE and mode & SETID_BITS):
             return
         x = self.ops.ns.inodes.get(IN_HEADER.unpack_from(msg)[3])
@@ -1485,18 +1512,18 @@ class FastPath(RequestWait):
         more = self.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP
         if self.uring_wanted:
             reason = fring.enabled()
-            if reason is None and not self.kernel_flags & fring.FUSE_OVER_IO_URING:
+            if reason is None and not self.kernel_flags & FUSE_OVER_IO_URING:
                 reason = "the kernel did not offer it"
             if reason is None:
-                more |= fring.FUSE_OVER_IO_URING
+                more |= FUSE_OVER_IO_URING
             else:
                 log.warning("--fuse-uring: requests stay on /dev/fuse: %s", reason)
         # (the queue threads' payload buffers: the kernel's least read buffer, max_write,
         # max_pages pages, FUSE_MIN_READ_BUFFER)
-        pages = (INIT_OUT_MAX_PAGES.unpack_from(msg, OUT_HEADER.size + 28)[0]
+        pages = (_U16.unpack_from(msg, OUT_HEADER.size + INIT_OUT_MAX_PAGES)[0]
                  if flags & FUSE_MAX_PAGES else 32)
         payload = (max(8192, max_write, pages * 4096) + 4095) & ~4095
-        if self.threads_wanted and not more & fring.FUSE_OVER_IO_URING:
+        if self.threads_wanted and not more & FUSE_OVER_IO_URING:
             reason = fring.threads_unavailable()
             if reason is None:
                 self.ring_payload, self.ring_dev = payload, True
@@ -1505,15 +1532,16 @@ class FastPath(RequestWait):
                             reason)
         if more and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4:
             at = OUT_HEADER.size + INIT_OUT_FLAGS2
-            flags2 = struct.unpack_from("<I", msg, at)[0] if flags & FUSE_INIT_EXT else 0
+            flags2 = _U32.unpack_from(msg, at)[0] if flags & FUSE_INIT_EXT else 0
             flags |= FUSE_INIT_EXT
-            struct.pack_into("<I", msg, OUT_HEADER.size + 12, flags)
-            struct.pack_into("<I", msg, at, flags2 | more >> 32)
+            _U32.pack_into(msg, OUT_HEADER.size + protocol.layout("fuse_init_out").offset("flags"),
+                           flags)
+            _U32.pack_into(msg, at, flags2 | more >> 32)
             if more & FUSE_DIRECT_IO_ALLOW_MMAP:
                 self.ops.initialised(shared_mmap_direct=True)
                 log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
                          "on" if self.ops.negotiated.direct_reads else "off")
-            if more & fring.FUSE_OVER_IO_URING:
+            if more & FUSE_OVER_IO_URING:
                 self.ring_payload, self.ring_dev = payload, False
         self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
         if len(self.overflow or b"") < self.request_max:

@@ -7,19 +7,20 @@ through the hypervisor (~85 us per waited request on this VM without halt pollin
 request spin saves the daemon's side of it, not the caller's: docs/benchmarks.md, "What the
 FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the module switch
 /sys/module/fuse/parameters/enable_uring = Y) the kernel keeps a queue per CPU and puts a
-request on its caller's CPU's queue. One C thread per queue (fuse/ring.c), pinned to that CPU,
+request on its caller's CPU's queue. One C thread per queue (fuse/ring*.c), pinned to that CPU,
 holds the queue's ring entries, hands each request to this side through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
-wake-up is local. Eight requests are answered by the queue thread itself (a WRITE that
-landed whole on a handle open for writing, FLUSH while the flusher has no error to report,
-IOCTL, GETATTR of a directory whose attributes this side left with it, LOOKUP of a name not in
-a directory whose names this side left with it, CREATE of such a name, READ inside the read
-window this side left for its handle (bytes of the read cache), and RELEASE, whose work this
-side does later, as it makes the created files in the tree and accounts for the READs:
-fuse/ring.c); every other one
-is served here, by the fast path's handlers
-(fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are read from and where
-its answer goes differ:
+wake-up is local. Some requests are answered by the queue thread itself, from what this
+side handed it (fuse/ring.c lists them; fuse/ring.h declares what passes between the two
+sides, struct ck_fring_policy what a file they create is): a WRITE that landed whole on a
+handle open for writing, FLUSH while the flusher has no error to report, IOCTL, GETATTR of a
+directory whose attributes this side left with it, LOOKUP of a name not in a directory whose
+names this side left with it or of a name whose answer it prepared, CREATE of a new name,
+OPEN of a file it prepared a read window for, READ inside a handle's read window (bytes of
+the read cache), and RELEASE, whose work this side does later, as it makes the created files
+and opened handles and accounts for the READs. Every other one is served here, by the fast
+path's handlers (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are
+read from and where its answer goes differ:
 
 - a request sits in its ring entry: the 40-byte header and the op's fixed part in the entry's
   header buffer, the rest (names, a WRITE's payload) in its payload buffer. A WRITE's payload
@@ -59,18 +60,20 @@ from __future__ import annotations
 import errno
 import os
 import struct
+from typing import NamedTuple
 
 from ckptfs.format.records import MAX_FILE_BYTES
+from ckptfs.fuse import protocol
 from ckptfs.io import uring
 from ckptfs.io.uring import ffi, lib
 
 ENABLE_URING = "/sys/module/fuse/parameters/enable_uring"
-FUSE_OVER_IO_URING = 1 << 41  # INIT flags (bits 32-63: flags2)
 # Layout of an entry's header buffer (struct fuse_uring_req_header): the in/out header, the
 # op's fixed part, then struct fuse_uring_ent_in_out.
-OP_IN = 128
-OP_IN_SIZE = 128
-PAYLOAD_SZ = 256 + 16  # fuse_uring_ent_in_out.payload_sz
+_REQ_HEADER = protocol.layout("fuse_uring_req_header")
+OP_IN = _REQ_HEADER.offset("op_in")
+OP_IN_SIZE = _REQ_HEADER.offset("ring_ent_in_out") - OP_IN
+PAYLOAD_SZ = _REQ_HEADER.offset("ring_ent_in_out.payload_sz")
 # Memory: each entry has a payload buffer as large as the biggest request (1 MiB); a queue
 # gets QUEUE_DEPTH entries (as many requests in service at once as the /dev/fuse loop's
 # request tasks, fuse/loop.MAX_TASKS), fewer on machines with many CPUs (RING_MEMORY in all,
@@ -86,11 +89,11 @@ QUEUE_COUNTS = ("ring_requests", "ring_answered_in_c", "ring_attrs_answered_in_c
 # Inode and handle numbers reserved for the queue threads' creates at a time (taken again once
 # fewer than a quarter are left).
 RESERVE = 256
-# Buffers of a read window at most (ring.c's WINDOW_PARTS); handles with one: WINDOWS.
-WINDOW_PARTS = 4
-WINDOWS = 64
-# Directories whose names the queue threads hold at most (ring.c's NAME_DIRS).
-NAME_DIRS = 32
+# Buffers of a read window at most; directories whose names the queue threads hold at most
+# (fuse/ring.h; the values stand where the module is not built, and no queue threads run).
+WINDOW_PARTS = lib.CK_FRING_WINDOW_PARTS if lib is not None else 4
+NAME_DIRS = lib.CK_FRING_NAME_DIRS if lib is not None else 32
+_U32 = struct.Struct("<I")  # fuse_uring_ent_in_out.payload_sz
 # Queue threads on /dev/fuse at most (on the first DEV_QUEUES CPUs this process may use):
 # every request wakes each of them (a thread in poll(2)), so many would cost every request a
 # wake-up per CPU.
@@ -133,11 +136,25 @@ class RingError(OSError):
     pass
 
 
+class CreatePolicy(NamedTuple):
+    """What a file the queue threads create is (struct ck_fring_policy), as the Python side
+    decided it (FastPath.create_policy, from ops)."""
+
+    entry_valid: tuple[int, int]  # its entry's timeout (s, ns)
+    attr_valid: tuple[int, int]  # its attributes' timeout (s, ns)
+    file_type: int  # the type bits of its mode (S_IFREG)
+    mode_bits: int  # the bits of CREATE's mode it keeps, those the umask leaves
+    blksize: int  # its attributes' blksize
+    open_flags: tuple[int, int, int, int]  # FOPEN_* of its handle, by access mode (O_ACCMODE)
+    writes_here: tuple[bool, bool, bool, bool]  # its handle takes writes, by access mode...
+    no_writes_mode: int  # ... unless its mode has one of these bits
+
+
 class Ring:
     """The queue threads of one mount and the entries they hand over."""
 
     def __init__(self, fuse_fd: int, payload: int, spin_s: float, dev: bool = False) -> None:
-        self.dev = dev  # the requests are read from /dev/fuse (ring.c, "/dev/fuse")
+        self.dev = dev  # the requests are read from /dev/fuse (fuse/ring_dev.c)
         cpus = sorted(os.sched_getaffinity(0))[:DEV_QUEUES] if dev else None
         self.nqueues = len(cpus) if dev else queues()
         self.depth = max(1, min(QUEUE_DEPTH, RING_MEMORY // (self.nqueues * payload)))
@@ -231,7 +248,7 @@ class Ring:
 
     def sum_landed(self) -> int:
         """The CRC32C of the landed writes not taken yet into their records, in C (GIL
-        released) while the queue threads go on landing; how many (fuse/ring.c)."""
+        released) while the queue threads go on landing; how many (fuse/ring_landing.c)."""
         return lib.ck_fring_sum_landed(self.handle)
 
     def released(self) -> int:
@@ -258,11 +275,19 @@ class Ring:
         take_released and take_created then return the last of them."""
         lib.ck_fring_defer_here(self.handle, 0)
 
-    def create_setup(self, direct_writes: bool, entry_valid: tuple[int, int]) -> None:
-        """The queue threads answer CREATE where they can (fuse/ring.c): a write-only handle
-        gets FOPEN_DIRECT_IO with `direct_writes`; a new file's entry is valid for
-        `entry_valid` (s, ns). Numbers come from reserve()."""
-        lib.ck_fring_create_setup(self.handle, 1 if direct_writes else 0, *entry_valid)
+    def create_setup(self, policy: CreatePolicy) -> None:
+        """The queue threads answer CREATE where they can (fuse/ring_dirs.c), the new file
+        being what `policy` says. Numbers come from reserve()."""
+        p = ffi.new("struct ck_fring_policy *")
+        p.entry_valid, p.entry_valid_nsec = policy.entry_valid
+        p.attr_valid, p.attr_valid_nsec = policy.attr_valid
+        p.file_type = policy.file_type
+        p.mode_bits = policy.mode_bits
+        p.blksize = policy.blksize
+        p.open_flags = list(policy.open_flags)
+        p.writes_here = [1 if w else 0 for w in policy.writes_here]
+        p.no_writes_mode = policy.no_writes_mode
+        lib.ck_fring_create_setup(self.handle, p)
 
     def reserve_left(self) -> int:
         """Creates the numbers reserved for the queue threads are left for."""
@@ -376,7 +401,7 @@ class Ring:
     def request(self, i: int) -> tuple[memoryview, int]:
         """Entry i's header buffer and its payload's length."""
         h = self.headers[i]
-        return h, struct.unpack_from("<I", h, PAYLOAD_SZ)[0]
+        return h, _U32.unpack_from(h, PAYLOAD_SZ)[0]
 
     def answer(self, i: int, header: bytes, data) -> bool:
         """Entry i's answer: `header` (out header and maybe the start of the body), then the
@@ -393,7 +418,7 @@ class Ring:
             k = len(d)
             pay[pos:pos + k] = d
             pos += k
-        struct.pack_into("<I", h, PAYLOAD_SZ, body)
+        _U32.pack_into(h, PAYLOAD_SZ, body)
         lib.ck_fring_answer(self.handle, i)
         return True
 
@@ -424,11 +449,13 @@ class Ring:
                 "ring_writable_handles": lib.ck_fring_writable_count(self.handle)
                 if self.handle is not None else 0}
 
-    def attr_put(self, nodeid: int, attr_out: bytes) -> None:
+    def attr_put(self, nodeid: int, attr_out: bytes, new_gid: int | None) -> None:
         """GETATTR of directory `nodeid` is answered by the queue threads with `attr_out` (a
-        struct fuse_attr_out) until a directory changes (dirs_changed)."""
+        struct fuse_attr_out) until a directory changes (dirs_changed); a file they create in
+        it takes group `new_gid` (None: its creator's)."""
         if self.handle is not None:
-            lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out))
+            lib.ck_fring_attr_put(self.handle, nodeid, attr_out, len(attr_out),
+                                  -1 if new_gid is None else new_gid)
 
     def names_put(self, nodeid: int, names) -> bool:
         """LOOKUP of a name in directory `nodeid` that is none of `names` (bytes) is answered
