@@ -7,47 +7,15 @@ tests are skipped where this kernel has no such switch)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shutil
 import signal
 import subprocess
 
 import pytest
 
 from ckptfs import api
-from ckptfs.fuse import ring
-
-FUSE_URING = os.environ.get("CKPTFS_TEST_FUSE_URING") == "1"
-
-
-@contextlib.contextmanager
-def uring_switch(value: str = "Y"):
-    """The kernel's FUSE over io_uring switch set to `value` for the block, then put back.
-    Skips the test where the kernel has none or it cannot be written."""
-    try:
-        with open(ring.ENABLE_URING) as f:
-            was = f.read().strip()
-    except OSError:
-        pytest.skip("this kernel has no FUSE over io_uring")
-    if value == "Y":  # (io_uring itself may be off here: a sysctl, seccomp, a stub build)
-        from ckptfs.io.uring import ffi, lib
-        if lib is None or not lib.ck_have_uring():
-            pytest.skip("ckptfs was built without io_uring")
-        err, features = ffi.new("int *"), ffi.new("unsigned int *")
-        r = lib.ck_ring_open(1, err, features)
-        if r == ffi.NULL:
-            pytest.skip(f"io_uring is not usable here: {os.strerror(err[0])}")
-        lib.ck_ring_close(r)
-    try:
-        with open(ring.ENABLE_URING, "w") as f:
-            f.write(value)
-    except OSError as exc:
-        pytest.skip(f"cannot set {ring.ENABLE_URING}: {exc}")
-    try:
-        yield
-    finally:
-        with open(ring.ENABLE_URING, "w") as f:
-            f.write(was)
+from helpers import FUSE_URING, Tracker, Volume, uring_switch
 
 
 @pytest.fixture(scope="session", autouse=FUSE_URING)
@@ -130,3 +98,57 @@ def mounts(tmp_path):
 def mnt(mounts):
     """One mounted ckptfs over a fresh backing directory: the Mount object."""
     return mounts.mount()
+
+
+@pytest.fixture
+def track():
+    """Mount points a mount_scripts/ test made (Tracker): none is left behind."""
+    t = Tracker()
+    try:
+        yield t
+    finally:
+        t.cleanup()
+
+
+# ---------------------------------------------------------------- GlusterFS (root)
+@pytest.fixture(scope="session")
+def gluster():
+    vol = Volume()
+    try:
+        vol.up()
+        yield vol
+    finally:
+        if vol.started:
+            vol.down()
+        elif os.path.isdir(os.path.join(vol.mount, f"tests-{os.getpid()}")):
+            shutil.rmtree(os.path.join(vol.mount, f"tests-{os.getpid()}"), ignore_errors=True)
+
+
+@pytest.fixture
+def gdir(gluster, request):
+    """A fresh directory on the volume for this test (removed afterwards)."""
+    path = gluster.subdir(request.node.name)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a second client ("node")
+@pytest.fixture
+def second_client(gluster, tmp_path):
+    """The volume mounted a second time: another gluster client, with caches of its own, as
+    on another node. Returns a function mapping a path on the first mount to the second.
+    Request it before `mounts`, so the ckptfs mounts over it are gone when it is torn down."""
+    mp2 = str(tmp_path / "client2")
+    os.mkdir(mp2)
+    src = api.mount_at(os.path.realpath(gluster.mount)).source
+    subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={tmp_path}/client2.log", src,
+                    mp2], check=True, timeout=60, capture_output=True)  # (not in /var/log)
+    try:
+        yield lambda p: os.path.join(mp2, os.path.relpath(p, gluster.mount))
+    finally:
+        try:
+            subprocess.run(["umount", mp2], timeout=60, capture_output=True)
+        except subprocess.TimeoutExpired:
+            pass
+        if os.path.ismount(mp2):
+            subprocess.run(["umount", "-l", mp2], timeout=30, capture_output=True)

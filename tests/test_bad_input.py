@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
-from helpers_reliability import cli, tree_snapshot
+from helpers import cli, tree_snapshot
 
 from ckptfs import api
 from ckptfs.format import backingdir, records

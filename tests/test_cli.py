@@ -6,21 +6,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
+from helpers import cli, md5_tree
 
 from ckptfs import api, system
 
-CKPTFS = [sys.executable, "-m", "ckptfs"]
-
 
 def run(*args, check=True, timeout=120):
-    r = subprocess.run(CKPTFS + [str(a) for a in args], capture_output=True, text=True,
-                       timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"ckptfs {args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
+    """`ckptfs ARGS`, which must succeed unless check=False."""
+    return cli(*args, check=check, timeout=timeout)
 
 
 @pytest.fixture
@@ -174,21 +169,6 @@ def test_demo_runs(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _md5_tree(root):
-    import hashlib
-
-    out = {}
-    for dp, _, fns in os.walk(root):
-        for fn in fns:
-            p = os.path.join(dp, fn)
-            if os.path.islink(p):
-                out[os.path.relpath(p, root)] = "->" + os.readlink(p)
-            else:
-                with open(p, "rb") as f:
-                    out[os.path.relpath(p, root)] = hashlib.md5(f.read()).hexdigest()
-    return out
-
-
 def test_gc_compact_export_keep_content(mounts, tmp_path):
     m = mounts.mount()
     mp = m.mountpoint
@@ -205,7 +185,7 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     assert "would remove" in r.stdout and os.path.exists(f"{mp}/step_1")
     r = run("gc", mp, "--keep", "2")
     assert sorted(os.listdir(mp)) == ["latest", "step_10", "step_9"]  # natural order: 9 < 10
-    before = _md5_tree(mp)
+    before = md5_tree(mp)
     assert run("compact", m.backing, check=False).returncode == 1  # mounted: refused
     m.stop()
     wdir = os.path.join(m.backing, "writers")
@@ -219,14 +199,14 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     assert run("verify", m.backing).returncode == 0
     exp = tmp_path / "export"
     run("export", m.backing, exp)
-    assert _md5_tree(exp) == before
+    assert md5_tree(exp) == before
     # and back in: import into a fresh backing directory gives the same tree
     b2 = tmp_path / "reimported"
     b2.mkdir()
     run("import", exp, b2, "copy")
     exp2 = tmp_path / "export2"
     run("export", b2, exp2, "copy")
-    assert _md5_tree(exp2) == before
+    assert md5_tree(exp2) == before
     # a second writer, then everything merged into one writer
     m2 = mounts.mount(m.backing, writer_id="second")
     with open(f"{m2.mountpoint}/other", "wb") as f:
@@ -235,7 +215,7 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
     run("compact", "--merge", "--into", "all", m.backing)
     assert os.listdir(wdir) == ["all"]
     m3 = mounts.mount(m.backing, writer_id="all")
-    after = _md5_tree(m3.mountpoint)
+    after = md5_tree(m3.mountpoint)
     assert after.pop("other") == __import__("hashlib").md5(b"x" * 10).hexdigest()
     assert after == before
     assert os.stat(f"{m3.mountpoint}/step_9/w").st_size == 2_000_000

@@ -14,7 +14,7 @@ import stat
 import struct
 
 import pytest
-from helpers_reliability import KiB, MiB, cli, content, damage_run, read_all
+from helpers import KiB, MiB, cli, content, damage_run, read_all
 
 from ckptfs.daemon import replay
 from ckptfs.format import backingdir, records

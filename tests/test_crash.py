@@ -14,11 +14,12 @@ import multiprocessing
 import os
 import random
 import signal
-import stat
 import time
 
 import pytest
-from helpers_reliability import KiB, MiB, cli, content, first_mismatch, read_all, wait_unmounted
+from helpers import (
+    KiB, check_tree, cli, content, read_all, read_journal, wait_unmounted, writer_main,
+)
 
 from ckptfs import api
 from ckptfs.daemon import replay
@@ -28,147 +29,7 @@ from ckptfs.namespace import Namespace
 pytestmark = pytest.mark.timeout(240)
 
 ITERS = int(os.environ.get("CKPTFS_CRASH_ITERS", "10"))
-OPTS = dict(staging_size="8M", segment_size="1M", idle_flush=0.1, writer_id="w")
-
-
-# ---------------------------------------------------------------- the writer process
-def _size(rng: random.Random) -> int:
-    r = rng.random()
-    if r < 0.1:
-        return 0
-    if r < 0.4:
-        return rng.randint(1, 8 * KiB)
-    if r < 0.85:
-        return rng.randint(8 * KiB, 512 * KiB)
-    return rng.randint(512 * KiB, 3 * MiB)
-
-
-def writer_main(mnt: str, it: int, seed: int, journal_path: str) -> None:
-    """Write files i<it>/f<j> front to back until the file system goes away. Journal lines
-    (appended, on the real disk): 'P name size' before the file is created (the planned final
-    size), 'D name' once its data is durable (its fsync, or a sync after its close returned)."""
-    rng = random.Random(seed)
-    jfd = os.open(journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def note(line: str) -> None:
-        os.write(jfd, (line + "\n").encode())
-
-    closed: list[str] = []
-    try:
-        os.mkdir(os.path.join(mnt, f"i{it}"))
-        for j in range(100000):
-            name = f"i{it}/f{j:04d}"
-            size = _size(rng)
-            data = content(name, size)
-            note(f"P {name} {size}")
-            fd = os.open(os.path.join(mnt, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            pos = 0
-            while pos < size:
-                k = min(size - pos, rng.choice([4 * KiB, 100 * KiB, 1 * MiB, 1500 * KiB]))
-                os.write(fd, data[pos:pos + k])
-                pos += k
-            if rng.random() < 0.15:
-                os.fsync(fd)
-                note(f"D {name}")
-            os.close(fd)
-            closed.append(name)
-            if rng.random() < 0.03:
-                api.sync(mnt)
-                for n in closed:
-                    note(f"D {n}")
-                closed.clear()
-    except OSError:
-        pass  # the daemon is gone (ENOTCONN) -- that is the point
-    finally:
-        os.close(jfd)
-
-
-def read_journal(path: str) -> tuple[dict[str, int], set[str]]:
-    planned, durable, _ = read_journal_with_deletes(path)
-    return planned, durable
-
-
-def read_journal_with_deletes(path: str) -> tuple[dict[str, int], set[str], set[str]]:
-    """(planned sizes, durable names, names deleted) of a writer's journal: lines 'P name
-    size', 'D name', 'U name'; a torn last line is ignored."""
-    planned: dict[str, int] = {}
-    durable: set[str] = set()
-    deleted: set[str] = set()
-    if not os.path.exists(path):
-        return planned, durable, deleted
-    with open(path) as f:
-        for line in f:
-            parts = line.split()
-            if not line.endswith("\n") or not parts:
-                continue
-            if parts[0] == "P":
-                planned[parts[1]] = int(parts[2])
-            elif parts[0] == "D":
-                durable.add(parts[1])
-            elif parts[0] == "U":
-                deleted.add(parts[1])
-    return planned, durable, deleted
-
-
-def list_files(mnt: str) -> dict[str, str]:
-    """{relative path: 'f' | 'd'} of the whole mount."""
-    out = {}
-    for d, dirs, files in os.walk(mnt):
-        for n in dirs:
-            out[os.path.relpath(os.path.join(d, n), mnt)] = "d"
-        for n in files:
-            p = os.path.join(d, n)
-            assert stat.S_ISREG(os.lstat(p).st_mode), p
-            out[os.path.relpath(p, mnt)] = "f"
-    return out
-
-
-def check_tree(mnt: str, planned: dict[str, int], durable: set[str],
-               seen: dict[str, tuple | None], full: bool) -> tuple[int, int, int]:
-    """Check the remounted tree against what the writers did. `seen` keeps the state found
-    at an earlier remount of files that are finished (their state must never change): their
-    contents are read again only when `full`, else their size is compared. Returns (exact,
-    partial, absent) counts."""
-    found = list_files(mnt)
-    dirs = {p for p, t in found.items() if t == "d"}
-    files = {p for p, t in found.items() if t == "f"}
-    unknown = files - set(planned)
-    assert not unknown, f"files nobody wrote: {sorted(unknown)[:5]}"
-    assert all(d.startswith("i") and "/" not in d for d in dirs), dirs
-    exact = partial = absent = 0
-    for name, size in planned.items():
-        want = content(name, size)
-        if name not in files:
-            assert name not in durable, f"{name}: fsync/sync returned before the kill, " \
-                f"but the file is gone after the remount"
-            state = None
-            absent += 1
-        elif name in seen and not full:
-            state = seen[name]
-            assert state is not None and os.path.getsize(os.path.join(mnt, name)) == state[0], \
-                f"{name}: changed between remounts without being written"
-            continue
-        else:
-            got = read_all(os.path.join(mnt, name))
-            if name in durable:
-                assert got == want, f"{name}: durable, but reads back {len(got)} bytes of " \
-                    f"{size}, first difference at {first_mismatch(got, want)}"
-            assert len(got) <= size, f"{name}: {len(got)} bytes, more than the {size} written"
-            bad = first_mismatch(got, want[:len(got)])
-            assert bad < 0, f"{name}: {len(got)} bytes of {size}; byte {bad} differs from " \
-                "what was written there (not a state the file ever had)"
-            if len(got) == size:
-                exact += 1
-            else:
-                partial += 1
-            state = (len(got), hash(got))
-        if name in seen:
-            old = seen[name]
-            assert state == old, f"{name}: changed between remounts without being written " \
-                f"({old} -> {state})"
-        else:
-            seen[name] = state
-    return exact, partial, absent
+CRASH_WRITER_OPTS = dict(staging_size="8M", segment_size="1M", idle_flush=0.1, writer_id="w")
 
 
 def test_kill_9_mid_checkpoint(mounts, tmp_path):
@@ -180,7 +41,7 @@ def test_kill_9_mid_checkpoint(mounts, tmp_path):
     durable: set[str] = set()
     seen: dict[str, tuple | None] = {}
     ctx = multiprocessing.get_context("fork")
-    m = mounts.mount(backing, mnt, **OPTS)
+    m = mounts.mount(backing, mnt, **CRASH_WRITER_OPTS)
     totals = [0, 0, 0]
     for it in range(ITERS):
         jpath = str(tmp_path / f"journal{it}")
@@ -205,7 +66,7 @@ def test_kill_9_mid_checkpoint(mounts, tmp_path):
         # The index never points at garbage.
         res = cli("verify", backing)
         assert res.returncode == 0, f"verify after kill {it}: {res.stdout}{res.stderr}"
-        m = mounts.mount(backing, mnt, **OPTS)
+        m = mounts.mount(backing, mnt, **CRASH_WRITER_OPTS)
         log = mounts.log(m)
         counts = check_tree(mnt, planned, durable, seen, full=it in (0, ITERS - 1))
         totals = [a + b for a, b in zip(totals, counts)]
@@ -254,7 +115,7 @@ def mounted_tree(mnt: str) -> dict[str, int]:
 
 def test_torn_index_tail_and_garbage(mounts, tmp_path):
     backing = mounts.backing()
-    m = mounts.mount(backing, **OPTS)
+    m = mounts.mount(backing, **CRASH_WRITER_OPTS)
     rng = random.Random(99)
     sizes = {}
     for j in range(24):
@@ -288,7 +149,7 @@ def test_torn_index_tail_and_garbage(mounts, tmp_path):
         assert res.returncode == 0, f"cut {cut}: {res.stdout}{res.stderr}"
         if garbage:
             assert "warning:" in res.stderr, f"cut {cut}: no warning about the torn tail"
-        m = mounts.mount(backing, **OPTS)
+        m = mounts.mount(backing, **CRASH_WRITER_OPTS)
         try:
             got = mounted_tree(m.mountpoint)
             assert got == want, f"cut at {cut} (+{len(garbage)} garbage bytes): mount shows " \
@@ -308,7 +169,7 @@ def test_torn_index_tail_and_garbage(mounts, tmp_path):
         finally:
             m.stop()
         if i == len(cuts) - 2:
-            m = mounts.mount(backing, **OPTS)
+            m = mounts.mount(backing, **CRASH_WRITER_OPTS)
             assert read_all(os.path.join(m.mountpoint, "after")) == content("after", 70 * KiB)
             assert mounted_tree(m.mountpoint).keys() == set(want) | {"after"}
             m.stop()

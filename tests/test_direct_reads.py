@@ -20,12 +20,11 @@ torch = pytest.importorskip("torch")
 from ckptfs.bench import models  # noqa: E402
 from ckptfs.datapath.reader import CHUNK_BYTES as CHUNK  # noqa: E402
 from ckptfs.fuse.ops import IO_BLOCK_BYTES  # noqa: E402
-from helpers_reliability import status_reaches  # noqa: E402
+from helpers import status_reaches  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-
 
 
 def _state():

@@ -15,15 +15,8 @@ import sys
 import time
 
 import pytest
-from helpers_reliability import (
-    CLI,
-    NOBODY,
-    MiB,
-    cli,
-    content,
-    read_all,
-    status_reaches,
-    sync_until_ok,
+from helpers import (
+    CLI, MiB, NOBODY, cli, content, read_all, status_reaches, sync_until_ok,
     verify_and_remount,
 )
 
@@ -472,7 +465,6 @@ def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
         failing.heal()
     assert read_all(path) == data
     m2.stop()
-
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])

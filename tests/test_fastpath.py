@@ -14,48 +14,17 @@ import termios
 import time
 
 import pytest
-from helpers_reliability import check_files, cli
+from helpers import check_files, cli, seeded_bytes, write_tree
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 
 
-def _payload(n: int, seed: int) -> bytes:
-    import random
-
-    return random.Random(seed).randbytes(n)
-
-
-def _write_tree(root: str) -> dict[str, bytes]:
-    """Big files in 1 MiB writes and odd-sized pieces, small files, a subdirectory."""
-    files = {}
-    os.makedirs(os.path.join(root, "sub"), exist_ok=True)
-    for i in range(3):
-        p = os.path.join(root, f"big{i}")
-        data = _payload(9 * MiB + 4097 * i, i)
-        with open(p, "wb", buffering=0) as f:
-            pos = 0
-            for k in (MiB, 123_457, 5, 2 * MiB, 777):
-                while pos < len(data):
-                    pos += f.write(data[pos:pos + k])
-                    break
-            while pos < len(data):
-                pos += f.write(data[pos:pos + MiB])
-        files[p] = data
-    for i in range(50):
-        p = os.path.join(root, "sub", f"s{i}")
-        data = _payload(10 + 997 * i, 100 + i)
-        with open(p, "wb") as f:
-            f.write(data)
-        files[p] = data
-    return files
-
-
 def test_writes_land_in_place_and_other_requests_still_work(mounts):
     m = mounts.mount()
     root = m.mountpoint
-    files = _write_tree(root)
+    files = write_tree(root)
     # requests that go through pyfuse3: rename, symlink, xattrs, readdir, statfs, unlink
     os.rename(os.path.join(root, "big2"), os.path.join(root, "moved"))
     files[os.path.join(root, "moved")] = files.pop(os.path.join(root, "big2"))
@@ -94,7 +63,7 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
 
 def test_the_same_without_the_fast_path(mounts):
     m = mounts.mount(no_fast_path=True)
-    files = _write_tree(m.mountpoint)
+    files = write_tree(m.mountpoint)
     check_files(files, m.mountpoint, m.mountpoint)
     st = m.status()
     assert st["write_requests"] > 0
@@ -111,12 +80,12 @@ def test_writes_across_segment_ends_and_overwrites(mounts):
     the next ones; overwrites at odd offsets keep the newest bytes."""
     m = mounts.mount(segment_size="64K", staging_size="1M")
     p = os.path.join(m.mountpoint, "f")
-    model = bytearray(_payload(5 * MiB + 3, 7))
+    model = bytearray(seeded_bytes(5 * MiB + 3, 7))
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.write(fd, model)
         for i, off in enumerate((0, 65_535, 1_000_001, 5 * MiB - 10, 6 * MiB)):
-            patch = _payload(70_000 + i, 50 + i)
+            patch = seeded_bytes(70_000 + i, 50 + i)
             os.pwrite(fd, patch, off)
             end = off + len(patch)
             if end > len(model):
@@ -145,7 +114,8 @@ def test_backpressure_with_payloads_waiting_outside_the_segments(mounts):
     import threading
 
     m = mounts.mount(segment_size="64K", staging_size="128K")
-    data = {os.path.join(m.mountpoint, f"w{i}"): _payload(6 * MiB + i, 200 + i) for i in range(4)}
+    data = {os.path.join(m.mountpoint, f"w{i}"): seeded_bytes(6 * MiB + i, 200 + i)
+            for i in range(4)}
     errors = []
 
     def writer(p: str) -> None:
@@ -266,7 +236,7 @@ def test_writes_answered_without_the_daemon_become_durable_while_the_file_stays_
     made durable by the idle flush: a daemon killed then loses none of it."""
     m = mounts.mount(idle_flush=0.2)
     p = os.path.join(m.mountpoint, "open")
-    data = _payload(3 * MiB + 12_345, 7)
+    data = seeded_bytes(3 * MiB + 12_345, 7)
     fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         for i in range(0, len(data), MiB):

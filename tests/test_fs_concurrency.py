@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from helpers_reliability import read_uncached
+from helpers import read_uncached, write_file
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -29,15 +29,6 @@ def size_for(tag: str) -> int:
     r = random.Random(tag)
     return r.choice([1, r.randrange(1, 4096), r.randrange(4096, 256 * KiB),
                      r.randrange(256 * KiB, 3 * MiB + 1)])
-
-
-def write_file(path: str, data: bytes, chunk: int | None = None) -> None:
-    with open(path, "wb") as f:
-        if chunk is None:
-            f.write(data)
-        else:
-            for i in range(0, len(data), chunk):
-                f.write(data[i:i + chunk])
 
 
 def writer_job(root: str, who: str, nfiles: int) -> list[str]:

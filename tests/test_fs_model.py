@@ -9,7 +9,7 @@ import os
 import random
 
 import pytest
-from helpers_reliability import read_uncached
+from helpers import read_uncached
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+from helpers import wait_for
 
 from ckptfs import api
 
@@ -573,8 +574,6 @@ def test_blocks_of_another_writers_file(mounts):
         fh.seek(1_000_000)
         fh.write(b"y" * 50_000)  # a hole, then data
     m1.sync()
-    deadline = time.monotonic() + 20
-    while os.stat(f2).st_size != 1_050_000 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: os.stat(f2).st_size == 1_050_000, "the other mount to see the size")
     st = os.stat(f2)
     assert (st.st_size, st.st_blocks) == (1_050_000, 293)  # 150,000 bytes stored

@@ -9,7 +9,7 @@ import random
 import shutil
 
 import pytest
-from helpers_reliability import cli, content
+from helpers import cli, content
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.logs import RunReader

@@ -11,7 +11,9 @@ import subprocess
 import time
 
 import pytest
-from helpers_reliability import MiB, cli, content, read_all, sync_until_ok, verify_and_remount
+from helpers import (
+    MiB, cli, content, fill, read_all, read_fd, sync_until_ok, verify_and_remount, write_ckpt,
+)
 
 from ckptfs import api
 
@@ -36,46 +38,6 @@ def small_fs(tmp_path):
             time.sleep(0.1)
         else:
             subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
-def fill(path: str, nbytes: int) -> None:
-    with open(path, "wb") as f:
-        f.write(b"\xff" * nbytes)
-        os.fsync(f.fileno())
-
-
-def write_ckpt(path: str, data: bytes) -> str:
-    """Write, fsync, close; returns the first step that failed with ENOSPC ('' when none)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    failed = ""
-    try:
-        step = "write"
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off:off + MiB])
-        step = "fsync"
-        os.fsync(fd)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC, f"{step}: {exc}"
-        failed = step
-    try:
-        os.close(fd)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC, f"close: {exc}"
-        failed = failed or "close"
-    return failed
-
-
-def read_fd(path: str) -> tuple[bytes, int]:
-    """(contents, errno of close() or 0)."""
-    fd = os.open(path, os.O_RDONLY)
-    parts = []
-    while chunk := os.read(fd, MiB):
-        parts.append(chunk)
-    try:
-        os.close(fd)
-    except OSError as exc:
-        return b"".join(parts), exc.errno
-    return b"".join(parts), 0
 
 
 def fill_store(small_fs, mounts, opts):

@@ -15,9 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import uring_switch
-from helpers_reliability import check_files
-from test_fastpath import _write_tree
+from helpers import check_files, uring_switch, write_tree
 
 from ckptfs.bench import drop_caches
 from ckptfs.fuse import fastpath, ring
@@ -34,7 +32,7 @@ def test_requests_are_served_on_the_rings_bit_exact(mounts):
         st = m.status()
         assert st["transport"] == "io_uring", mounts.log(m)
         assert st["ring_queues"] == ring.queues()
-        files = _write_tree(m.mountpoint)
+        files = write_tree(m.mountpoint)
         state = {f"layer{i}.weight": torch.randn(257, 129 + i) for i in range(20)}
         state["big"] = torch.arange(3 * MiB, dtype=torch.int32)
         path = os.path.join(m.mountpoint, "sub", "model.pt")

@@ -1,10 +1,10 @@
 """ckptfs over a real parallel file system: a GlusterFS volume (two bricks on this machine,
 loopback only) stood up by mount_scripts/glusterfs.sh, with the backing directories on it.
 
-The session fixture uses a volume that is already up (and leaves it up), else brings one up
-and tears it down at the end, whatever happened (the script's `down`; after a timeout, a lazy
-unmount and the recorded PIDs killed). Skipped when not root or when the packages cannot be
-installed. Run just these: `pytest -m glusterfs`."""
+The session fixture (`gluster`, tests/conftest.py) uses a volume that is already up (and
+leaves it up), else brings one up and tears it down at the end, whatever happened (the
+script's `down`; after a timeout, a lazy unmount and the recorded PIDs killed). Skipped when
+not root or when the packages cannot be installed. Run just these: `pytest -m glusterfs`."""
 
 from __future__ import annotations
 
@@ -23,125 +23,21 @@ import time
 import pytest
 
 from ckptfs import api
-from helpers_reliability import MiB, cli, content, read_all, sync_until_ok, verify_and_remount
+from helpers import (
+    CRASH_WRITER_OPTS, DAEMONS, MiB, RANKS, Volume, backing_files, check_all, check_rank,
+    check_tree, cli, content, dcp_save_load, fill, four_writers, gpt_state_dict, kill_quietly,
+    listed, listed_mount, md5_tree, pids_in, rank_paths, read_all, read_fd, read_journal,
+    save_all, save_ranks, sync_until_ok, verify_and_remount, verify_ok, write_ckpt,
+    writer_main,
+)
 
 torch = pytest.importorskip("torch")
 
-import test_crash  # noqa: E402  (its writer process and tree checks)
-import test_multiwriter as mw  # noqa: E402
-from test_cli import _md5_tree  # noqa: E402
-from test_fs_torch import backing_files, check_all, dcp_save_load, gpt_state_dict, save_all  # noqa: E402
-from test_full_disk import fill, read_fd, write_ckpt  # noqa: E402
 
 pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(HERE), "mount_scripts", "glusterfs.sh")
-UP_TIMEOUT = 1200   # the first `up` on a fresh machine installs the packages
-DOWN_TIMEOUT = 300
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
-
-
-class Volume:
-    """One volume of the script: its environment, mount point, and whether this run started it."""
-
-    def __init__(self, **env: str) -> None:
-        self.env = dict(os.environ, GLUSTER_TIMEOUT="60", **env)
-        self.dir = self.env.get("GLUSTER_DIR", "/var/tmp/ckptfs-gluster")
-        self.name = self.env.get("GLUSTER_VOLUME", "ckptfs")
-        self.mount = self.env.get("GLUSTER_MOUNT", os.path.join(self.dir, "mnt"))
-        self.started = False
-
-    def script(self, cmd: str, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", SCRIPT, cmd], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-    def up(self) -> None:
-        if os.geteuid() != 0:
-            pytest.skip("GlusterFS needs root (glusterd, mount -t glusterfs, apt-get)")
-        if self.script("status", 60).returncode == 0:
-            return  # already up: used as it is, left up
-        self.started = True
-        res = self.script("up", UP_TIMEOUT)
-        if res.returncode == 3:
-            self.down()
-            pytest.skip(f"GlusterFS packages cannot be installed: {res.stderr.strip()}")
-        if res.returncode != 0:
-            self.down()
-            pytest.fail(f"glusterfs.sh up failed ({res.returncode}):\n{res.stdout}{res.stderr}")
-        assert os.path.ismount(self.mount), res.stdout
-
-    def down(self) -> None:
-        try:
-            res = self.script("down", DOWN_TIMEOUT)
-            if res.returncode == 0:
-                return
-            print(f"glusterfs.sh down failed:\n{res.stdout}{res.stderr}")
-        except subprocess.TimeoutExpired:
-            print(f"glusterfs.sh down did not finish in {DOWN_TIMEOUT} s")
-        # last resort: detach the mounts (volume, small bricks), kill what the script recorded
-        bricks = os.path.join(self.dir, "bricks")
-        paths = [self.mount] + ([os.path.join(bricks, b) for b in os.listdir(bricks)
-                                 if b.endswith(".fs")] if os.path.isdir(bricks) else [])
-        for d in paths:
-            if _listed_mount(d):
-                subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
-        for f in ("client.pid", "bricks.pids"):
-            for pid in _pids(os.path.join(self.dir, "state", f)):
-                _kill(pid)
-
-    def subdir(self, name: str) -> str:
-        path = os.path.join(self.mount, f"tests-{os.getpid()}", name)
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-        return path
-
-
-def _listed_mount(path: str) -> bool:
-    """In the mount table. Unlike os.path.ismount, true for a mount whose client died too
-    (its stat fails with ENOTCONN, yet it is mounted and must be detached)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            target = line.split()[4]
-            if re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target) == path:
-                return True
-    return False
-
-
-def _pids(path: str) -> list[int]:
-    try:
-        with open(path) as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture(scope="session")
-def gluster():
-    vol = Volume()
-    try:
-        vol.up()
-        yield vol
-    finally:
-        if vol.started:
-            vol.down()
-        elif os.path.isdir(os.path.join(vol.mount, f"tests-{os.getpid()}")):
-            shutil.rmtree(os.path.join(vol.mount, f"tests-{os.getpid()}"), ignore_errors=True)
-
-
-@pytest.fixture
-def gdir(gluster, request):
-    """A fresh directory on the volume for this test (removed afterwards)."""
-    path = gluster.subdir(request.node.name)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- loopback only
@@ -235,18 +131,18 @@ def test_dcp_save_load(gdir, mounts):
 
 # ---------------------------------------------------------------- crash
 def test_kill_9_fsynced_files_exact_after_remount(gdir, mounts, tmp_path):
-    """The local crash test's writer and checks (tests/test_crash.py), 3 kills, the backing
+    """The local crash test's writer and checks (tests/py), 3 kills, the backing
     directory on the volume."""
     mnt = str(tmp_path / "mnt")
     os.mkdir(mnt)
     rng = random.Random(4321)
     planned, durable, seen = {}, set(), {}
     ctx = multiprocessing.get_context("fork")
-    m = mounts.mount(gdir, mnt, **test_crash.OPTS)
+    m = mounts.mount(gdir, mnt, **CRASH_WRITER_OPTS)
     iters = 3
     for it in range(iters):
         jpath = str(tmp_path / f"journal{it}")
-        w = ctx.Process(target=test_crash.writer_main,
+        w = ctx.Process(target=writer_main,
                         args=(mnt, it, rng.randrange(1 << 30), jpath))
         w.start()
         time.sleep(rng.uniform(0.5, 1.5))
@@ -256,13 +152,13 @@ def test_kill_9_fsynced_files_exact_after_remount(gdir, mounts, tmp_path):
         res = cli("umount", mnt)
         assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
         m._reap(kill=False)
-        p, d = test_crash.read_journal(jpath)
+        p, d = read_journal(jpath)
         planned.update(p)
         durable |= d
         res = cli("verify", gdir)
         assert res.returncode == 0, f"verify after kill {it}: {res.stdout}{res.stderr}"
-        m = mounts.mount(gdir, mnt, **test_crash.OPTS)
-        test_crash.check_tree(mnt, planned, durable, seen, full=True)
+        m = mounts.mount(gdir, mnt, **CRASH_WRITER_OPTS)
+        check_tree(mnt, planned, durable, seen, full=True)
         assert "Traceback" not in mounts.log(m)
     m.stop()
     assert cli("verify", gdir).returncode == 0
@@ -323,19 +219,19 @@ def test_full_volume_enospc_then_recovery(small_gluster, mounts):
 
 # ---------------------------------------------------------------- several writers
 def test_four_writers_one_backing_directory(gdir, mounts):
-    ms = mw.four_writers(mounts, gdir)
-    mw.save_step(ms, 1)
+    ms = four_writers(mounts, gdir)
+    save_ranks(ms, 1)
     for m in ms:
         assert m.stop() == 0
     assert sorted(os.listdir(os.path.join(gdir, "writers"))) == [f"w{i}" for i in range(4)]
     ro = mounts.mount(gdir, ro=True)
-    assert ro.status()["writers"] == mw.DAEMONS
-    for r in range(mw.RANKS):
-        mw.check_rank(ro.mountpoint, 1, r)
-    mw.verify_ok(gdir)
-    names = mw.listed(gdir)
-    for r in range(mw.RANKS):
-        assert mw.rank_paths(1, r) <= names, r
+    assert ro.status()["writers"] == DAEMONS
+    for r in range(RANKS):
+        check_rank(ro.mountpoint, 1, r)
+    verify_ok(gdir)
+    names = listed(gdir)
+    for r in range(RANKS):
+        assert rank_paths(1, r) <= names, r
 
 
 # ---------------------------------------------------------------- verify / export / compact
@@ -350,7 +246,7 @@ def test_verify_export_compact(gdir, mounts, tmp_path):
     with open(f"{mp}/step_3/t0.pt", "r+b") as f:  # an overwrite leaves dead bytes
         f.seek(1000)
         f.write(os.urandom(5000))
-    before = _md5_tree(mp)
+    before = md5_tree(mp)
     assert m.stop() == 0
     r = cli("verify", gdir)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
@@ -358,36 +254,14 @@ def test_verify_export_compact(gdir, mounts, tmp_path):
     shutil.rmtree(exp, ignore_errors=True)
     r = cli("export", gdir, exp)
     assert r.returncode == 0, r.stderr
-    assert _md5_tree(exp) == before
+    assert md5_tree(exp) == before
     r = cli("compact", gdir)
     assert r.returncode == 0 and "MB live" in r.stdout, r.stdout + r.stderr
     assert cli("verify", gdir).returncode == 0
     m2 = mounts.mount(backing=gdir)
-    assert _md5_tree(m2.mountpoint) == before
+    assert md5_tree(m2.mountpoint) == before
     assert m2.stop() == 0
     shutil.rmtree(exp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- a second client ("node")
-@pytest.fixture
-def second_client(gluster, tmp_path):
-    """The volume mounted a second time: another gluster client, with caches of its own, as
-    on another node. Returns a function mapping a path on the first mount to the second.
-    Request it before `mounts`, so the ckptfs mounts over it are gone when it is torn down."""
-    mp2 = str(tmp_path / "client2")
-    os.mkdir(mp2)
-    src = api.mount_at(os.path.realpath(gluster.mount)).source
-    subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={tmp_path}/client2.log", src,
-                    mp2], check=True, timeout=60, capture_output=True)  # (not in /var/log)
-    try:
-        yield lambda p: os.path.join(mp2, os.path.relpath(p, gluster.mount))
-    finally:
-        try:
-            subprocess.run(["umount", mp2], timeout=60, capture_output=True)
-        except subprocess.TimeoutExpired:
-            pass
-        if os.path.ismount(mp2):
-            subprocess.run(["umount", "-l", mp2], timeout=30, capture_output=True)
 
 
 def test_restore_on_another_client_right_after_sync(gdir, second_client, mounts):
@@ -533,8 +407,8 @@ def test_script_recovers_from_a_run_killed_halfway(gluster):
                  GLUSTER_BRICKS="1")
 
     def kill_client() -> None:
-        (client,) = _pids(os.path.join(vol.dir, "state", "client.pid"))
-        _kill(client)
+        (client,) = pids_in(os.path.join(vol.dir, "state", "client.pid"))
+        kill_quietly(client)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -544,7 +418,7 @@ def test_script_recovers_from_a_run_killed_halfway(gluster):
                 break
             assert time.monotonic() < deadline, "the mount still answers after its client died"
             time.sleep(0.1)
-        assert _listed_mount(vol.mount) and not os.path.ismount(vol.mount)
+        assert listed_mount(vol.mount) and not os.path.ismount(vol.mount)
         res = vol.script("status", 60)
         assert res.returncode == 1 and "mounted: dead" in res.stdout, res.stdout + res.stderr
 
@@ -569,7 +443,7 @@ def test_script_recovers_from_a_run_killed_halfway(gluster):
         kill_client()
         res = vol.script("down", 300)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert not _listed_mount(vol.mount), "down left the dead mount"
+        assert not listed_mount(vol.mount), "down left the dead mount"
         assert not os.path.exists(vol.dir), "down left the volume's directory"
     finally:
         if vol.started:

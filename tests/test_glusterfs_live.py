@@ -1,6 +1,6 @@
-"""Many ckptfs mounts, one live tree, over the GlusterFS volume (tests/test_glusterfs.py's
-fixtures): each ckptfs mount stands for a node, and the second one goes through a second
-gluster client (its own caches, as on another node). What one mount makes durable shows on
+"""Many ckptfs mounts, one live tree, over the GlusterFS volume (the fixtures of
+tests/conftest.py): each ckptfs mount stands for a node, and the second one goes through a
+second gluster client (its own caches, as on another node). What one mount makes durable shows on
 the other within --refresh; an idle mount sends the volume nothing; deletes, renames and
 overwrites of the other writer's entries hold after remounts and in ls/verify/export; the
 torchrun job of tests/dcp_rotation_job.py (DCP saves, rotation by rank 0, a killed rank
@@ -9,9 +9,8 @@ restarted) over both clients."""
 from __future__ import annotations
 
 import pytest
+from helpers import cross_writer_changes, dcp_job, idle_and_quiet, visibility
 
-from test_glusterfs import gdir, gluster, second_client  # noqa: F401  (fixtures)
-from test_live_writers import cross_writer_changes, dcp_job, idle_and_quiet, visibility
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.glusterfs, pytest.mark.timeout(300)]

@@ -11,8 +11,9 @@ import shutil
 import time
 
 import pytest
-from helpers_reliability import KiB, cli, content, proc_status, read_all, write_file
-from test_crash import read_journal_with_deletes
+from helpers import (
+    KiB, cli, content, proc_status, read_all, read_journal_with_deletes, wait_for, write_file,
+)
 
 from ckptfs.format import backingdir, records
 
@@ -28,16 +29,6 @@ def wdir(backing: str) -> str:
 
 def logs_of(backing: str) -> list[int]:
     return sorted(backingdir.data_logs(wdir(backing)))
-
-
-def wait_for(pred, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def snapshot_processes() -> list[int]:
@@ -324,7 +315,7 @@ def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
     # a reader while the cleaner moves: every read is the old copy or the new one
     import threading
 
-    from helpers_reliability import read_uncached
+    from helpers import read_uncached
     stop, bad, reads = threading.Event(), [], [0]
 
     def reader() -> None:
@@ -477,7 +468,7 @@ def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
     import random
     import signal
 
-    from helpers_reliability import first_mismatch
+    from helpers import first_mismatch
 
     from ckptfs import api
 

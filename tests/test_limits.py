@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers_reliability import cli
+from helpers import cli, wait_for
 
 from ckptfs import api
 from ckptfs.format import records
@@ -142,10 +142,9 @@ def test_a_defect_in_a_loader_or_the_cleaner_fails_the_mount_and_says_why(mounts
             with open(os.path.join(m.mountpoint, "a.pt"), "rb") as f:
                 f.read()
         assert e.value.errno == errno.EIO
-    deadline = time.monotonic() + 30  # (the maintenance looks every second)
-    while not api.status(m.mountpoint)["failed"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    st = api.status(m.mountpoint)
+    # (the maintenance looks every second)
+    st = wait_for(lambda: (s := api.status(m.mountpoint))["failed"] and s, "the mount to fail",
+                  timeout=30)
     assert st["failed"] == 1 and "failed" in st["last_error"], st
     res = cli("sync", m.mountpoint, timeout=30)
     assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr

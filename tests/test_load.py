@@ -13,7 +13,9 @@ import threading
 import time
 
 import pytest
-from helpers_reliability import KiB, MiB, cli, content, proc_status, read_all, verify_and_remount
+from helpers import (
+    KiB, MiB, cli, content, proc_status, read_all, status_reaches, verify_and_remount,
+)
 
 SOAK_S = float(os.environ.get("CKPTFS_SOAK_S", "8"))
 pytestmark = pytest.mark.timeout(max(180, int(SOAK_S * 3 + 120)))
@@ -267,10 +269,8 @@ def test_staging_is_faulted_in_while_the_mount_serves(mounts):
     m.sync()
     st = m.wait_settled(30).status()
     assert st["staging_faulted_bytes"] == staging, st
-    deadline = time.monotonic() + 30  # (registered by the flusher right after)
-    while m.status()["staging_fixed_buffers"] < staging // seg:
-        assert time.monotonic() < deadline, m.status()
-        time.sleep(0.05)
+    # (registered by the flusher right after)
+    status_reaches(m, "staging_fixed_buffers", staging // seg)
     assert proc_status(m.pid)["VmRSS"] >= staging
     for n in names:
         assert read_all(os.path.join(m.mountpoint, n)) == content(n, 6 * MiB), n

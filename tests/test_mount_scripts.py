@@ -13,71 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import CKPTFS, SCRIPTS, SMALL, SMALL_FLAGS, needs_fuse, needs_root, sh
 
 from ckptfs import api
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(os.path.dirname(HERE), "mount_scripts")
-CKPTFS = os.path.join(os.path.dirname(sys.executable), "ckptfs")
-if not os.access(CKPTFS, os.X_OK):
-    CKPTFS = shutil.which("ckptfs") or CKPTFS
-SMALL = "staging_size=32M,segment_size=1M,no_populate"
-SMALL_FLAGS = "--staging-size 32M --segment-size 1M --no-populate"
-
-needs_fuse = pytest.mark.skipif(not os.path.exists("/dev/fuse") or
-                                shutil.which("fusermount3") is None,
-                                reason="needs /dev/fuse and fusermount3")
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-
-
-def sh(*args, env=None, timeout=60, check=False, cwd=None):
-    full_env = dict(os.environ, CKPTFS=CKPTFS, CKPTFS_LOG_TAG="ckptfs-test",
-                    CKPTFS_SLURM_CONF="/nonexistent")
-    full_env.update(env or {})
-    r = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=full_env,
-                       timeout=timeout, cwd=cwd)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{args} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-class Tracker:
-    """Mount points a test created; teardown leaves none behind."""
-
-    def __init__(self) -> None:
-        self.mountpoints: list[str] = []
-        self.pids: set[int] = set()
-
-    def add(self, mnt) -> None:
-        mnt = str(mnt)
-        self.mountpoints.append(mnt)
-        try:
-            self.pids.add(api.status(mnt)["pid"])
-        except OSError:
-            pass
-
-    def cleanup(self) -> None:
-        for mnt in self.mountpoints:
-            if api.is_mounted(mnt):
-                subprocess.run([CKPTFS, "umount", mnt, "--timeout", "20"], capture_output=True,
-                               timeout=60)
-            if api.is_mounted(mnt):
-                api.fusermount(mnt, lazy=True)
-        for pid in self.pids:
-            if not api.wait_pid_exit(pid, 10):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-@pytest.fixture
-def track():
-    t = Tracker()
-    try:
-        yield t
-    finally:
-        t.cleanup()
 
 
 @pytest.fixture

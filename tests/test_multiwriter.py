@@ -7,7 +7,6 @@ that were saved (regenerated from the same seed)."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import subprocess
@@ -15,82 +14,16 @@ import sys
 import time
 
 import pytest
-from conftest import FUSE_URING
+from helpers import (
+    DAEMONS, FUSE_URING, RANKS, RANK_SPECS, bits, check_rank, daemon_of, finish, four_writers,
+    listed, rank_dir, rank_paths, read_tree, save_ranks, start_rank, verify_ok,
+    writer_files_digest,
+)
 
 from ckptfs import api
 from ckptfs.bench import models
-from ckptfs.bench.scaling import Writer, parallel
 
 torch = pytest.importorskip("torch")
-
-# a few MB per rank, with a 0-dim tensor, bf16 and nested directories like a real state dict
-RANK_SPECS = [
-    ("model.embed.weight", (512, 256), "bfloat16"),
-    ("model.layers.0.attn.c_attn.weight", (256, 768), "float32"),
-    ("model.layers.0.mlp.c_fc.bias", (1024,), "float32"),
-    ("optim.exp_avg.layers.0.attn.c_attn.weight", (256, 768), "float32"),
-    ("optim.exp_avg_sq.layers.0.attn.c_attn.weight", (256, 768), "float32"),
-    ("model.norm.weight", (256,), "bfloat16"),
-    ("optim.step", (), "int64"),
-]
-RANKS = 8
-DAEMONS = 4
-
-
-def seed(step: int, rank: int) -> int:
-    return 1000 * step + rank
-
-
-def rank_dir(root: str, step: int, rank: int) -> str:
-    return os.path.join(root, f"step_{step}", f"rank_{rank}")
-
-
-def start_rank(m: api.Mount, step: int, rank: int, **kw) -> Writer:
-    return Writer(rank_dir(m.mountpoint, step, rank), RANK_SPECS, seed(step, rank), **kw)
-
-
-def finish(writers: list[Writer], timeout: float = 60.0) -> None:
-    for w in writers:
-        w.wait(timeout)
-    errors = [w.error for w in writers if w.error]
-    assert not errors, errors
-    assert all(w.saved == len(RANK_SPECS) for w in writers)
-
-
-def bits(t) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-_EXPECTED: dict[tuple[int, int], dict] = {}
-
-
-def expected(step: int, rank: int) -> dict:
-    key = (step, rank)
-    if key not in _EXPECTED:
-        _EXPECTED[key] = models.state_dict(RANK_SPECS, seed(step, rank))
-    return _EXPECTED[key]
-
-
-def check_rank(root: str, step: int, rank: int) -> None:
-    """Every tensor of (step, rank) under `root` loads bit-exact."""
-    for name, t in expected(step, rank).items():
-        path = os.path.join(rank_dir(root, step, rank), models.file_name(name))
-        got = torch.load(path, weights_only=True)
-        assert got.dtype == t.dtype and got.shape == t.shape, path
-        assert bits(got) == bits(t), f"{path}: content differs"
-
-
-def read_tree(root: str) -> int:
-    """Read every file below `root` (no EIO, no short read); returns the bytes read."""
-    total = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                data = fh.read()
-            assert len(data) == os.path.getsize(p), p
-            total += len(data)
-    return total
 
 
 def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
@@ -98,66 +31,12 @@ def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def verify_ok(backing: str) -> None:
-    r = cli("verify", backing)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1].startswith("OK:"), r.stdout
-
-
-def listed(backing: str) -> set[str]:
-    r = cli("ls", "-R", backing)
-    assert r.returncode == 0, r.stderr
-    return set(r.stdout.split("\n"))
-
-
-def rank_paths(step: int, rank: int) -> set[str]:
-    return {f"/step_{step}/rank_{rank}/{models.file_name(n)}" for n, _, _ in RANK_SPECS}
-
-
-def writer_files_digest(backing: str, writer: str) -> dict[str, str]:
-    """sha256 of everything a writer owns except its lock file (rewritten by each mount)."""
-    wdir = os.path.join(backing, "writers", writer)
-    out = {}
-    for name in sorted(os.listdir(wdir)):
-        if name == "writer.lock":
-            continue
-        with open(os.path.join(wdir, name), "rb") as f:
-            out[name] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
-def four_writers(mounts, backing: str) -> list[api.Mount]:
-    """Four daemons started at once (as on a cluster; also faster on 2 cores)."""
-    ms = []
-    for i in range(DAEMONS):
-        mounts.n += 1
-        mp = os.path.join(mounts.tmp, f"mnt{mounts.n}")
-        os.makedirs(mp)
-        m = api.Mount(backing, mp, log_file=os.path.join(mounts.tmp, f"daemon{mounts.n}.log"),
-                      writer_id=f"w{i}", staging_size="64M", segment_size="4M",
-                      read_cache="64M", no_populate=True)
-        mounts.live.append(m)  # the fixture unmounts it in teardown
-        ms.append(m)
-    parallel([m.start for m in ms])
-    return ms
-
-
-def daemon_of(rank: int) -> int:
-    return rank // (RANKS // DAEMONS)
-
-
-def save_step(ms: list[api.Mount], step: int) -> None:
-    finish([start_rank(ms[daemon_of(r)], step, r) for r in range(RANKS)])
-    for m in ms:
-        m.sync()
-
-
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.timeout(90)
 def test_four_daemons_eight_ranks_restore_on_ro_mount(mounts):
     backing = mounts.backing()
     ms = four_writers(mounts, backing)
-    save_step(ms, 1)
+    save_ranks(ms, 1)
 
     ro = mounts.mount(backing, ro=True)
     st = ro.status()
@@ -180,7 +59,7 @@ def test_four_daemons_eight_ranks_restore_on_ro_mount(mounts):
 def test_killed_writer_others_intact_and_restart(mounts):
     backing = mounts.backing()
     ms = four_writers(mounts, backing)
-    save_step(ms, 1)  # step 1 durable everywhere (sync on every mount)
+    save_ranks(ms, 1)  # step 1 durable everywhere (sync on every mount)
 
     victim = 1
     vranks = [r for r in range(RANKS) if daemon_of(r) == victim]

@@ -16,7 +16,7 @@ import signal
 import threading
 
 import pytest
-from helpers_reliability import MiB, cli, content, read_all, status_reaches, wait_unmounted
+from helpers import MiB, cli, content, read_all, status_reaches, wait_unmounted
 
 from ckptfs import api
 

@@ -9,10 +9,9 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 
 import pytest
-from helpers_reliability import NOBODY, cli, py_as_user
+from helpers import NOBODY, cli, py_as_user, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,10 +211,9 @@ def test_what_open_directory_handles_hold_is_bounded(mounts):
     assert os.listdir(m.mountpoint) == ["d"]  # (a small listing still fits)
     for fd in fds:
         os.close(fd)
-    deadline = time.monotonic() + 30  # (the kernel sends RELEASEDIR after close returns)
-    while m.status()["listing_entries"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert m.status()["listing_entries"] == 0
+    # (the kernel sends RELEASEDIR after close returns)
+    wait_for(lambda: m.status()["listing_entries"] == 0, "the listings to be released",
+             timeout=30)
     assert len(os.listdir(d)) == n + i + 1
     m.stop()
 

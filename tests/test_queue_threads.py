@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers_reliability import check_files
+from helpers import check_files
 
 from ckptfs import api
 from ckptfs.fuse import ring

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from ckptfs.bench import drop_caches  # noqa: E402
 from ckptfs.datapath.readplan import ReadPlan, dcp_plans  # noqa: E402
-from helpers_reliability import damage_run  # noqa: E402
+from helpers import damage_run  # noqa: E402
 from ckptfs.tools.snapshot import Snapshot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

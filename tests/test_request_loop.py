@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers_reliability import check_files, cli, content, read_all, write_file
+from helpers import check_files, cli, content, read_all, write_file
 
 from ckptfs import api
 from ckptfs.io import uring

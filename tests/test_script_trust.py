@@ -16,12 +16,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import CKPTFS, SCRIPTS, SMALL_FLAGS, needs_fuse, needs_root, sh
 
 from ckptfs import api
-import test_mount_scripts
-from test_mount_scripts import CKPTFS, SCRIPTS, SMALL_FLAGS, needs_fuse, needs_root, sh
 
-track = test_mount_scripts.track  # (the fixture, by its name)
 
 NOBODY = 65534
 PROLOG = os.path.join(SCRIPTS, "slurm-prolog.sh")

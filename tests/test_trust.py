@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers_reliability import cli
+from helpers import cli
 
 from ckptfs import api
 from ckptfs.format import backingdir

@@ -21,7 +21,7 @@ import threading
 import time
 
 import pytest
-from helpers_reliability import content, read_all
+from helpers import content, read_all
 
 from ckptfs import api
 from ckptfs.format import backingdir, records
