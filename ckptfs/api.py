@@ -350,8 +350,8 @@ class Mount:
     def pid(self) -> int:
         return self.proc.pid
 
-    def sync(self) -> None:
-        sync(self.mountpoint)
+    def sync(self, level: str | None = None) -> None:
+        sync(self.mountpoint, level)
 
     def status(self) -> dict:
         return status(self.mountpoint)

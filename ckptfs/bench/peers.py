@@ -331,6 +331,57 @@ class CkptfsUring(Ckptfs):
         return super()._mount(run, settle, fuse_uring=True, **extra)
 
 
+class CkptfsLocal(Ckptfs):
+    """The same save and restore with the backing directory on node-local storage
+    (--local-base): what the node tier is measured against."""
+    key, label = "ckptfs_local", "torch.save into ckptfs, backing on the local disk"
+
+    def setup(self, run) -> None:
+        run.backing = _local_root(run, "backing")
+        super().setup(run)
+
+    def cleanup(self, run) -> None:
+        super().cleanup(run)
+        shutil.rmtree(os.path.dirname(run.backing), ignore_errors=True)
+
+
+class CkptfsTier(Ckptfs):
+    """The same save with the node tier: its local directory on node-local storage
+    (--local-base), the backing directory where the others write (--dir), --durability node.
+    durable_s is node-durable; backing_durable_s until `ckptfs sync --level backing`
+    returns, from the same start; the restore mount uses the same local directory (the
+    drained logs stay there as a read copy: a restart on the same node)."""
+    key, label = "ckptfs_tier", "torch.save into ckptfs, node tier (durable: node)"
+
+    def _mount(self, run, settle: bool = True, **extra) -> api.Mount:
+        if not hasattr(run, "local"):
+            run.local = _local_root(run, "local")
+        return super()._mount(run, settle, local_dir=run.local, durability="node", **extra)
+
+    def save(self, run) -> None:
+        run.t_save = time.perf_counter()
+        super().save(run)
+
+    def after_save(self, run) -> None:
+        with Watchdog(run.mount, run.cfg.step_timeout, "sync --level backing"):
+            run.mount.sync("backing")
+        run.extra["backing_durable_s"] = time.perf_counter() - run.t_save
+        super().after_save(run)
+
+    def cleanup(self, run) -> None:
+        super().cleanup(run)
+        if hasattr(run, "local"):
+            shutil.rmtree(os.path.dirname(run.local), ignore_errors=True)
+
+
+def _local_root(run, name: str) -> str:
+    """A directory `name` for this run on node-local storage (the bench's --local-base)."""
+    root = os.path.join(run.cfg.local_base, os.path.basename(run.root))
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class DcpCkptfs(Ckptfs):
     """DCP into the mount; restored through a default mount (direct reads: DCP reads item by
     item at offsets, where page-cache readahead mostly reads what is not asked for)."""
@@ -551,5 +602,5 @@ class Fio(Contender):
 
 
 CONTENDERS = {c.key: c for c in (Straight, StraightFsync, Ckptfs, CkptfsPageCache, CkptfsUring,
-                                 Dcp, DcpCkptfs, TorchSnapshot, DataStatesPattern, Tmpfs,
-                                 RawDirect, Fio)}
+                                 CkptfsLocal, CkptfsTier, Dcp, DcpCkptfs, TorchSnapshot,
+                                 DataStatesPattern, Tmpfs, RawDirect, Fio)}
