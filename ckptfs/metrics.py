@@ -87,6 +87,7 @@ def status(ops) -> dict:
         "writers_waiting": ops.staging.waiting_writers,
         "uncommitted_changes": len(ops.journal.entries),
         "fsyncs": ops.fsyncs,
+        "interrupt_notices": ops.interrupts.notices,
         "errors": st.errors,
         "last_error": st.last_error,
         "current_error": str(ops.flusher.error) if ops.flusher.error else "",
@@ -209,6 +210,9 @@ METRICS = {
                            "Requests the fast path handed to pyfuse3"),
     "requests_answered_here": ("requests_answered_here_total", "counter",
                                "Requests the fast path answered itself"),
+    "interrupt_notices": ("interrupt_notices_total", "counter",
+                          "FUSE_INTERRUPTs received: a caller waiting in a request got a "
+                          "signal (answered early only if it is being killed)"),
     "requests_interrupted": ("requests_interrupted_total", "counter",
                              "Requests answered early because their caller was being killed"),
     "ring_queues": ("ring_queues", "gauge",

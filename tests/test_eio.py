@@ -279,7 +279,9 @@ def test_killing_a_process_blocked_on_a_hung_store(failing, mounts):
             f"fd = os.open({os.path.join(mnt, 'g')!r}, os.O_WRONLY | os.O_CREAT)\n"
             "os.write(fd, b'g' * 1000); print('ready', flush=True); os.fsync(fd)")))
         kids[-1][1].send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
+        # (the kernel told the daemon, which looked at the caller and answered nothing)
+        status_reaches(m, "interrupt_notices", 1, timeout=20)
+        assert m.status()["requests_interrupted"] == 0
         assert kids[-1][1].poll() is None, "a non-fatal signal made the fsync fail"
         # staging (4 MiB) fills: the flusher's writes hang, so this writer waits for space
         kids.append(("write", _blocked_child(

@@ -110,6 +110,7 @@ class Interrupts:
         self.held: dict[int, _Held] = {}  # unique -> what answering it early takes
         self.answered: set[int] = set()  # forwarded, answered here: libfuse's answer is dropped
         self.count = 0  # requests answered early
+        self.notices = 0  # FUSE_INTERRUPTs received (a caller got a signal)
         self.reply = None  # (unique, errno) -> the reply written; None: nothing is answered
         self.sweeping = False
 
@@ -194,6 +195,7 @@ class Interrupts:
         killed (if not, the sweep looks again). An INTERRUPT for any other request is dropped
         (pyfuse3 cannot act on one; libfuse would keep it and answer it EAGAIN later, which
         makes the kernel send it again)."""
+        self.notices += 1
         self.answer_if_dying(unique)
 
     def answer_if_dying(self, unique: int) -> None:
