@@ -55,7 +55,8 @@ demo: setup
 URING_TESTS = tests/test_fastpath.py tests/test_crash.py tests/test_full_disk.py tests/test_eio.py \
 	tests/test_fs_concurrency.py tests/test_fs_model.py tests/test_fs_torch.py \
 	tests/test_request_loop.py tests/test_direct_reads.py tests/test_live_writers.py \
-	tests/test_multiwriter.py tests/test_fs_posix.py tests/test_permissions.py tests/test_limits.py
+	tests/test_multiwriter.py tests/test_fs_posix.py tests/test_permissions.py tests/test_limits.py \
+	tests/test_posix_bounds.py
 
 # (the suite stays under 15 minutes on this VM: 6 kill -9 rounds in the first pass and 3 over
 # io_uring; `CKPTFS_CRASH_ITERS=50 .venv/bin/python -m pytest tests/test_crash.py` looks longer)
