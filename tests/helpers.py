@@ -256,6 +256,25 @@ def verify_and_remount(mounts, m, backing: str, opts: dict, files: dict[str, int
     return m
 
 
+def committed_bytes(backing: str, path: str) -> int:
+    """The bytes of file `path` from its start that the index in `backing` commits (read
+    from the backing directory, not through a mount, which would be a request; a mount may be
+    appending to the index): what a daemon killed now would keep. -1: no such file yet."""
+    from ckptfs.format.records import FormatError
+    from ckptfs.tools.snapshot import Snapshot
+
+    try:
+        x = Snapshot(backing).lookup(path)
+    except (OSError, FormatError):
+        return -1
+    n = 0
+    for s, k, _, _ in (x.emap.find(0, x.size) if x.emap is not None else ()):
+        if s != n:
+            break
+        n += k
+    return n
+
+
 def damage_run(backing: str, path: str, which: int) -> object:
     """Flip a bit in the middle of the `which`-th run of virtual file `path` in its data log
     (an unmounted backing directory); the run."""

@@ -11,10 +11,9 @@ import errno
 import fcntl
 import os
 import termios
-import time
 
 import pytest
-from helpers import check_files, cli, seeded_bytes, write_tree
+from helpers import check_files, cli, committed_bytes, seeded_bytes, wait_for, write_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -243,7 +242,8 @@ def test_writes_answered_without_the_daemon_become_durable_while_the_file_stays_
             assert os.write(fd, data[i:i + MiB]) == len(data[i:i + MiB])
         # (no request from here on; idle flush 0.2 s: the tick records them, the sealer seals
         # the segment 0.2 s after, the flush and its commit follow)
-        time.sleep(3.0)
+        wait_for(lambda: committed_bytes(m.backing, "open") == len(data),
+                 "the idle flush to commit the writes", timeout=30)
         m.kill()
     finally:
         try:
