@@ -23,6 +23,7 @@ Ratios: "time vs ckptfs" = contender median time / ckptfs median time (> 1: ckpt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -38,6 +39,7 @@ import traceback
 from ckptfs import api, bench
 from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
+from ckptfs.bench.throttle import Throttle
 from ckptfs.fuse import ring
 from ckptfs.system import guest_halt_poll_ns, libc, status_bytes
 
@@ -441,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "only when installed)")
     ap.add_argument("--dir", default="/var/tmp",
                     help="where backing directories and mounts go (a real disk, not tmpfs)")
+    ap.add_argument("--throttle", type=parse_size, default=0, metavar="RATE",
+                    help="limit the GlusterFS volume holding --dir to RATE bytes/s (e.g. 300M: "
+                    "a node's share of a busy parallel file system; tc on loopback, root)")
     ap.add_argument("--local-base", default="/var/tmp",
                     help="node-local storage for ckptfs_tier's local directory and "
                     "ckptfs_local's backing directory (when --dir is a parallel file system)")
@@ -523,11 +528,12 @@ def main(argv: list[str]) -> int:
     started = time.time()
     try:
         plan = (["warmup"] if warmup else []) + [str(i + 1) for i in range(a.rounds)]
-        for tag in plan:
-            for key in keys:
-                r = run_one(cfg, w, key, tag)
-                runs.append(r)
-                _progress(r, w.payload_bytes)
+        with (Throttle(a.dir, a.throttle) if a.throttle else contextlib.nullcontext()):
+            for tag in plan:
+                for key in keys:
+                    r = run_one(cfg, w, key, tag)
+                    runs.append(r)
+                    _progress(r, w.payload_bytes)
     except KeyboardInterrupt:
         print("e2e: interrupted; cleaning up", file=sys.stderr)
         _cleanup_all(cfg)
@@ -560,6 +566,7 @@ def main(argv: list[str]) -> int:
               "arch": None if a.small else a.arch, "small": a.small, "size_arg": a.size,
               "payload_bytes": w.payload_bytes, "tensors": len(w.names),
               "rounds": a.rounds, "warmup": warmup, "contenders": keys,
+              "throttle_bytes_per_s": a.throttle,
               "mount_options": cfg.mount_options, "elapsed_s": time.time() - started,
               "ratio_definition": "time_vs_ckptfs = contender median time / ckptfs median "
               "time (> 1: ckptfs faster)",
