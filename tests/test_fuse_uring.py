@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers import check_files, uring_switch, write_tree
+from helpers import check_files, status_reaches, uring_switch, write_tree
 
 from ckptfs.bench import drop_caches
 from ckptfs.fuse import fastpath, ring
@@ -283,7 +283,8 @@ def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts, transport):
             open(os.path.join(a.mountpoint, f"f{i}"), "wb").close()
         assert a.status()["ring_absent_answered_in_c"] >= 40
         a.sync()
-        time.sleep(2.5)  # (a's background look stops: nothing open, nobody asked)
+        pauses = a.status()["refresh_idle_pauses"]  # (a's background look stops: nothing
+        status_reaches(a, "refresh_idle_pauses", pauses + 1)  # open, nobody asked)
         b = mounts.mount(backing, writer_id="w1", fuse_uring=False, queue_threads=False)
         with open(os.path.join(b.mountpoint, "x"), "wb") as f:
             f.write(b"from b")
