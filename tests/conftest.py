@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from ckptfs import api
-from helpers import FUSE_URING, Tracker, Volume, uring_switch
+from helpers import FUSE_URING, FailingMount, Tracker, Volume, uring_switch
 
 
 @pytest.fixture(scope="session", autouse=FUSE_URING)
@@ -152,3 +152,17 @@ def second_client(gluster, tmp_path):
             pass
         if os.path.ismount(mp2):
             subprocess.run(["umount", "-l", mp2], timeout=30, capture_output=True)
+
+
+@pytest.fixture
+def failing(tmp_path):
+    """A failing_fs mount over tmp_path/src. Requested before `mounts`, so the ckptfs mounts on
+    top of it are gone when it is torn down."""
+    src, mnt = tmp_path / "src", tmp_path / "ffs"
+    src.mkdir()
+    mnt.mkdir()
+    fm = FailingMount(str(src), str(mnt), str(tmp_path / "failing_fs.log"))
+    try:
+        yield fm
+    finally:
+        fm.stop()

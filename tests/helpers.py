@@ -1184,3 +1184,58 @@ def kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# ---------------------------------------------------------------- a failing backing store
+FAILING_FS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failing_fs.py")
+
+
+class FailingMount:
+    """A running failing_fs: `source` mirrored at `mountpoint`; fail()/heal() switch EIO."""
+
+    def __init__(self, source: str, mountpoint: str, log: str) -> None:
+        self.source, self.mountpoint, self.log = source, mountpoint, log
+        self.control = os.path.join(source, ".fail")
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, FAILING_FS, source, mountpoint],
+                                         stdout=subprocess.PIPE, stderr=err,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not api.is_mounted(mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("failing_fs did not mount: " + self.log_text())
+            time.sleep(0.05)
+
+    def fail(self, ops: str = "write fsync") -> None:
+        # Written beside the source and renamed into place: failing_fs reads the control file
+        # on every operation, and an empty one (open's truncation, before the write) means
+        # "write fsync", which would fail a flush that was meant to hang.
+        tmp = os.path.join(os.path.dirname(self.source), ".fail.tmp")
+        with open(tmp, "w") as f:
+            f.write(ops)
+        os.replace(tmp, self.control)
+
+    def heal(self) -> None:
+        try:
+            os.unlink(self.control)
+        except FileNotFoundError:
+            pass
+
+    def log_text(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        self.heal()
+        if api.is_mounted(self.mountpoint):
+            api.fusermount(self.mountpoint)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        if api.is_mounted(self.mountpoint):
+            api.fusermount(self.mountpoint, lazy=True)
+        if self.proc.stdout:
+            self.proc.stdout.close()

@@ -10,6 +10,7 @@ cleaner's removals and hole punching done to both copies."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import random
@@ -281,3 +282,35 @@ def test_kill_9_while_draining_to_the_volume(gdir, mounts, tmp_path):
     alone = mounts.mount(gdir, ro=True)
     check_tree(alone.mountpoint, planned, durable, dict(seen), full=True)
     alone.stop()
+
+
+def test_a_failing_backing_directory_leaves_node_durability_and_catches_up(failing, mounts,
+                                                                          tmp_path):
+    """The backing directory on failing_fs. While its writes fail, `sync` (--durability node)
+    returns and the file's level is node, `sync --level backing` fails with EIO, the status
+    counts the drain's errors; healed, the drain catches up by itself and the backing
+    directory alone holds everything."""
+    backing = os.path.join(failing.mountpoint, "backing")
+    os.mkdir(backing)
+    local = str(tmp_path / "local")
+    os.mkdir(local)
+    m = mounts.mount(backing, local_dir=local, durability="node", **OPTS)
+    files = {"a.pt": _write(m.mountpoint, "a.pt", 2 * MiB)}
+    api.sync(m.mountpoint, "backing")
+    failing.fail("write fsync")
+    files["b.pt"] = _write(m.mountpoint, "b.pt", 3 * MiB + 17, fsync=True)
+    api.sync(m.mountpoint)
+    assert api.level(os.path.join(m.mountpoint, "b.pt")) == "node"
+    with pytest.raises(OSError) as e:
+        api.sync(m.mountpoint, "backing")
+    assert e.value.errno == errno.EIO
+    status_reaches(m, "tier_drain_errors", 1)
+    st = api.status(m.mountpoint)
+    assert st["tier_backlog_bytes"] > 0 and "Input/output error" in st["tier_drain_last_error"]
+    failing.heal()
+    api.wait_level(os.path.join(m.mountpoint, "b.pt"), "backing", timeout=60)
+    api.sync(m.mountpoint, "backing")
+    m.stop()
+    ro = mounts.mount(backing, ro=True)
+    _check(ro.mountpoint, files)
+    ro.stop()
