@@ -352,7 +352,9 @@ def main(argv: list[str]) -> int:
                  "daemon_cpu_s": None if dcpu0 is None or dcpu1 is None else dcpu1 - dcpu0,
                  "disk_bytes": du(backing),
                  "live_bytes": st["live_bytes"], "index_bytes": os.path.getsize(index),
-                 "rss_bytes": rss(m.pid), "file_bytes": st["file_bytes"]}
+                 "rss_bytes": rss(m.pid), "file_bytes": st["file_bytes"],
+                 # (the node tier's local directory: bounded by --local-size)
+                 "local_disk_bytes": du(opts["local_dir"]) if opts.get("local_dir") else None}
             for key in ("data_logs", "logs_retired", "bytes_punched", "bytes_moved",
                         "index_snapshots", "dead_bytes", "bytes_reclaimed"):
                 s[key] = st.get(key, 0)
@@ -361,8 +363,9 @@ def main(argv: list[str]) -> int:
             print(f"step {k:4d}: durable {durable:6.2f} s  du {s['disk_bytes'] / 1e6:8.1f} MB  "
                   f"live {s['live_bytes'] / 1e6:7.1f} MB  index {s['index_bytes'] / 1e3:7.1f} kB"
                   f"  rss {s['rss_bytes'] / 1e6:6.1f} MB  logs {s['data_logs']}"
-                  f"  retired {s['logs_retired']}  snapshots {s['index_snapshots']}",
-                  flush=True)
+                  f"  retired {s['logs_retired']}  snapshots {s['index_snapshots']}"
+                  + (f"  local {s['local_disk_bytes'] / 1e6:.1f} MB"
+                     if s["local_disk_bytes"] is not None else ""), flush=True)
         t0 = time.perf_counter()
         m.stop()
         unmount_s = time.perf_counter() - t0
@@ -377,7 +380,10 @@ def main(argv: list[str]) -> int:
         if res.returncode != 0:
             print(res.stdout + res.stderr, file=sys.stderr)
             return 1
-    times = remounts([("aged", backing), ("fresh", fresh_backing)], mnt, log_file, opts,
+    # (the remounts time the backing directories' replay: without a node tier, whose local
+    # directory serves the aged backing directory only)
+    plain = {k: v for k, v in opts.items() if k not in ("local_dir", "local_size", "durability")}
+    times = remounts([("aged", backing), ("fresh", fresh_backing)], mnt, log_file, plain,
                      a.remounts)
     fresh_index = os.path.getsize(os.path.join(fresh_backing, backingdir.WRITERS_DIR, WRITER,
                                                backingdir.INDEX_NAME))
