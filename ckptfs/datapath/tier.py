@@ -62,7 +62,10 @@ log = logging.getLogger("ckptfs.tier")
 TIER_MARKER = "ckptfs-tier.json"
 DRAIN_STATE = "drain.json"
 RETRY_S = 1.0  # a failing backing store is tried again this often
-DRAIN_CHUNK_BYTES = 32 << 20  # read from the local log, then written to the backing copy
+# Read from the local log (O_DIRECT where the local file system allows: the bytes were written
+# past the page cache and are not read again here, so they do not go through it), then
+# written to the backing copy in --io-chunk requests, all in flight at once
+DRAIN_CHUNK_BYTES = 64 << 20
 EVICT_AT = 0.9  # drained logs are removed once the local logs take up this share of the space
 LEVELS = ("staged", "node", "backing")
 _STOP = "stop"
@@ -213,7 +216,7 @@ class Tier:
 
     def __init__(self, local: WriterDir, backing: Dir, *, drained_index: int, limit_bytes: int,
                  open_log_bytes: int, engine: str, depth: int, direct: bool,
-                 io_chunk_bytes: int) -> None:
+                 io_chunk_bytes: int, local_direct: bool = False) -> None:
         self.local = local  # (LOCAL/writers/<id>/, locked)
         self.backing = backing  # (BACKING/writers/<id>/, held open)
         self.limit = limit_bytes
@@ -221,6 +224,7 @@ class Tier:
         # (up to a log's size) at once, so the logs being written keep that much headroom
         self.segment_limit = limit_bytes - open_log_bytes
         self.engine_kind, self.depth, self.direct = engine, depth, direct
+        self.local_direct = local_direct
         self.io_chunk = io_chunk_bytes
         self.stats = DrainStats()
         # drain thread
@@ -463,14 +467,23 @@ class Tier:
         """Bytes [start, end) of local log `lg` to the same place in its backing copy, in
         DRAIN_CHUNK_BYTES reads and io-chunk writes (all aligned: segments and copy blocks
         end on the alignment, and so does `start`)."""
-        src = self.local.dir.open(data_log_name(lg), os.O_RDONLY)
+        src = self.local.dir.open(data_log_name(lg),
+                                  os.O_RDONLY | (os.O_DIRECT if self.local_direct else 0))
         dst = self._backing_fd(lg)
         buf = memoryview(self.buf)
         try:
             off = start
             while off < end:
                 want = min(DRAIN_CHUNK_BYTES, end - off)
-                n = os.preadv(src, [buf[:want]], off)
+                try:
+                    n = os.preadv(src, [buf[:want]], off)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.local_direct:
+                        raise
+                    self.local_direct = False  # (O_DIRECT refused after all: buffered reads)
+                    os.close(src)
+                    src = self.local.dir.open(data_log_name(lg), os.O_RDONLY)
+                    n = os.preadv(src, [buf[:want]], off)
                 if n <= 0:
                     raise OSError(errno.EIO, f"node tier: {self.local.dir.join(data_log_name(lg))}"
                                   f" ends at {off}, before {end}")
