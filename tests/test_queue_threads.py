@@ -1,5 +1,5 @@
 """The queue threads on /dev/fuse (--queue-threads, the default with the fast path;
-fuse/ring.c, "/dev/fuse"): a C thread per CPU reads the requests and serves a small file's
+fuse/ring.c and ring_dev.c): a C thread per CPU reads the requests and serves a small file's
 save and the WRITEs itself, handing the rest to the daemon, which answers on /dev/fuse; the
 same bytes as the daemon's own loop (--no-queue-threads; --no-fast-path with them is refused:
 test_fuse_uring.py); requests that get no answer

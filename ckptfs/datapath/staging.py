@@ -276,7 +276,7 @@ class Checksums:
 
     Runs owe in landing order, and a run only grows while its segment is open, so the queue
     is ordered by segment too. The bytes a queue thread landed come with their CRC32C,
-    taken in C before their records are taken (fuse/ring.c, ck_fring_sum_landed: no Python
+    taken in C before their records are taken (fuse/ring_landing.c, ck_fring_sum_landed: no Python
     per slice): a run that owes nothing takes it in (`grew` with a crc) and is never queued;
     one that owes bytes already owes these too. Trio thread only.
     """

@@ -17,7 +17,7 @@ def piece_recorder(journal: Journal, checksums: Checksums, x: Inode, off: int, b
     the journal. The run's CRC32C is owed to `checksums` (staging.Checksums), which take it
     when the request loop is idle, off the writer's wait; where the piece comes with its
     CRC32C (`crc`: of bytes a queue thread landed, taken in C before their record was,
-    fuse/ring.c ck_fring_sum_landed), the run takes that in. Such a piece that fits in a
+    fuse/ring_landing.c ck_fring_sum_landed), the run takes that in. Such a piece that fits in a
     block but not in the rest of the file's last run starts a run of its own (runs may be
     shorter than a block), so that its checksum is never split; one larger than a block (a
     --checksum-block smaller than a WRITE) is owed like any other."""
