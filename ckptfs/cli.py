@@ -320,6 +320,10 @@ def _status_summary(st: dict) -> str:
         f"{_bytes(g('read_disk_bytes'))}",
         f"  data logs {g('data_logs', 0)}: {_bytes(g('live_bytes'))} live, "
         f"{_bytes(g('dead_bytes'))} dead; index {_bytes(g('index_size_bytes'))}",
+        *([f"  node tier {g('tier_local_dir')}: {_bytes(g('tier_local_bytes'))} of "
+           f"{_bytes(g('tier_local_size'))}; not yet in the backing directory "
+           f"{_bytes(g('tier_backlog_bytes'))} (oldest {g('tier_backlog_age_s', 0)} s); "
+           f"fsync waits for {g('durability')}"] if g("tier_local_dir") else []),
         f"  errors {g('errors', 0)}, now: {error}",
         ""])
 

@@ -166,6 +166,9 @@ def test_a_local_directory_of_another_backing_directory_is_refused(mounts, tmp_p
     os.makedirs(os.path.join(other, "writers", "w"))
     res = cli("mount", a, mp, "--local-dir", other, "--writer-id", "w")
     assert res.returncode != 0 and "not a ckptfs node tier" in res.stderr, res.stderr
+    os.unlink(os.path.join(local, "writers", "w", "index.log"))  # (its logs stay)
+    res = cli("mount", a, mp, "--local-dir", local, "--writer-id", "w")
+    assert res.returncode != 0 and "holds data logs but no index" in res.stderr, res.stderr
     res = cli("mount", a, mp, "--durability", "node")
     assert res.returncode != 0 and "needs the node tier" in res.stderr, res.stderr
 

@@ -159,6 +159,11 @@ def reconcile(local: Dir, backing: Dir) -> int:
         if lfd < 0 or os.fstat(lfd).st_size < INDEX_HEADER.size:
             if lfd >= 0:
                 os.close(lfd)
+            if data_logs(local.path):
+                # (logs whose index is gone: what they hold beyond the backing copy is
+                # unknown, and their numbers may be ones the backing directory uses otherwise)
+                raise TierError(f"{local.path} holds data logs but no index: move the local "
+                                "directory away to mount from the backing directory")
             if bfd < 0 or bsize < INDEX_HEADER.size:
                 return 0
             scan = records.scan_index(backing.join(INDEX_NAME), _read_all(bfd, 0, bsize))
