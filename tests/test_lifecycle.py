@@ -176,17 +176,27 @@ def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
     m.stop()
 
 
-def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
+@pytest.fixture(scope="module")
+def tree_40k(tmp_path_factory) -> str:
+    """A backing directory of 40,000 files in 1,000 directories (ckptfs bench mount's layout),
+    built once for the module: each test takes a copy of its own (it changes the tree)."""
+    from ckptfs.bench.mount import build
+
+    path = str(tmp_path_factory.mktemp("tree_40k"))
+    build(path, 40_000, 1000, 4096, 100)
+    return path
+
+
+def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts, tree_40k):
     """The snapshot's second tree (the index replayed) lives in a process of its own: the
     daemon's memory does not grow by a tree while a snapshot of it is written (a tree of
     28,000 files: ~30 MB in the daemon's process, which it would keep after), the process
     reports its peak, and the tree reads the same after a remount."""
     import threading
 
-    from ckptfs.bench.mount import WRITER, build
+    from ckptfs.bench.mount import WRITER
 
-    backing = mounts.backing()
-    build(backing, 40_000, 1000, 4096, 100)
+    backing = shutil.copytree(tree_40k, mounts.backing(), dirs_exist_ok=True)
     opts = dict(OPTS, writer_id=WRITER, clean_idle=0.2, index_snapshot_ratio=1.1)
     m = mounts.mount(backing, **opts).wait_settled()  # (its staging memory resident)
 
@@ -227,17 +237,16 @@ def test_an_index_snapshot_is_written_by_a_process_of_its_own(mounts):
     m.stop()
 
 
-def test_an_unmount_during_an_index_snapshot_leaves_no_fresh_index(mounts):
+def test_an_unmount_during_an_index_snapshot_leaves_no_fresh_index(mounts, tree_40k):
     """Unmounted while the snapshot's process has its fresh index half written (the process
     held there by SIGSTOP): the daemon kills the process, waits for it to end and removes the
     fresh index; the index in place replays to the same tree."""
     import signal
     import threading
 
-    from ckptfs.bench.mount import WRITER, build
+    from ckptfs.bench.mount import WRITER
 
-    backing = mounts.backing()
-    build(backing, 40_000, 1000, 4096, 100)
+    backing = shutil.copytree(tree_40k, mounts.backing(), dirs_exist_ok=True)
     opts = dict(OPTS, writer_id=WRITER, clean_idle=0.2, index_snapshot_ratio=1.1)
     m = mounts.mount(backing, **opts)
     fresh = os.path.join(backing, "writers", WRITER, backingdir.INDEX_NAME) + ".fresh"
