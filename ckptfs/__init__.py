@@ -3,7 +3,8 @@
 The data path, one package a step:
   application write -> fuse/ (request loop and fast path, POSIX handlers)
   -> datapath/staging.py (aligned segments, runs, extent maps)
-  -> datapath/flusher.py (journal; background thread driving the io engine) -> io/ (io_uring, POSIX)
+  -> datapath/journal.py (changes in order) -> datapath/flusher.py (background thread driving the
+  io engine, group commit) -> io/ (io_uring, POSIX)
   -> format/ (data logs + index in the backing directory)
   -> replay.py on mount (records -> namespace.py) -> datapath/reader.py (the read path)
 Around it: daemon.py wires a mount, api.py and cli.py are the user's side, tools/ the offline

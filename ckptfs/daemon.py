@@ -25,7 +25,8 @@ import trio
 from ckptfs import options
 from ckptfs.api import mount_at, status_socket_name
 from ckptfs.datapath import cleaner, tier
-from ckptfs.datapath.flusher import Flusher, Journal
+from ckptfs.datapath.flusher import Flusher
+from ckptfs.datapath.journal import Journal
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records

@@ -200,7 +200,7 @@ def crafted_writer(backing: str, wid: str, files: dict[str, bytes], stamp: int) 
 
 
 def test_commit_stamps_follow_every_stamp_seen():
-    from ckptfs.datapath.flusher import Journal
+    from ckptfs.datapath.journal import Journal
     j = Journal()
     j.seen_ns = time.time_ns() + 3600 * 10**9  # another writer's clock is an hour ahead
     first = j.stamp()

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 from crc32c import crc32c
 
-from ckptfs.datapath.flusher import ExtentEntry, Journal, fold_setattrs
+from ckptfs.datapath.journal import ExtentEntry, Journal, fold_setattrs
 from ckptfs.datapath import writes
 from ckptfs.datapath.staging import (
     Checksums,

@@ -5,7 +5,7 @@ For each --files count it builds a backing directory the way a mount leaves one 
 wrote that many small files (a tree of directories of --per-dir files, each file created,
 written once and closed: an INODE, an EXTENT and a SETATTR record per file, commit groups of
 --group files, the SETATTRs folded into the INODE records as the journal folds them
-(flusher.fold_setattrs), the files' bytes packed into data logs), written with the format's
+(journal.fold_setattrs), the files' bytes packed into data logs), written with the format's
 own code
 (format/records.py, format/index.py) rather than through a mount, which would take minutes for
 a million files. Then, after one warm-up mount, --mounts timed mounts of it alternate with
@@ -38,7 +38,7 @@ from crc32c import crc32c
 from ckptfs import api
 from ckptfs.bench.lifecycle import rss
 from ckptfs.format import backingdir, index, records
-from ckptfs.datapath.flusher import fold_setattrs
+from ckptfs.datapath.journal import fold_setattrs
 from ckptfs.format.records import CommitRec, ExtentRec, InodeRec, SetattrRec
 from ckptfs.options import parse_size
 

@@ -60,7 +60,7 @@ from crc32c import crc32c
 
 from ckptfs import failpoints
 from ckptfs.datapath import mover
-from ckptfs.datapath.flusher import ExtentEntry
+from ckptfs.datapath.journal import ExtentEntry
 from ckptfs.datapath.staging import (
     CHECKSUM_BLOCK_BYTES,
     NO_LOG,

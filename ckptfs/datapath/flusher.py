@@ -1,18 +1,12 @@
 """Sealed segments to durable data logs, then the index records that describe them.
 
-Two halves with one contract between them:
-
-- `Journal` (trio thread) holds every change not yet committed, in the order it happened:
-  namespace records and extent entries (a file range pointing at a run in a segment). Only a
-  prefix whose extents are all durable can be committed, so the index never points at data that
-  is not on disk and replay always sees operations in their real order.
-- `Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their
-  runs' CRC32C are taken on the trio thread before a segment's buffer goes back to the pool:
-  staging.Checksums), writes each segment whole
-  (tail padded to the alignment) at the next aligned offset of the current data log
-  (format/logs.LogWriter),
-  fdatasyncs, reports the segments durable to the trio thread, then appends the committable
-  journal prefix to the index and fdatasyncs it (group commit).
+`Flusher` runs a thread that owns the io engine. It takes sealed segments in order (their runs'
+CRC32C are taken on the trio thread before a segment's buffer goes back to the pool:
+staging.Checksums), writes each segment whole (tail padded to the alignment) at the next
+aligned offset of the current data log (format/logs.LogWriter), fdatasyncs, reports the
+segments durable to the trio thread, then appends the journal's committable prefix
+(datapath/journal.py: only extents whose segments are durable) to the index and fdatasyncs it
+(group commit).
 
 Barriers (`fsync`, `ckptfs sync`, unmount) seal the open segment and wait until everything
 journaled before them is committed. A failed write (ENOSPC, EIO) keeps the segments staged, is
@@ -21,35 +15,21 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import trio
 
 from ckptfs import failpoints
-from ckptfs.datapath.staging import NO_LOG, Run, Segment, Staging, round_up
+from ckptfs.datapath.journal import Journal
+from ckptfs.datapath.staging import NO_LOG, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
 from ckptfs.format.logs import LogWriter
-from ckptfs.format.records import (
-    CommitRec,
-    ExtentRec,
-    InodeRec,
-    LinkRec,
-    Record,
-    RenameRec,
-    RetireRec,
-    SetattrRec,
-    SizeRec,
-    UnlinkRec,
-    XExtentRec,
-)
 from ckptfs.io import alloc_aligned, fault_in, open_engine
 
 log = logging.getLogger("ckptfs.flusher")
@@ -73,188 +53,6 @@ class _Swap:
 
     def __init__(self, fresh: str, upto: int, version: int, done) -> None:
         self.fresh, self.upto, self.version, self.done = fresh, upto, version, done
-
-
-class ExtentEntry:
-    __slots__ = ("ino", "foff", "run")
-
-    def __init__(self, ino: int, foff: int, run: Run) -> None:
-        self.ino = ino
-        self.foff = foff
-        self.run = run
-
-
-# What a change touches, for the levels: the inode it changes, the directories whose entries
-_TOUCHES_INO = frozenset((InodeRec, ExtentEntry, ExtentRec, SetattrRec, SizeRec, LinkRec,
-                          XExtentRec))
-_TOUCHES_PARENT = {InodeRec: ("parent",), UnlinkRec: ("parent",), LinkRec: ("parent",),
-                   RenameRec: ("old_parent", "new_parent")}
-
-
-class Journal:
-    """Changes not yet in the index, in order. Trio thread only."""
-
-    def __init__(self, committed_seq: int = 0) -> None:
-        self.entries: deque = deque()
-        self.last_seq = committed_seq  # sequence number of the newest change
-        self.committed_seq = committed_seq
-        self.unsent = b""  # encoded records whose index write failed, to be written first
-        self.unsent_upto = committed_seq
-        self.unsent_version = 1  # the index version those records need (RETIRE: 2)
-        # The COMMIT stamps: a hybrid logical clock (docs/format.md). A stamp is the wall
-        # clock in ns, but always above this writer's previous stamp and above every stamp it
-        # has seen in another writer's index (`seen_ns`, raised as their tails are read), so
-        # a change made after seeing another writer's change is ordered after it, whatever
-        # the two hosts' clocks say.
-        self.last_stamp = 0
-        self.seen_ns = 0
-        self.stamp_hook = None  # called with (the records of a commit group, its stamp)
-        # inode -> sequence number of its newest change not known to be in the backing
-        # directory (a directory's too when an entry of it changed): the levels
-        self.touched: dict[int, int] = {}
-        self._prune_at = 4096
-
-    def stamp(self) -> int:
-        """The next COMMIT stamp (trio thread)."""
-        s = max(time.time_ns(), self.last_stamp + 1, self.seen_ns + 1)
-        self.last_stamp = s
-        return s
-
-    def add(self, item: Record | ExtentEntry) -> None:
-        self.last_seq += 1
-        self.entries.append((self.last_seq, item))
-        t = type(item)
-        if t in _TOUCHES_INO:
-            self.touched[item.ino] = self.last_seq
-        if t in _TOUCHES_PARENT:
-            for name in _TOUCHES_PARENT[t]:
-                self.touched[getattr(item, name)] = self.last_seq
-
-    def touch(self, recs, seq: int) -> None:
-        """Records committed before this mount whose changes are not in the backing
-        directory yet (the node tier's undrained index): pending until `seq` is."""
-        for item in recs:
-            t = type(item)
-            if t in _TOUCHES_INO:
-                self.touched[item.ino] = seq
-            if t in _TOUCHES_PARENT:
-                for name in _TOUCHES_PARENT[t]:
-                    self.touched[getattr(item, name)] = seq
-
-    def touched_seq(self, inos) -> int:
-        """The sequence number of the newest change to any of `inos` still pending in some
-        level (0: none): what says whether a file or a tree is staged, node- or
-        backing-durable (ops.level_of)."""
-        touched = self.touched
-        return max((touched.get(i, 0) for i in inos), default=0)
-
-    def prune(self, upto: int) -> None:
-        """Forget the changes up to `upto` (in the backing directory): nothing is pending of
-        them any more. Done when the table has doubled since it was last pruned."""
-        if len(self.touched) > self._prune_at:
-            self.touched = {i: s for i, s in self.touched.items() if s > upto}
-            self._prune_at = max(4096, 2 * len(self.touched))
-
-    def tail(self) -> Record | ExtentEntry | None:
-        return self.entries[-1][1] if self.entries else None
-
-    def take_committable(self) -> tuple[bytes, int]:
-        """Encode the longest committable prefix, followed by a COMMIT record: (bytes, the
-        sequence number it covers). Records taken but not yet confirmed (a failed index write)
-        are taken again first."""
-        parts = [self.unsent] if self.unsent else []
-        upto = self.unsent_upto if self.unsent else self.committed_seq
-        if not self.unsent:
-            self.unsent_version = 1
-        entries = self.entries
-        n = 0
-        for _, item in entries:  # up to the first extent whose segment is not durable yet
-            if type(item) is ExtentEntry and not item.run.seg.durable:
-                break
-            n += 1
-        # Encoded before any entry leaves the journal: a record that cannot be encoded (a
-        # defect: the handlers keep every field inside records.LIMITS) raises here and takes
-        # nothing with it.
-        prefix = list(itertools.islice(entries, n))
-        folded = fold_setattrs(prefix)
-        encode = records.encode
-        version = self.unsent_version
-        taken = []
-        for i, (seq, item) in enumerate(prefix):
-            upto = seq
-            if i in folded:
-                continue
-            if type(item) is ExtentEntry:
-                run = item.run
-                parts.append(encode(ExtentRec(item.ino, item.foff, run.length, run.log,
-                                              run.loff, run.crc)))
-            else:
-                if type(item) is RetireRec:
-                    version = max(version, records.RETIRE_INDEX_VERSION)
-                elif type(item) in records.CROSS_WRITER_RECORDS:
-                    version = max(version, records.CROSS_INDEX_VERSION)
-                parts.append(encode(item))
-            taken.append(item)
-        for _ in range(n):
-            entries.popleft()
-        self.unsent_version = version
-        if not parts:
-            return b"", upto
-        self.unsent = b"".join(parts)
-        self.unsent_upto = upto
-        stamp = self.stamp()
-        if self.stamp_hook is not None and taken:
-            self.stamp_hook(taken, stamp)
-        return self.unsent + encode(CommitRec(upto, stamp)), upto
-
-    def confirm(self, upto: int) -> None:
-        """The records up to `upto` are durable in the index."""
-        self.unsent = b""
-        if upto > self.committed_seq:
-            self.committed_seq = upto
-
-    def pending(self) -> bool:
-        return bool(self.entries) or bool(self.unsent)
-
-
-def fold_setattrs(group: list[tuple[int, Record | ExtentEntry]]) -> set[int]:
-    """Put the SETATTR of a file into the file's INODE record where one commit group holds
-    both and replay ends with the same tree: the positions of the SETATTRs folded so.
-
-    A file a job writes is an INODE, its EXTENTs and the SETATTR at close (the times the
-    writes moved), so a tree of small files costs its index, and every mount, three records
-    per file; folded, two. Replay sets the same attributes either way when nothing between
-    the two changes the file's attributes (an EXTENT changes none; a SIZE or another SETATTR
-    does: no fold then) and the INODE record's time is not the one its directory keeps: an
-    INODE record also sets its directory's times (namespace.Namespace._apply_inode), so a
-    later record of the group must set them again (another entry created there, or the
-    directory's SETATTR). Within one group that is all the same: a group commits whole."""
-    born: dict[int, tuple[int, int]] = {}  # file -> (position of its INODE, its directory)
-    dir_set: dict[int, int] = {}  # directory -> position of the last record setting its times
-    pairs = []
-    for i, (_, item) in enumerate(group):
-        t = type(item)
-        if t is InodeRec:
-            dir_set[item.parent] = i
-            if item.mode & 0o170000 == 0o100000:  # (S_IFREG)
-                born[item.ino] = (i, item.parent)
-        elif t is SetattrRec:
-            dir_set[item.ino] = i
-            b = born.pop(item.ino, None)
-            if b is not None:
-                pairs.append((b[0], i, b[1]))
-        elif t is SizeRec:
-            born.pop(item.ino, None)
-    folded = set()
-    for at, i, parent in pairs:
-        if dir_set.get(parent, -1) > at:
-            inode, attrs = group[at][1], group[i][1]
-            inode.mode = (inode.mode & ~0o7777) | (attrs.mode & 0o7777)
-            inode.uid, inode.gid = attrs.uid, attrs.gid
-            inode.atime_ns, inode.mtime_ns, inode.ctime_ns = (attrs.atime_ns, attrs.mtime_ns,
-                                                              attrs.ctime_ns)
-            folded.add(i)
-    return folded
 
 
 class FlushStats:

@@ -4,7 +4,7 @@ handlers (fuse/ops.py) and the fast path's writes in place (fuse/fastpath.py). T
 
 from __future__ import annotations
 
-from ckptfs.datapath.flusher import ExtentEntry, Journal
+from ckptfs.datapath.journal import ExtentEntry, Journal
 from ckptfs.datapath.staging import Checksums, Run
 from ckptfs.namespace import Inode
 

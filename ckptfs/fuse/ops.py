@@ -1,9 +1,10 @@
 """pyfuse3 Operations: translate FUSE requests into namespace changes, staged writes and reads.
 
 Handlers run on the trio thread, check the request (POSIX errnos), then call into the namespace
-(namespace.py), the staging area (staging.py), the journal/flusher (flusher.py) or the reader
-(reader.py). They never block on disk I/O: writes only copy into staging (or wait for a free
-segment), reads of durable data go through the reader's loader threads.
+(namespace.py), the staging area (staging.py), the journal (journal.py), the flusher
+(flusher.py) or the reader (reader.py). They never block on disk I/O: writes only copy into
+staging (or wait for a free segment), reads of durable data go through the reader's loader
+threads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from operator import itemgetter
 import pyfuse3
 import trio
 
-from ckptfs.datapath.flusher import Flusher, Journal
+from ckptfs.datapath.flusher import Flusher
+from ckptfs.datapath.journal import Journal
 from ckptfs.datapath.readplan import (
     DCP_DATA_SUFFIX,
     DCP_METADATA,
