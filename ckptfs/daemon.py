@@ -43,7 +43,8 @@ from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import Namespace
 from ckptfs.options import format_size
-from ckptfs.replay import Union, View, replay, validate_extents
+from ckptfs.replay import replay, validate_extents
+from ckptfs.view import Union, View
 
 log = logging.getLogger("ckptfs")
 

@@ -146,11 +146,11 @@ class Namespace:
         # the tree's own runs end in it: replay.validate_extents walks the tree only when a
         # log is shorter than that or missing)
         self.extent_ends: dict[int, int] = {}
-        # Changes of this writer to other writers' trees (replay.View applies them): the
+        # Changes of this writer to other writers' trees (view.View applies them): the
         # entries it removed there (XUNLINK records) ...
         self.xunlinks: list[XUnlinkRec] = []
         # ... and, for XEXTENT records (bytes in another writer's data logs), the layer of a
-        # writer id in this mount or tool (replay.View.layer_of); None: not known here
+        # writer id in this mount or tool (view.View.layer_of); None: not known here
         self.layer_of: Callable[[str], int | None] = lambda writer: None
         # The files an XEXTENT record gave bytes of another writer's data logs (some may have
         # none left): where to look for the logs this tree keeps in use in other writers'

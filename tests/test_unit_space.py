@@ -323,7 +323,8 @@ def test_every_own_log_is_named_while_another_writers_index_cannot_be_read(tmp_p
     the log its records name."""
     from ckptfs.format import backingdir
     from ckptfs.format.records import XExtentRec
-    from ckptfs.replay import Union, load_foreign, read_writer
+    from ckptfs.replay import read_writer
+    from ckptfs.view import Union, load_foreign
 
     backingdir.check_backing(str(tmp_path), create=True)
     wdir = tmp_path / "writers" / "w1"

@@ -1,4 +1,4 @@
-"""The view of many writers (replay.View) is a function of their records, not of the order a
+"""The view of many writers (view.View) is a function of their records, not of the order a
 mount reads them in: random histories of three writers (mkdir, create, unlink, rename in
 their own trees at a few shared names, and whiteouts of each other's entries), read whole by
 a fresh view and, by another, one commit group at a time in a random interleaving of the
@@ -22,7 +22,8 @@ from ckptfs.format.records import (
     XUnlinkRec,
 )
 from ckptfs.namespace import ROOT_INO, Namespace
-from ckptfs.replay import LAYER_SHIFT, Union, View, load_foreign, replay
+from ckptfs.replay import replay
+from ckptfs.view import LAYER_SHIFT, Union, View, load_foreign
 
 WRITERS = ("w0", "w1", "w2")
 NAMES = [b"a", b"b", b"c", b"d"]

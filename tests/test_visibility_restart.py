@@ -261,7 +261,7 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
     trio = pytest.importorskip("trio")
     from ckptfs.fuse.refresh import Refresher
     from ckptfs.namespace import Namespace
-    from ckptfs.replay import Union, View
+    from ckptfs.view import Union, View
 
     class Journal:
         seen_ns = 0

@@ -832,7 +832,7 @@ def _subtract(ranges: list[tuple[int, int]], minus: list[tuple[int, int]]
 
 
 def logs_named_by_others(view, own_logs=()) -> set[int]:
-    """The own data logs that other writers' trees (replay.View) point into; all of
+    """The own data logs that other writers' trees (view.View) point into; all of
     `own_logs` while another writer's tree could not be read (it may point into any)."""
     if view.unloaded():
         return set(own_logs)

@@ -240,7 +240,7 @@ class ExtentMap:
         return list(seen.values())
 
     def share(self, other: "ExtentMap") -> None:
-        """Point at `other`'s pieces (a view of another writer's file: replay.View); the stored
+        """Point at `other`'s pieces (a view of another writer's file: view.View); the stored
         bytes are copied, not shared."""
         if self.watched:
             self._changed()

@@ -68,7 +68,7 @@ class RunReader:
     one (the descriptor table is locked).
 
     `writer_dirs` (layer -> writer directory) is read when a log is first opened, so a dict a
-    mount's view fills in later (replay.Union.writer_dirs) serves its new writers too. With
+    mount's view fills in later (view.Union.writer_dirs) serves its new writers too. With
     `direct`, logs are opened O_DIRECT (the mount's chunk reads: whole aligned chunks into
     aligned buffers); a log whose file system refuses O_DIRECT, at the open or at the first
     read, is read buffered from then on. read_run is for buffered readers (a run's offset is

@@ -199,7 +199,7 @@ class CkptOperations(pyfuse3.Operations):
                  refresher=None, maintainer=None) -> None:
         """`interrupts`: the mount's (fuse/interrupts.py: a barrier whose caller is being
         killed is answered early); `view` and `refresher`: other writers' changes, the merged
-        tree and what reads their index tails (replay.View, fuse/refresh.py); `maintainer`:
+        tree and what reads their index tails (view.View, fuse/refresh.py); `maintainer`:
         the cleaner of a mount that writes (its figures in the status)."""
         super().__init__()
         self.ns = ns

@@ -8,7 +8,7 @@ other writer a listing of its directory (on a
 network file system it brings the files' current sizes: format/backingdir.py) and a stat of
 its index. Only an index that grew is read, from where the last read stopped to its end, and
 only its complete commit groups are taken (a group being appended is read the next time).
-The trio thread then applies them to the view (replay.View), one commit group at a time,
+The trio thread then applies them to the view (view.View), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
 it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py; then a path walk
 asks again with a LOOKUP, which looks first when a look is due), so changed names, and the
@@ -19,7 +19,7 @@ to answer.
 An index that was replaced (rewritten by a compaction, an index snapshot or a restart: another
 file, or bytes other than those read before where the last read stopped: replay.read_tail)
 is read whole again, and its tree takes the place of the old one with the same inode numbers
-for the entries it kept (replay.View.reload_tree); a writer directory that went away leaves
+for the entries it kept (view.View.reload_tree); a writer directory that went away leaves
 the view. A writer whose changes fail to apply is read whole again in a second look at once.
 """
 
@@ -35,7 +35,8 @@ import trio
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import FormatError, RetireRec, XExtentRec
-from ckptfs.replay import ENTRY, INODE, View, read_tail, read_writer
+from ckptfs.replay import read_tail, read_writer
+from ckptfs.view import ENTRY, INODE, View
 
 log = logging.getLogger("ckptfs")
 

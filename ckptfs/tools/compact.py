@@ -36,7 +36,7 @@ from ckptfs.format.records import ExtentRec
 from ckptfs.io import open_engine, probe_direct
 from ckptfs.namespace import Namespace
 from ckptfs.options import BY_NAME
-from ckptfs.replay import Union, load_foreign
+from ckptfs.view import Union, load_foreign
 from ckptfs.tools.snapshot import Progress
 
 SEGMENT_BYTES = BY_NAME["segment-size"].default  # the unit of a write, as a mount's
