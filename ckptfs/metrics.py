@@ -101,7 +101,7 @@ def status(ops) -> dict:
         "read_cache_allocated_bytes": ops.reader.allocated * CHUNK_BYTES,
         "read_chunks_recycled": ops.reader.recycled,
         "read_runs_verified_ahead": ops.reader.verified_ahead,
-        "read_plans": ops.read_plans,
+        "read_plans": ops.dcp.read_plans,
         "read_plan_chunk_loads": ops.reader.plan_loads,
         "read_plan_misses": ops.reader.plan_misses,
         "read_load_seconds": round(ops.reader.load_seconds, 3),

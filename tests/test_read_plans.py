@@ -296,16 +296,14 @@ def test_a_plan_loads_the_parts_of_chunks_its_items_need(mounts):
 def test_the_data_files_names_kept_are_the_last_ones_seen(monkeypatch):
     """The names of DCP data files the daemon keeps for their opens (saw_name) are the last
     DCP_NAMES_MAX seen: the oldest goes, and a name seen again counts as new."""
-    import types
+    from ckptfs.datapath import dcpreads
 
-    from ckptfs.fuse import ops
-
-    monkeypatch.setattr(ops, "DCP_NAMES_MAX", 3)
-    me = types.SimpleNamespace(dcp_names={})
+    monkeypatch.setattr(dcpreads, "DCP_NAMES_MAX", 3)
+    me = dcpreads.DcpReads(None, None, 512 << 10)
     for ino in (1, 2, 3):
-        ops.CkptOperations.saw_name(me, 7, b"__%d_0.distcp" % ino, ino)
-    ops.CkptOperations.saw_name(me, 7, b"notes.txt", 9)  # (not a data file: not kept)
-    ops.CkptOperations.saw_name(me, 7, b"__1_0.distcp", 1)  # (seen again)
-    ops.CkptOperations.saw_name(me, 8, b"__4_0.distcp", 4)
-    assert list(me.dcp_names.items()) == [(3, (7, b"__3_0.distcp")), (1, (7, b"__1_0.distcp")),
+        me.saw_name(7, b"__%d_0.distcp" % ino, ino)
+    me.saw_name(7, b"notes.txt", 9)  # (not a data file: not kept)
+    me.saw_name(7, b"__1_0.distcp", 1)  # (seen again)
+    me.saw_name(8, b"__4_0.distcp", 4)
+    assert list(me.names.items()) == [(3, (7, b"__3_0.distcp")), (1, (7, b"__1_0.distcp")),
                                           (4, (8, b"__4_0.distcp"))]

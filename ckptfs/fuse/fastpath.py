@@ -1125,7 +1125,7 @@ class FastPath(RequestWait):
             if (y is None or y.emap is None or y.opens or y.nlink != 1
                     or y.layer == CONTROL_LAYER):
                 continue
-            ops.saw_name(parent, n, y.ino)  # (its LOOKUP may be answered in C)
+            ops.dcp.saw_name(parent, n, y.ino)  # (its LOOKUP may be answered in C)
             # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer:
             # most of a restore's names ahead were prepared by the LOOKUPs before)
             fh = self.prepared_ino.get(y.ino)

@@ -24,13 +24,8 @@ import trio
 
 from ckptfs.datapath.flusher import Flusher
 from ckptfs.datapath.journal import Journal
-from ckptfs.datapath.readplan import (
-    DCP_DATA_SUFFIX,
-    DCP_METADATA,
-    METADATA_MAX_BYTES,
-    ReadPlan,
-    dcp_plans,
-)
+from ckptfs.datapath.dcpreads import DcpReads
+from ckptfs.datapath.readplan import ReadPlan
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import CHECKSUM_BLOCK_BYTES, ExtentMap, Staging
 from ckptfs.format.records import (
@@ -80,12 +75,6 @@ XATTR_SYNC_LEVELS = {XATTR_PREFIX + b"sync": None, XATTR_PREFIX + b"sync.node": 
 XATTR_LEVEL = XATTR_PREFIX + b"level"
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
-DCP_NAMES_MAX = 4096  # DCP data files whose directory is remembered (saw_name)
-DCP_PLANS_MAX = 16  # `.metadata` files whose plans are kept (one per checkpoint read)
-# Items of the kept plans together (~120 bytes each): beyond it the oldest plans go, so that
-# crafted `.metadata` files (up to readplan.ITEMS_MAX items each) cannot make the daemon hold
-# gigabytes; a real checkpoint has thousands
-DCP_PLAN_ITEMS_MAX = 1 << 21
 # Entries of directory listings held by open directory handles together: past it, a listing
 # that cannot be shared with one held already is refused (ENFILE) unless it is the only one
 LISTING_ENTRIES_MAX = 1 << 21
@@ -107,14 +96,6 @@ def clamp_time(ns: int) -> int:
 
 def _err(e: int):
     return pyfuse3.FUSEError(e)
-
-
-def _keep_newest(table: dict, key, value, limit: int) -> None:
-    """table[key] = value as its newest entry; past `limit` entries the oldest goes."""
-    table.pop(key, None)
-    if len(table) >= limit:
-        del table[next(iter(table))]
-    table[key] = value
 
 
 class _Handle:
@@ -230,15 +211,12 @@ class CkptOperations(pyfuse3.Operations):
         self.write_requests = 0
         self.read_requests = 0
         self.bytes_read = 0  # served to READs (re-reads counted again)
-        self.read_plans = 0  # read-only opens given a read plan (readplan.py)
-        # per `.metadata` inode: ((its mtime, size), the plans of its data files)
-        self.dcp_plans: dict[int, tuple[tuple[int, int], dict]] = {}
+        # the DCP read policy: which read-only opens get a read plan (datapath/dcpreads.py)
+        self.dcp = DcpReads(ns, reader, IO_BLOCK_BYTES)
         # the listings open directory handles hold (_Listing): by the directory's inode, or
         # by ("old", id) for a version it no longer has
         self.listings: dict = {}
         self.listing_entries = 0
-        self.dcp_reading: dict[int, trio.Event] = {}  # (.metadata inodes being read)
-        self.dcp_names: dict[int, tuple[int, bytes]] = {}  # (saw_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
         self.request_wait: loop.RequestWait | None = None
@@ -478,15 +456,8 @@ class CkptOperations(pyfuse3.Operations):
             if name == CTL_NAME and parent.ino == ROOT_INO:
                 return self.ns.inodes[CTL_DIR_INO]
             return None
-        self.saw_name(parent_inode, name, ino)
+        self.dcp.saw_name(parent_inode, name, ino)
         return self.ns.inodes[ino]
-
-    def saw_name(self, parent: int, name: bytes, ino: int) -> None:
-        """The kernel learns of `name` in directory `parent` (a LOOKUP, CREATE, rename or
-        listing): a DCP data file's is kept, where its open finds the `.metadata` for its
-        read plan (a file's inode does not say which directory holds it)."""
-        if name.endswith(DCP_DATA_SUFFIX):
-            _keep_newest(self.dcp_names, ino, (parent, name), DCP_NAMES_MAX)
 
     def refresh_due(self) -> bool:
         """Whether an open, lookup or listing has to look at other writers' changes first:
@@ -631,7 +602,7 @@ class CkptOperations(pyfuse3.Operations):
         the ring's queue threads answered comes with its numbers (reserve) and time."""
         mode = self.new_file_mode(mode, ctx.umask)
         x = self._new(parent_inode, name, mode, ctx, ino=ino, now=now_ns)
-        self.saw_name(parent_inode, name, x.ino)  # (read back in this mount: no LOOKUP)
+        self.dcp.saw_name(parent_inode, name, x.ino)  # (read back in this mount: no LOOKUP)
         fh = self._open_handle(x, flags, ctx, fh)
         return self._file_info(x, fh, flags), x
 
@@ -759,7 +730,7 @@ class CkptOperations(pyfuse3.Operations):
         self.ns.change(RenameRec(op.ino, name_old, np_.ino, name_new,
                                  flags & RENAME_EXCHANGE))
         if not moving.is_dir:
-            self.saw_name(np_.ino, name_new, moving.ino)
+            self.dcp.saw_name(np_.ino, name_new, moving.ino)
         now = time.time_ns()
         self._touch_linked(moving, now)
         if target is not None:
@@ -807,86 +778,11 @@ class CkptOperations(pyfuse3.Operations):
             self.clear_setid(x)
         plan = None  # (read before the handle is made: nothing to undo if it fails)
         if flags & os.O_ACCMODE == os.O_RDONLY and x.size > DIRECT_READ_MIN_BYTES:
-            plan = await self._read_plan(x)
+            plan = await self.dcp.plan_for(x)
             self._fresh(x)  # (a look at other writers may have come meanwhile)
         fh = self._open_handle(x, flags, ctx)
         self.handles[fh].plan = plan
         return self._file_info(x, fh, flags)
-
-    def _dcp_metadata(self, x: Inode) -> tuple[bytes, Inode] | None:
-        """DCP data file x's name and the `.metadata` beside it, if it is one."""
-        where = self.dcp_names.get(x.ino)
-        if where is None:
-            return None
-        parent = self.ns.inodes.get(where[0])
-        name = where[1]
-        if parent is None or not parent.children or parent.children.get(name) != x.ino:
-            return None
-        meta = self.ns.inodes.get(parent.children.get(DCP_METADATA, 0))
-        if meta is None or meta.emap is None or not 0 < meta.size <= METADATA_MAX_BYTES:
-            return None
-        return name, meta
-
-    async def _read_plan(self, x: Inode) -> ReadPlan | None:
-        """The order a DCP reader reads data file x in, from the `.metadata` beside it
-        (readplan.py); None for any other file, or when the metadata cannot be read or is not
-        DCP's (the reads then go as any other's: a plan is only ever a guess)."""
-        found = self._dcp_metadata(x)
-        if found is None:
-            return None
-        name, meta = found
-        try:
-            plans = await self._dcp_plans_of(meta)
-            items = plans.get(name) if plans else None
-            if not items:
-                return None
-            plan = ReadPlan(items, x.size, IO_BLOCK_BYTES)
-        except Exception as exc:  # noqa: BLE001 - no plan, whatever failed
-            log.info("no read plan for %r: %s", name, exc)
-            return None
-        self.read_plans += 1
-        return plan
-
-    async def _dcp_plans_of(self, meta: Inode) -> dict | None:
-        """The plans a `.metadata` gives its data files, read once per version of it (the
-        ranks of a node open their data files at once: one reads it, the others wait);
-        None when it cannot be read now (not kept: the next open tries again)."""
-        version = (meta.mtime_ns, meta.size)
-        while True:
-            cached = self.dcp_plans.get(meta.ino)
-            if cached is not None and cached[0] == version:
-                return cached[1]
-            busy = self.dcp_reading.get(meta.ino)
-            if busy is None:
-                break
-            await busy.wait()
-        busy = self.dcp_reading[meta.ino] = trio.Event()
-        try:
-            data = bytearray()
-            for off in range(0, meta.size, IO_BLOCK_BYTES):  # (views valid until an await)
-                for part in await self.reader.read(meta.emap, off, IO_BLOCK_BYTES, meta.size,
-                                                   0, gather=True):
-                    data += part
-            try:
-                plans = await trio.to_thread.run_sync(dcp_plans, bytes(data))
-            except ValueError as exc:
-                log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
-                plans = {}
-            _keep_newest(self.dcp_plans, meta.ino, (version, plans), DCP_PLANS_MAX)
-            items = {k: sum(map(len, v[1].values())) for k, v in self.dcp_plans.items()}
-            total = sum(items.values())
-            for k in list(self.dcp_plans)[:-1]:  # (the oldest first; the newest stays)
-                if total <= DCP_PLAN_ITEMS_MAX:
-                    break
-                del self.dcp_plans[k]
-                total -= items[k]
-            return plans
-        except OSError as exc:
-            log.info("no read plans from .metadata (inode %d): %s", meta.ino, exc)
-            return None
-        finally:
-            del self.dcp_reading[meta.ino]
-            busy.set()
 
     def may_prepare_open(self, x: Inode) -> bool:
         """Whether a read-only open of x can be prepared before it comes (prepare_open): its
@@ -894,7 +790,7 @@ class CkptOperations(pyfuse3.Operations):
         direct handle, whose pages a reader's open drops)."""
         return (x.ino not in self.written_direct and x.ino != CTL_STATS_INO
                 and (x.size <= DIRECT_READ_MIN_BYTES  # (a DCP data file's OPEN: its plan)
-                     or self._dcp_metadata(x) is None))
+                     or self.dcp.metadata_of(x) is None))
 
     def prepare_open(self, x: Inode) -> tuple[int, pyfuse3.FileInfo]:
         """A handle number and the answer for a read-only open of x that the ring's queue
@@ -1195,7 +1091,7 @@ class CkptOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attr(x), i + 1):
                 break
             x.lookups += 1
-            self.saw_name(h.ino, name, ino)  # (READDIRPLUS: its open may ask no LOOKUP)
+            self.dcp.saw_name(h.ino, name, ino)  # (READDIRPLUS: its open may ask no LOOKUP)
 
     async def releasedir(self, fh):
         h = self.handles.pop(fh, None)
