@@ -184,6 +184,43 @@ class _Context:
         self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
 
 
+def _pieces(n: int, bufs: list) -> list:
+    """The n bytes just read, as views of the buffers they landed in."""
+    parts, left = [], n
+    for b in bufs:
+        k = min(left, len(b))
+        parts.append(memoryview(b)[:k])
+        left -= k
+        if not left:
+            break
+    return parts
+
+
+class _Request:
+    """One request as either loop found it, for the handlers of the dispatch table: its
+    header's fields, the buffer holding its op part (`head`, from `at`), its length, and
+    where the rest is: on /dev/fuse read here (`entry` -1), the buffers it was read into
+    (`bufs`: the header, staging's tails `t1` and `t2` when offered, the overflow buffer); in
+    a queue thread's entry `entry`, the op part's size and the payload buffer."""
+
+    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "head", "at", "length",
+                 "entry", "bufs", "t1", "t2", "opsize", "pay", "psz")
+
+    def __init__(self, opcode: int, unique: int, nodeid: int, uid: int, gid: int, pid: int,
+                 head, at: int, length: int, entry: int = -1) -> None:
+        self.opcode, self.unique, self.nodeid = opcode, unique, nodeid
+        self.uid, self.gid, self.pid = uid, gid, pid
+        self.head, self.at, self.length, self.entry = head, at, length, entry
+
+    def body(self) -> bytes:
+        """The request's bytes after the 40-byte header."""
+        if self.entry >= 0:
+            return bytes(self.head[self.at:self.at + self.opsize]) + bytes(self.pay[:self.psz])
+        if self.length <= HEAD:
+            return bytes(self.head[IN_HEADER.size:self.length])
+        return b"".join(_pieces(self.length, self.bufs))[IN_HEADER.size:]
+
+
 def _valid(t: float) -> tuple[int, int]:
     """A cache timeout as the protocol's (seconds, nanoseconds), as libfuse computes it."""
     if t <= 0:
@@ -282,6 +319,15 @@ class FastPath(RequestWait):
         self.lookups_put = False  # some put since the last clear (one may stand unlisted)
         self.name_order: dict[int, tuple[list, dict]] = {}  # directory -> (names, name -> i)
         self.transport = "/dev/fuse"
+        # opcode -> its handler here, for both loops (serve_one, serve_ring): each takes a
+        # _Request and says whether it served it (else it goes to pyfuse3)
+        self.handlers = {
+            FUSE_WRITE: self.write_req, FUSE_READ: self.read_req,
+            FUSE_INTERRUPT: self.interrupt_req, FUSE_FLUSH: self.flush_req,
+            FUSE_RELEASE: self.release_req, FUSE_IOCTL: self.ioctl_req,
+            FUSE_LOOKUP: self.entry_req, FUSE_GETATTR: self.entry_req,
+            FUSE_OPEN: self.entry_req, FUSE_CREATE: self.entry_req,
+        }
         self.epoll = None
         if uring or queue_threads:
             # the slow path sleeps on /dev/fuse and on the queue threads' eventfd at once (on
@@ -374,7 +420,8 @@ class FastPath(RequestWait):
 
     # ------------------------------------------------------------ requests
     async def serve_one(self) -> bool:
-        """Read one request and serve it; True if it was handed to libfuse instead."""
+        """Read one request and serve it by the dispatch table (`handlers`, which serve_ring
+        uses too); True if it was handed to libfuse instead."""
         ring = self.ring
         if ring is not None and ring.pending():
             # (/dev/fuse is looked at every few ring requests: INTERRUPTs come there)
@@ -417,34 +464,11 @@ class FastPath(RequestWait):
         if self.releases and opcode not in PAST_RELEASES:
             self.run_releases()
         if self.minor and not extlen:
-            self.answered += 1
-            if opcode == FUSE_WRITE and n >= HEAD:
-                await self.write(unique, n, t1, t2, pid)
+            req = _Request(opcode, unique, nodeid, uid, gid, pid, head, IN_HEADER.size, n)
+            req.bufs, req.t1, req.t2 = bufs, t1, t2
+            if await self.dispatch(req):
                 return False
-            if opcode == FUSE_READ and n >= HEAD:
-                await self.read(unique, pid)
-                return False
-            if opcode == FUSE_INTERRUPT and n >= IN_HEADER.size + INTERRUPT_IN.size:
-                self.interrupts.interrupt(INTERRUPT_IN.unpack_from(head, IN_HEADER.size)[0])
-                return False
-            if opcode == FUSE_FLUSH:
-                await self.simple(unique, self.ops.flush)
-                return False
-            if opcode == FUSE_RELEASE:
-                self.release(unique, RELEASE_IN.unpack_from(head, IN_HEADER.size)[0])
-                return False
-            if opcode == FUSE_IOCTL:
-                # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of
-                # every file it opens, which libfuse would answer ENOSYS (a round trip
-                # through pyfuse3 per open). Regular files answer ENOTTY.
-                self.reply_error(unique, errno.ENOTTY)
-                return False
-            if opcode in self.entry_ops:
-                await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
-                                    self.body(n, bufs))
-                return False
-            self.answered -= 1
-        self.forward(self.pieces(n, bufs), opcode, unique, pid)
+        self.forward(_pieces(n, bufs), opcode, unique, pid)
         return True
 
     async def serve_ring(self, i: int) -> bool:
@@ -466,51 +490,85 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return False
         op = fring.OP_IN
-        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads)
+        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads: no answer)
             del self.ring_uniques[unique]
-            if opcode == FUSE_INTERRUPT:
-                try:
-                    if opsize >= INTERRUPT_IN.size:
-                        self.interrupts.interrupt(INTERRUPT_IN.unpack_from(h, op)[0])
-                finally:
-                    ring.answered(i)  # (no answer: its entry is free now)
-                return False
-        if not extlen:
-            self.answered += 1
-            if opcode == FUSE_WRITE:
-                fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(h, op)
-                done, err = self.ring_landed.pop(i, (0, 0))
-                if size != psz or err:
-                    self.reply_error(unique, err or errno.EIO)
-                    return False
-                if done == size:
-                    self.writes_in_place += 1
-                    self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0))
-                    return False
-                await self.write_landed(unique, fh, off, size, write_flags, pid, None, None,
-                                        pay, done)
-                return False
-            if opcode == FUSE_READ:
-                await self.read(unique, pid, h, op)
-                return False
-            if opcode == FUSE_FLUSH:
-                await self.simple(unique, self.ops.flush, FLUSH_IN.unpack_from(h, op)[0])
-                return False
-            if opcode == FUSE_RELEASE:
-                self.release(unique, RELEASE_IN.unpack_from(h, op)[0])
-                return False
-            if opcode in self.entry_ops:
-                await self.entry_op(opcode, unique, nodeid, _Context(uid, gid, pid),
-                                    bytes(h[op:op + opsize]) + bytes(pay[:psz]))
-                return False
-            self.answered -= 1
-        head = bytearray(h[:IN_HEADER.size])
-        _U32.pack_into(head, 0, IN_HEADER.size + opsize + psz)
+        req = _Request(opcode, unique, nodeid, uid, gid, pid, h, op,
+                       IN_HEADER.size + opsize + psz, i)
+        req.opsize, req.pay, req.psz = opsize, pay, psz
         try:
+            if not extlen and await self.dispatch(req):
+                return False
+            head = bytearray(h[:IN_HEADER.size])
+            _U32.pack_into(head, 0, IN_HEADER.size + opsize + psz)
             self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
         finally:
-            if opcode in NO_REPLY:  # (FORGET: no answer; its bytes are sent: the entry is free)
+            if opcode in NO_REPLY:  # (served or its bytes sent: the entry is free)
                 ring.answered(i)
+        return True
+
+    async def dispatch(self, req: _Request) -> bool:
+        """Serve `req` by its opcode's handler (`handlers`); False if none here takes it (it
+        goes to pyfuse3 then)."""
+        handler = self.handlers.get(req.opcode)
+        if handler is None:
+            return False
+        self.answered += 1
+        if await handler(req):
+            return True
+        self.answered -= 1
+        return False
+
+    async def write_req(self, req: _Request) -> bool:
+        """WRITE: on /dev/fuse its payload was read into staging's tails as far as they
+        reach (write); from a queue thread it landed in the landing zone, recorded by
+        claim_landed (wholly: answered now; in part: the rest copied by write_landed)."""
+        if req.length < HEAD:
+            return False
+        if req.entry < 0:
+            await self.write(req.unique, req.length, req.t1, req.t2, req.pid)
+            return True
+        fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(req.head, req.at)
+        done, err = self.ring_landed.pop(req.entry, (0, 0))
+        if size != req.psz or err:
+            self.reply_error(req.unique, err or errno.EIO)
+        elif done == size:
+            self.writes_in_place += 1
+            self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, req.unique, size, 0))
+        else:
+            await self.write_landed(req.unique, fh, off, size, write_flags, req.pid, None,
+                                    None, req.pay, done)
+        return True
+
+    async def read_req(self, req: _Request) -> bool:
+        if req.length < HEAD:
+            return False
+        await self.read(req.unique, req.pid, req.head, req.at)
+        return True
+
+    async def interrupt_req(self, req: _Request) -> bool:
+        if req.length < IN_HEADER.size + INTERRUPT_IN.size:
+            return False
+        self.interrupts.interrupt(INTERRUPT_IN.unpack_from(req.head, req.at)[0])
+        return True
+
+    async def flush_req(self, req: _Request) -> bool:
+        await self.simple(req.unique, self.ops.flush, FLUSH_IN.unpack_from(req.head, req.at)[0])
+        return True
+
+    async def release_req(self, req: _Request) -> bool:
+        self.release(req.unique, RELEASE_IN.unpack_from(req.head, req.at)[0])
+        return True
+
+    async def ioctl_req(self, req: _Request) -> bool:
+        # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of every file
+        # it opens, which libfuse would answer ENOSYS (a round trip through pyfuse3 per
+        # open). Regular files answer ENOTTY.
+        self.reply_error(req.unique, errno.ENOTTY)
+        return True
+
+    async def entry_req(self, req: _Request) -> bool:
+        await self.entry_op(req.opcode, req.unique, req.nodeid,
+                            _Context(req.uid, req.gid, req.pid), req.body())
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
@@ -590,8 +648,8 @@ class FastPath(RequestWait):
         self.writes_in_place += 1
         self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0))
 
-    async def read(self, unique: int, pid: int = 0, head=None, at: int = IN_HEADER.size) -> None:
-        fh, off, size, _, _, _, _ = READ_IN.unpack_from(self.head if head is None else head, at)
+    async def read(self, unique: int, pid: int, head, at: int) -> None:
+        fh, off, size, _, _, _, _ = READ_IN.unpack_from(head, at)
         token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
         try:
             # guarded: only FUSEError escapes
@@ -612,8 +670,6 @@ class FastPath(RequestWait):
             self.open_window(fh, off)
         if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
             self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
-
-    entry_ops = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_OPEN, FUSE_CREATE))
 
     async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: _Context,
                        body: bytes) -> None:
@@ -828,15 +884,7 @@ class FastPath(RequestWait):
             return
         self.ring.writable(fh, True)
 
-    def body(self, n: int, bufs: list) -> bytes:
-        """The request's bytes after the 40-byte header."""
-        if n <= HEAD:
-            return bytes(self.head[IN_HEADER.size:n])
-        return b"".join(self.pieces(n, bufs))[IN_HEADER.size:]
-
-    async def simple(self, unique: int, handler, fh: int | None = None) -> None:
-        if fh is None:
-            fh = FLUSH_IN.unpack_from(self.head, IN_HEADER.size)[0]
+    async def simple(self, unique: int, handler, fh: int) -> None:
         try:
             await handler(fh)
         except pyfuse3.FUSEError as exc:
@@ -1424,18 +1472,6 @@ class FastPath(RequestWait):
         return True
 
     # ------------------------------------------------------------ libfuse's side
-    @staticmethod
-    def pieces(n: int, bufs: list) -> list:
-        """The n bytes just read, as views of the buffers they landed in."""
-        parts, left = [], n
-        for b in bufs:
-            k = min(left, len(b))
-            parts.append(memoryview(b)[:k])
-            left -= k
-            if not left:
-                break
-        return parts
-
     def forward(self, parts: list, opcode: int, unique: int, pid: int) -> None:
         """Hand the request just read (its bytes: `parts`) to libfuse."""
         if opcode == FUSE_INIT:
