@@ -20,18 +20,17 @@ import subprocess
 import sys
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ckptfs import api
-from ckptfs.bench import models
-from ckptfs.bench.scaling import Writer, parallel
 from ckptfs.fuse import ring
 
-try:
-    import torch
-except ImportError:  # (the modules that need it skip: pytest.importorskip)
-    torch = None
+# (torch and the benchmark's modules are imported by the functions that use them: processes
+# a test spawns import this module, and torch would take seconds of their start)
+if TYPE_CHECKING:
+    from ckptfs.bench.scaling import Writer
 
 KiB, MiB = 1 << 10, 1 << 20
 CLI = [sys.executable, "-m", "ckptfs"]
@@ -212,9 +211,11 @@ def uring_switch(value: str = "Y"):
             f.write(was)
 
 
-def write_file(path: str, data: bytes, fsync: bool = False, chunk: int = MiB) -> None:
-    """`data` into `path` (created or truncated), in write calls of `chunk` bytes."""
+def write_file(path: str, data: bytes, fsync: bool = False, chunk: int | None = MiB) -> None:
+    """`data` into `path` (created or truncated), in write calls of `chunk` bytes (None:
+    all of it in one)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    chunk = chunk or max(1, len(data))
     try:
         off = 0
         while off < len(data):
@@ -525,6 +526,9 @@ def read_fd(path: str) -> tuple[bytes, int]:
 def gpt_state_dict() -> dict:
     """A GPT-2-shaped training state (bf16 weights, fp32 Adam state, int64 step) plus hundreds
     of small tensors, float16/int64 extras, a 0-d, an empty and a 24 MiB tensor."""
+    import torch
+    from ckptfs.bench import models
+
     specs = models.tensor_specs("gpt2", 48 << 20) + models.small_tensor_specs(300, seed=7)
     sd = models.state_dict(specs, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -540,10 +544,14 @@ def gpt_state_dict() -> dict:
 
 
 def path_of(root: str, name: str) -> str:
+    from ckptfs.bench import models
+
     return os.path.join(root, "step_100", models.file_name(name))
 
 
 def save_all(root: str, sd: dict) -> None:
+    import torch
+
     for name, t in sd.items():
         p = path_of(root, name)
         os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -561,6 +569,8 @@ def drop_cache(path: str) -> None:
 
 
 def check_all(root: str, sd: dict, uncached: bool = True) -> None:
+    import torch
+
     for name, want in sd.items():
         p = path_of(root, name)
         if uncached:
@@ -583,6 +593,8 @@ def backing_files(backing: str) -> list[str]:
 
 def dcp_save_load(mounts, backing: str) -> None:
     """DCP save into a mount over `backing`, load back; unmount, remount, load again."""
+    import torch
+
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     m = mounts.mount(backing=backing)
     g = torch.Generator().manual_seed(9)
@@ -659,6 +671,8 @@ def rank_dir(root: str, step: int, rank: int) -> str:
 
 
 def start_rank(m: api.Mount, step: int, rank: int, **kw) -> Writer:
+    from ckptfs.bench.scaling import Writer
+
     return Writer(rank_dir(m.mountpoint, step, rank), RANK_SPECS, seed(step, rank), **kw)
 
 
@@ -671,6 +685,8 @@ def finish(writers: list[Writer], timeout: float = 60.0) -> None:
 
 
 def bits(t) -> bytes:
+    import torch
+
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -678,6 +694,8 @@ _EXPECTED: dict[tuple[int, int], dict] = {}
 
 
 def expected(step: int, rank: int) -> dict:
+    from ckptfs.bench import models
+
     key = (step, rank)
     if key not in _EXPECTED:
         _EXPECTED[key] = models.state_dict(RANK_SPECS, seed(step, rank))
@@ -686,6 +704,9 @@ def expected(step: int, rank: int) -> dict:
 
 def check_rank(root: str, step: int, rank: int) -> None:
     """Every tensor of (step, rank) under `root` loads bit-exact."""
+    import torch
+    from ckptfs.bench import models
+
     for name, t in expected(step, rank).items():
         path = os.path.join(rank_dir(root, step, rank), models.file_name(name))
         got = torch.load(path, weights_only=True)
@@ -719,6 +740,8 @@ def listed(backing: str) -> set[str]:
 
 
 def rank_paths(step: int, rank: int) -> set[str]:
+    from ckptfs.bench import models
+
     return {f"/step_{step}/rank_{rank}/{models.file_name(n)}" for n, _, _ in RANK_SPECS}
 
 
@@ -736,6 +759,8 @@ def writer_files_digest(backing: str, writer: str) -> dict[str, str]:
 
 def four_writers(mounts, backing: str) -> list[api.Mount]:
     """Four daemons started at once (as on a cluster; also faster on 2 cores)."""
+    from ckptfs.bench.scaling import parallel
+
     ms = []
     for i in range(DAEMONS):
         mounts.n += 1
@@ -800,6 +825,8 @@ def tree_of(root: str) -> dict:
 
 
 def shards(m, step: int, rank: int) -> None:
+    import torch
+
     for i in range(3):
         save(m, f"step_{step}/rank_{rank}/t{i}.pt", torch.full((500 + i,), float(step * 10 + rank)))
 
@@ -832,6 +859,8 @@ SLACK_S = 4.0  # a loaded 2-CPU machine: the look itself, the daemon's schedulin
 
 
 def save(m, rel: str, t) -> str:
+    import torch
+
     p = os.path.join(m.mountpoint, rel)
     os.makedirs(os.path.dirname(p), exist_ok=True)
     torch.save(t, p)
@@ -839,6 +868,8 @@ def save(m, rel: str, t) -> str:
 
 
 def load(m, rel: str):
+    import torch
+
     return torch.load(os.path.join(m.mountpoint, rel), weights_only=True)
 
 
@@ -861,6 +892,8 @@ def visibility(mounts, backing: str, other: str) -> float:
     """Mount b writes (over `other`: the same backing directory, maybe through another
     client of a network file system), mounts a (--refresh 1) and `now` (--refresh 0) over
     `backing` see it. Returns how long a took to see the first file."""
+    import torch
+
     a = mounts.mount(backing, writer_id="w0", refresh=1.0)
     now = mounts.mount(backing, writer_id="w2", refresh=0)  # looks at every open and lookup
     b = mounts.mount(other, writer_id="w1")  # joins after both: a new writer directory
@@ -904,6 +937,8 @@ def idle_and_quiet(mounts, backing: str, other: str) -> None:
     """Mount a (--refresh 0.2) over `backing` and b over `other` (the same directory, maybe
     through another client of a network file system): idle, a makes no calls to the backing
     store, and its first lookup after that sees what b did meanwhile."""
+    import torch
+
     a = mounts.mount(backing, writer_id="w0", refresh=0.2)
     b = mounts.mount(other, writer_id="w1")
     v1, v2 = torch.zeros(10), torch.arange(77, dtype=torch.float32)
@@ -945,6 +980,8 @@ def idle_and_quiet(mounts, backing: str, other: str) -> None:
 def cross_writer_changes(mounts, backing: str, other: str, tmp: str) -> None:
     """The changes of test_changes_to_other_writers_entries_hold_everywhere; mount b is over
     `other` (the same backing directory, maybe through another client)."""
+    import torch
+
     a = mounts.mount(backing, writer_id="w0", refresh=0)
     b = mounts.mount(other, writer_id="w1", refresh=0)
     c = mounts.mount(backing, writer_id="w2", refresh=0)
