@@ -108,31 +108,29 @@ class ExtentMap:
     cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
     overwrite or truncate clips them, a forgotten inode drops its map.
 
-    `ExtentMap.on_change(emap)`, when set (the fast path: its read windows), hears of the first
-    change of a map whose `watched` is set (and clears it): a write, truncate or drop, or its
-    file getting another map (`replaced`: a copy-up)."""
+    A map's `watcher(emap)`, when it has one (the fast path sets it on the maps of the files
+    the queue threads answer from: their read windows and prepared LOOKUPs), hears of the
+    map's first change, and is cleared: a write, truncate or drop, or its file getting another
+    map (`replaced`: a copy-up)."""
 
-    __slots__ = ("pieces", "stored", "watched")
+    __slots__ = ("pieces", "stored", "watcher")
     on_dead: Callable[[Run, int], None] | None = None
-    on_change: Callable[[ExtentMap], None] | None = None
 
     def __init__(self) -> None:
         self.pieces: list[Piece] = []
         # The bytes the pieces hold (st_blocks, asked for on every stat: kept up to date
         # instead of summed; see also `grow`).
         self.stored = 0
-        self.watched = False
+        self.watcher: Callable[[ExtentMap], None] | None = None
 
     def replaced(self) -> None:
         """The file gets another map (a copy-up): whoever watches this one hears of it."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
 
     def _changed(self) -> None:
-        self.watched = False
-        hook = ExtentMap.on_change
-        if hook is not None:
-            hook(self)
+        watcher, self.watcher = self.watcher, None
+        watcher(self)
 
     def end(self) -> int:
         if not self.pieces:
@@ -142,7 +140,7 @@ class ExtentMap:
 
     def insert(self, start: int, length: int, run: Run, roff: int) -> None:
         """Newest wins: clip whatever older pieces overlap [start, start+length)."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
         self.stored += length
         pieces = self.pieces
@@ -156,7 +154,7 @@ class ExtentMap:
     def grow(self, m: int) -> None:
         """The last piece goes on for `m` more bytes of its run (a write that continues the
         file where its last write ended, landing right after it in the same run)."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
         p = self.pieces[-1]
         self.pieces[-1] = Piece(p.start, p.length + m, p.run, p.roff)
@@ -164,7 +162,7 @@ class ExtentMap:
 
     def punch(self, lo: int, hi: int) -> None:
         """Remove the bytes [lo, hi) from the map (the range reads as zeros afterwards)."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
         pieces = self.pieces
         i = bisect.bisect_right(pieces, lo, key=_START) - 1
@@ -192,7 +190,7 @@ class ExtentMap:
 
     def drop(self) -> None:
         """Forget every piece (the file is gone)."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
         dead = ExtentMap.on_dead
         if dead is not None:
@@ -202,7 +200,7 @@ class ExtentMap:
         self.stored = 0
 
     def truncate(self, size: int) -> None:
-        if self.watched:  # (also a truncate up: the file's end moves)
+        if self.watcher is not None:  # (also a truncate up: the file's end moves)
             self._changed()
         end = self.end()
         if size < end:
@@ -242,7 +240,7 @@ class ExtentMap:
     def share(self, other: "ExtentMap") -> None:
         """Point at `other`'s pieces (a view of another writer's file: view.View); the stored
         bytes are copied, not shared."""
-        if self.watched:
+        if self.watcher is not None:
             self._changed()
         self.pieces = other.pieces
         self.stored = other.stored
@@ -355,16 +353,25 @@ class Staging:
         self.waiting_writers = 0
         self.error: OSError | None = None  # set while the flusher cannot make progress
         self.checksums = Checksums()
-        # Set while another thread may copy write payloads into the tails (FUSE over io_uring's
-        # queue threads: fuse/ring.py): takes the tails back and records what landed there.
-        # Everything that changes the open segment or takes a free buffer calls it first.
-        self.claim_hook: Callable[[], None] | None = None
+        # Set while the tails are offered to another thread that may copy write payloads
+        # into them (the queue threads: fuse/ring.py): takes them back and records what
+        # landed there. Everything that changes the open segment or takes a free buffer
+        # calls claim() first.
+        self.claimer: Callable[[], None] | None = None
+
+    def offer(self, claim: Callable[[], None] | None) -> None:
+        """The tails are offered to another thread until `claim` takes them back (None: they
+        are no longer offered, and nothing is to be recorded)."""
+        self.claimer = claim
 
     def claim(self) -> None:
         """Staging is about to change here: no other thread copies into the tails from now
-        until they are offered again, and what it copied is recorded."""
-        if self.claim_hook is not None:
-            self.claim_hook()
+        until they are offered again, and what it copied is recorded. The claimer is let go
+        before it runs: the staging calls it makes to record what landed claim nothing."""
+        claim = self.claimer
+        if claim is not None:
+            self.claimer = None
+            claim()
 
     @property
     def capacity_bytes(self) -> int:

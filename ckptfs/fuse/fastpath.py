@@ -63,7 +63,6 @@ import pyfuse3
 import trio
 
 from ckptfs.datapath.reader import CHUNK_BYTES
-from ckptfs.datapath.staging import ExtentMap
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.interrupts import Interrupts
@@ -789,7 +788,7 @@ class FastPath(RequestWait):
         if ring is not None:
             ring.stop_deferring()
             self.settle_ring()  # (their handles' landed writes recorded first)
-            self.claim_landed()
+            self.staging.claim()
         self.run_releases()
 
     def settle(self) -> None:
@@ -946,8 +945,6 @@ class FastPath(RequestWait):
             self.epoll.unregister(self.fd)
         self.ring = ring
         self.ops.reader.land_lazily(True)  # (chunk loads land at every settle_ring)
-        self.staging.claim_hook = self.claim_landed
-        ExtentMap.on_change = self.emap_changed
         ops = self.ops
         ops.ns.watch = self
         if not ops.settings.readonly:
@@ -990,11 +987,13 @@ class FastPath(RequestWait):
             return
         self.ring.offer(t1, t2)
         self.zone_live = True
+        self.staging.offer(self.claim_landed)
 
     def claim_landed(self) -> None:
-        """Staging's claim hook: take the tails back from the queue threads and record the
-        writes they landed, in order, as a /dev/fuse WRITE read into the tails is recorded
-        (serve_one, write_landed); each one's outcome waits for its entry's turn in
+        """Staging's claimer while the zone is offered (Staging.claim calls it, once; so do
+        settle_ring and quiesce, through it): take the tails back from the queue threads and
+        record the writes they landed, in order, as a /dev/fuse WRITE read into the tails is
+        recorded (serve_one, write_landed); each one's outcome waits for its entry's turn in
         serve_ring. A write that cannot be recorded (a stale handle, say) still takes its
         place in the segment, as dead bytes: the writes after it landed behind it."""
         if not self.zone_live:
@@ -1082,7 +1081,7 @@ class FastPath(RequestWait):
                 if fh in ro:
                     self.release_now(fh)
         if not self.zone_live or ring.landed():
-            self.claim_landed()
+            self.staging.claim()
             self.offer_zone()
         if looked and self.lookup_next:
             # (the names after the last one answered in each directory, once the writes are
@@ -1188,7 +1187,7 @@ class FastPath(RequestWait):
                 return
             lookups[y.ino] = (parent, n)
             self.lookups_put = True
-            y.emap.watched = True  # (a change of its bytes takes them back: emap_changed)
+            y.emap.watcher = self.emap_changed  # (a change of its bytes takes them back)
 
     def lookup_served(self, x) -> None:
         """A LOOKUP of file x served here: an answer prepared for it goes, unused (the
@@ -1327,7 +1326,7 @@ class FastPath(RequestWait):
             return False
         self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
         self.window_pins.update(keys)
-        x.emap.watched = True
+        x.emap.watcher = self.emap_changed
         return True
 
     def prepare_open(self, x, ahead: int = 0) -> None:
@@ -1421,7 +1420,8 @@ class FastPath(RequestWait):
         self.ops.reader.unpin(keys)
 
     def emap_changed(self, emap) -> None:
-        """ExtentMap.on_change: a file with read windows or a prepared LOOKUP changed."""
+        """The watcher of the extent maps of files with read windows or prepared LOOKUPs
+        (ExtentMap.watcher): one of them changed."""
         self.drop_lookups()
         for fh, w in list(self.windows.items()):
             if w[1] is emap:
@@ -1453,12 +1453,11 @@ class FastPath(RequestWait):
         ring, self.ring = self.ring, None
         if ring is None:
             return True
-        self.staging.claim_hook = None
+        self.staging.offer(None)
         self.lookups.clear()
         self.lookups_put = False
         for fh in list(self.windows):
             self.drop_window(fh, ring)
-        ExtentMap.on_change = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
         self.ops.reader.land_lazily(False)
