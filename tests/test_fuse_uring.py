@@ -18,7 +18,7 @@ import pytest
 from helpers import check_files, status_reaches, uring_switch, write_tree
 
 from ckptfs.bench import drop_caches
-from ckptfs.fuse import fastpath, ring
+from ckptfs.fuse import answers, ring
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -564,9 +564,9 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
         for n in names:  # (ls -l: LOOKUPs and no open)
             os.stat(os.path.join(m.mountpoint, n))
         st = m.status()
-        assert 0 < st["ring_windows_prepared"] <= fastpath.PREPARED_MAX, st
-        assert st["ring_read_windows"] <= fastpath.PREPARED_MAX, st
-        time.sleep(fastpath.PREPARED_TTL_S + 0.1)  # (no OPEN came: they go, chunks let go)
+        assert 0 < st["ring_windows_prepared"] <= answers.PREPARED_MAX, st
+        assert st["ring_read_windows"] <= answers.PREPARED_MAX, st
+        time.sleep(answers.PREPARED_TTL_S + 0.1)  # (no OPEN came: they go, chunks let go)
         st = m.status()
         assert st["ring_windows_prepared"] == st["ring_read_windows"] == 0, st
         forget()

@@ -108,10 +108,10 @@ class ExtentMap:
     cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
     overwrite or truncate clips them, a forgotten inode drops its map.
 
-    A map's `watcher(emap)`, when it has one (the fast path sets it on the maps of the files
-    the queue threads answer from: their read windows and prepared LOOKUPs), hears of the
-    map's first change, and is cleared: a write, truncate or drop, or its file getting another
-    map (`replaced`: a copy-up)."""
+    A map's `watcher(emap)`, when it has one (the answer cache sets it on the maps of the files
+    the queue threads answer from: fuse/answers.py), hears of the map's first change, and is
+    cleared: a write, truncate or drop, or its file getting another map (`replaced`: a
+    copy-up)."""
 
     __slots__ = ("pieces", "stored", "watcher")
     on_dead: Callable[[Run, int], None] | None = None

@@ -48,7 +48,6 @@ on /dev/fuse it then reads nothing itself. `--no-queue-threads` leaves the readi
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import os
@@ -62,28 +61,20 @@ from collections import deque
 import pyfuse3
 import trio
 
-from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
+from ckptfs.fuse.answers import AnswerCache
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
 from ckptfs.fuse.ops import (
-    ATTR_TIMEOUT_S,
-    CONTROL_LAYER,
-    CTL_NAME,
     IO_BLOCK_BYTES,
     SETID_BITS,
 )
+from ckptfs.fuse.replies import ATTR_VALID, attr_out, entry_out, open_flags, valid
 from ckptfs.fuse.protocol import (
-    ATTR_OUT,
     CREATE_IN,
-    ENTRY_OUT,
     FATTR_MODE,
     FLUSH_IN,
-    FOPEN_DIRECT_IO,
-    FOPEN_KEEP_CACHE,
-    FOPEN_NOFLUSH,
-    FOPEN_NONSEEKABLE,
     FUSE_BATCH_FORGET,
     FUSE_CREATE,
     FUSE_DIRECT_IO_ALLOW_MMAP,
@@ -119,7 +110,6 @@ from ckptfs.fuse.protocol import (
     WRITE_IN,
     WRITE_OUT,
 )
-from ckptfs.namespace import ROOT_INO
 
 log = logging.getLogger("ckptfs")
 
@@ -143,27 +133,6 @@ RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
-# A read window (the queue threads answer a handle's next READs from the read cache): at most
-# this many bytes of the file, and all windows together pin at most this share of the cache.
-WINDOW_BYTES = 16 << 20
-WINDOW_CACHE_SHARE = 4  # (a quarter)
-# Windows prepared at a LOOKUP and not opened yet, at most: a LOOKUP not followed by an open
-# (stat, ls -l) leaves one; the oldest goes when a new one would pass this, and any goes once
-# it has waited this long (an OPEN follows its LOOKUP at once; the window pins cache chunks).
-# Room for the names prepared ahead in four directories read in turn (below).
-PREPARED_MAX = 16
-PREPARED_TTL_S = 2.0
-# LOOKUP answers prepared for the names that follow a name looked up in a directory's
-# creation order (a restore loads a checkpoint's files in about the order they were saved),
-# and how many may stand at most (more: all go, the next ones are prepared anew). A
-# checkpoint is often loaded from several directories in turn (a model's tensors and each
-# optimizer state's: one file of each in turn), each with its names prepared ahead: room for
-# twelve such directories (fuse/ring_reads.c holds 64, and wakes this side once a directory has
-# LOOKUPS_LEFT of them left: every second file, with four ahead).
-LOOKUPS_AHEAD = 4
-LOOKUPS_MAX = 48
-NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
-NAME_ORDER_MAX = 1 << 17  # names of a directory whose order is kept, at most
 # libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
 # than that unless max_write says so (checked at INIT).
 REQUEST_MAX = 256 * 4096 + 4096
@@ -220,37 +189,6 @@ class _Request:
         return b"".join(_pieces(self.length, self.bufs))[IN_HEADER.size:]
 
 
-def _valid(t: float) -> tuple[int, int]:
-    """A cache timeout as the protocol's (seconds, nanoseconds), as libfuse computes it."""
-    if t <= 0:
-        return 0, 0
-    sec = int(t)
-    return sec, int((t - sec) * 1e9)
-
-
-ATTR_VALID = _valid(ATTR_TIMEOUT_S)
-
-
-def _attr_out(fields: tuple) -> bytes:
-    """fuse_attr_out of an inode with these attribute fields (ops.attr_fields)."""
-    return ATTR_OUT.pack(ATTR_VALID[0], ATTR_VALID[1], 0, *fields)
-
-
-def _entry_of(x, fields: tuple, entry_valid: tuple[int, int]) -> bytes:
-    """fuse_entry_out of inode x (generation 0, as ops._attr says) with its attribute fields;
-    `entry_valid`: the mount's entry timeout (ops.Settings.entry_timeout)."""
-    return ENTRY_OUT.pack(x.ino, 0, entry_valid[0], ATTR_VALID[0], entry_valid[1],
-                          ATTR_VALID[1], *fields)
-
-
-def _open_flags(fi, flags: int) -> int:
-    f = ((FOPEN_DIRECT_IO if fi.direct_io else 0) | (FOPEN_KEEP_CACHE if fi.keep_cache else 0)
-         | (FOPEN_NONSEEKABLE if fi.nonseekable else 0))
-    if flags & os.O_ACCMODE == os.O_RDONLY:
-        f |= FOPEN_NOFLUSH  # close() of a reader sends no FLUSH: ckptfs has nothing to do then
-    return f
-
-
 class FastPath(RequestWait):
     """pyfuse3's wait for the next request (see fuseloop.RequestWait), extended: it reads the
     request itself and answers the common ones here; anything else it hands to libfuse and
@@ -264,7 +202,7 @@ class FastPath(RequestWait):
         self.sock = sock
         self.ops = ops
         self.staging = ops.staging
-        self.entry_valid = _valid(ops.settings.entry_timeout)
+        self.entry_valid = valid(ops.settings.entry_timeout)
         self.head = bytearray(HEAD)
         self.overflow: bytearray | None = bytearray(REQUEST_MAX)
         self.request_max = REQUEST_MAX
@@ -298,25 +236,10 @@ class FastPath(RequestWait):
         self.ring_turn = 0
         self.zone_live = False  # staging's tails offered to the queue threads
         self.ring_landed: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
-        self.making_created = False  # (the queue threads know what those changes did)
         self.creates_not_made = 0  # files the queue threads created that could not be made
-        self.names_refused: set[int] = set()  # directories too large for a name filter
-        self.name_filters_built = 0  # directories' names left with the queue threads
-        # handle -> its read window: (inode, extent map, start, end, pinned chunks)
-        self.windows: dict[int, tuple] = {}
-        self.window_pins: collections.Counter = collections.Counter()  # chunk -> windows
-        # handles of prepared windows -> (when prepared (time.monotonic()), how many names
-        # ahead of the last LOOKUP its file is: 0 for that one, the file's inode), oldest
-        # first; and inode -> handle
-        self.prepared: dict[int, tuple[float, int, int]] = {}
-        self.prepared_ino: dict[int, int] = {}
         self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
-        self.lookups: dict[int, tuple[int, bytes]] = {}  # prepared: inode -> (parent, name)
-        # directory -> the name of the last LOOKUP answered from them there (a pass may take
-        # those of several directories read in turn: each has its next names prepared)
-        self.lookup_next: dict[int, bytes] = {}
-        self.lookups_put = False  # some put since the last clear (one may stand unlisted)
-        self.name_order: dict[int, tuple[list, dict]] = {}  # directory -> (names, name -> i)
+        # what the queue threads answer from (fuse/answers.py), while they run
+        self.answers: AnswerCache | None = None
         self.transport = "/dev/fuse"
         # opcode -> its handler here, for both loops (serve_one, serve_ring): each takes a
         # _Request and says whether it served it (else it goes to pyfuse3)
@@ -379,11 +302,7 @@ class FastPath(RequestWait):
         if self.ring is not None:
             c["ring_handed_by_opcode"] = dict(sorted(self.handed_ops.items()))
             c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
-                     ring_opens_not_made=self.opens_not_made,
-                     ring_read_windows=len(self.windows),
-                     ring_windows_prepared=len(self.prepared),
-                     ring_lookups_prepared=len(self.lookups),
-                     ring_name_filters_built=self.name_filters_built)
+                     ring_opens_not_made=self.opens_not_made, **self.answers.counts())
         return c
 
     def close(self) -> None:
@@ -666,7 +585,7 @@ class FastPath(RequestWait):
             # (before the reply, which the reader's next READ may follow at once; also after a
             # short one, at the file's end: torch.load reads a zip's directory there first, in
             # several small READs. Neither loads nor reuses a chunk: the views stand)
-            self.open_window(fh, off)
+            self.answers.open_window(fh, off)
         if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
             self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
 
@@ -684,25 +603,25 @@ class FastPath(RequestWait):
         try:
             if opcode == FUSE_GETATTR:
                 x = ops.inode(nodeid)
-                out = _attr_out(ops.attr_fields(x))
-                if x.children is not None:
-                    self.dir_attrs(x, nodeid, out)
+                out = attr_out(ops.attr_fields(x))
+                if x.children is not None and self.answers is not None:
+                    self.answers.dir_attrs(x, nodeid, out)
             elif opcode == FUSE_LOOKUP:
                 if ops.refresh_due():  # other writers' changes first (ops.lookup)
                     await ops.refresh()
                 x = ops.find(nodeid, body[:body.index(b"\0")])
                 if x is None:
-                    if self.ring is not None:
-                        self.dir_names(nodeid)
+                    if self.answers is not None:
+                        self.answers.dir_names(nodeid)
                     self.reply_error(unique, errno.ENOENT)
                     return
                 x.lookups += 1
-                out = _entry_of(x, ops.attr_fields(x), self.entry_valid)
+                out = entry_out(x, ops.attr_fields(x), self.entry_valid)
                 found = x
             elif opcode == FUSE_OPEN:
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
-                out = OPEN_OUT.pack(fi.fh, _open_flags(fi, flags), 0)
+                out = OPEN_OUT.pack(fi.fh, open_flags(fi, flags), 0)
                 self.takes_writes(fi.fh, flags)
                 if self.ring is not None and flags & os.O_ACCMODE == os.O_RDONLY:
                     window = fi.fh  # (readahead may have brought the file in)
@@ -711,14 +630,14 @@ class FastPath(RequestWait):
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
                 ctx.umask = umask
                 fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
-                out = _entry_of(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
-                    fi.fh, _open_flags(fi, flags), 0)
+                out = entry_out(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
+                    fi.fh, open_flags(fi, flags), 0)
                 self.takes_writes(fi.fh, flags)
                 if self.ring is not None:
                     # (the kernel asks for the directory's attributes right after: its
                     # permission check before the next name in it)
                     d = ops.inode(nodeid)
-                    self.dir_attrs(d, nodeid, _attr_out(ops.attr_fields(d)))
+                    self.answers.dir_attrs(d, nodeid, attr_out(ops.attr_fields(d)))
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
@@ -727,13 +646,13 @@ class FastPath(RequestWait):
             self.reply_error(unique, errno.EIO)
             return
         if window is not None:
-            self.open_window(window, 0)
-        elif found is not None and self.ring is not None:
-            self.lookup_served(found)
-            self.prepare_open(found)  # (before the answer: the OPEN follows it at once)
+            self.answers.open_window(window, 0)
+        elif found is not None and self.answers is not None:
+            self.answers.lookup_served(found)
+            self.answers.prepare_open(found)  # (before the answer: the OPEN follows it at once)
         self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
-        if found is not None and self.ring is not None:
-            self.prepare_lookups(nodeid, body[:body.index(b"\0")])
+        if found is not None and self.answers is not None:
+            self.answers.prepare_lookups(nodeid, body[:body.index(b"\0")])
 
     def release(self, unique: int, fh: int) -> None:
         """RELEASE: answered at once (the closing process does not wait for it; the kernel
@@ -745,7 +664,7 @@ class FastPath(RequestWait):
         done while the caller serialises its next tensor."""
         if self.ring is not None:
             self.ring.writable(fh, False)
-            self.drop_window(fh)
+            self.answers.invalidate(fh=fh)
         self.hold_releases((fh,))
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
@@ -800,7 +719,7 @@ class FastPath(RequestWait):
         if self.ring is not None:
             self.settle_ring()
             self.run_releases()
-            self.expire_prepared()
+            self.answers.expire_prepared()
 
     def spin_work(self) -> None:
         """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
@@ -822,59 +741,14 @@ class FastPath(RequestWait):
         ring = self.ring
         return ring.sleep(sleeping) if ring is not None else False
 
-    def dir_attrs(self, d, nodeid: int, attr_out: bytes) -> None:
-        """With the ring: the queue threads answer GETATTR of directory d with `attr_out`
-        until a directory changes (Namespace.watch, the refresher's look at other
-        writers, a request pyfuse3 served). Only this writer's own directories, under the
-        number the kernel knows them by."""
-        if self.ring is not None and d.layer == 0 and d.ino == nodeid:
-            self.ring.attr_put(nodeid, attr_out, self.ops.inherited_gid(d))
-
-    def dir_names(self, nodeid: int) -> None:
-        """With the ring, after a LOOKUP of a name not in directory `nodeid`: the queue threads
-        answer the next ones (a new file's open(O_CREAT) asks for its name first) from its
-        names (they learn those it gains: Namespace.watch), until a look at other writers is
-        due. Only this writer's own directories, under the number the kernel knows them by;
-        one with another writer's directory merged into it loses them at every look that
-        brings changes (view_changed), the others keep them."""
-        ring, ops = self.ring, self.ops
-        ring.absent_until(ops.fresh_until())
-        if nodeid in self.names_refused or ring.has_names(nodeid):
-            return
-        d = ops.inode(nodeid)
-        if not self._own_dir(d, nodeid):
-            return
-        self.name_filters_built += 1
-        names = d.children.keys()
-        if not ring.names_put(nodeid, [*names, CTL_NAME] if nodeid == ROOT_INO else names):
-            self.names_refused.add(nodeid)  # (too large: not built again at every LOOKUP)
-
-    @staticmethod
-    def _own_dir(d, nodeid: int) -> bool:
-        """Whether d is one of this writer's own live directories, known to the kernel as
-        `nodeid`."""
-        return d.layer == 0 and d.ino == nodeid and d.children is not None and d.nlink > 0
-
-    def keeps_names(self, nodeid: int) -> bool:
-        """Whether the names the queue threads hold of directory `nodeid` are all it has
-        whatever other writers changed: one of this writer's own live directories with no
-        other writer's directory merged into it (its names come only by this writer's
-        records). Asked as a look that brings changes starts and once it is applied, when
-        what it merged in shows; meanwhile no LOOKUP is answered absent (ring.view_changed)."""
-        d = self.ops.ns.inodes.get(nodeid)
-        return d is not None and self._own_dir(d, nodeid) and not self.ops.merged(d)
-
     def takes_writes(self, fh: int, flags: int) -> None:
         """With the ring: a handle opened for writing whose writes ops would take (write_target)
         gets its WRITEs answered by the queue threads when they land whole."""
         if self.ring is None or flags & os.O_ACCMODE == os.O_RDONLY:
             return
-        self.drop_lookups()  # (a file's attributes may change now)
-        if self.windows:  # (the file may change now: READs come here again)
-            x = self.ops.handles[fh].inode
-            for other, w in list(self.windows.items()):
-                if w[0] is x:
-                    self.drop_window(other)
+        # (a file's attributes may change now, and its bytes: its READs come here again)
+        h = self.ops.handles.get(fh)
+        self.answers.invalidate(inode=h.inode if h is not None else None)
         try:
             h, x = self.ops.write_target(fh)
         except pyfuse3.FUSEError:
@@ -944,9 +818,10 @@ class FastPath(RequestWait):
         if dev:  # (a request wakes the queue threads, not this side)
             self.epoll.unregister(self.fd)
         self.ring = ring
-        self.ops.reader.land_lazily(True)  # (chunk loads land at every settle_ring)
         ops = self.ops
-        ops.ns.watch = self
+        self.answers = AnswerCache(ring, ops, self.entry_valid, self.settle_ring)
+        ops.reader.land_lazily(True)  # (chunk loads land at every settle_ring)
+        ops.ns.watch = self.answers
         if not ops.settings.readonly:
             ring.create_setup(self.create_policy())
             ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
@@ -972,7 +847,7 @@ class FastPath(RequestWait):
         return fring.CreatePolicy(
             entry_valid=self.entry_valid, attr_valid=ATTR_VALID, file_type=file_type,
             mode_bits=ops.new_file_mode(0xFFFFFFFF, 0) & ~file_type, blksize=IO_BLOCK_BYTES,
-            open_flags=tuple(_open_flags(ops.file_info(acc), acc) for acc in modes),
+            open_flags=tuple(open_flags(ops.file_info(acc), acc) for acc in modes),
             writes_here=tuple(acc != os.O_RDONLY for acc in modes),
             no_writes_mode=SETID_BITS)  # (a WRITE may have to clear them: ops.clear_setid)
 
@@ -1048,8 +923,9 @@ class FastPath(RequestWait):
         ring = self.ring
         self.ops.reader.land()  # (the chunks read ahead: windows open over them below)
         looked = ring.take_looked() if ring.looked() else None
+        answers = self.answers
         if looked:  # (counted before any request: a FORGET among them)
-            self.count_looked(looked)
+            answers.count_looked(looked)
         # (taken so that every note's antecedents come with it: the OPEN or CREATE of every
         # handle a RELEASE releases, and every READ of it, were noted before the RELEASE, and
         # the OPEN before the READs; so the releases are taken first, then the READs, then
@@ -1073,9 +949,9 @@ class FastPath(RequestWait):
             self.reads_served(reads, released or ())
         if ring.created():
             self.make_created(ring.take_created())
-        if released and self.windows:
+        if released and answers.windows:
             for fh in released:
-                self.drop_window(fh)
+                answers.invalidate(fh=fh)
         if released and ro:
             for fh in released:  # (in the order they came)
                 if fh in ro:
@@ -1083,12 +959,12 @@ class FastPath(RequestWait):
         if not self.zone_live or ring.landed():
             self.staging.claim()
             self.offer_zone()
-        if looked and self.lookup_next:
+        if looked and answers.lookup_next:
             # (the names after the last one answered in each directory, once the writes are
             # recorded: a file's size is what its landed writes made it)
-            following, self.lookup_next = self.lookup_next, {}
+            following, answers.lookup_next = answers.lookup_next, {}
             for parent, name in following.items():
-                self.prepare_lookups(parent, name)
+                answers.prepare_lookups(parent, name)
 
     def make_created(self, created: list[tuple]) -> None:
         """Make the files the queue threads created (fuse/ring_dirs.c), in order, as the CREATE
@@ -1096,11 +972,11 @@ class FastPath(RequestWait):
         handle (the queue threads put it in the writable set themselves; it may be released
         already). The queue threads have the directory's names and attributes as they are
         after it already (the watch is not told)."""
-        ops, ring = self.ops, self.ring
-        self.making_created = True
+        ops, ring, answers = self.ops, self.ring, self.answers
+        answers.making_created = True
         try:
             for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
-                self.name_order.pop(parent, None)  # (a name more in its order)
+                answers.name_order.pop(parent, None)  # (a name more in its order)
                 try:
                     ops.create_open(parent, name, mode, flags, _Context(uid, gid, pid), ino, fh,
                                     now)
@@ -1111,110 +987,19 @@ class FastPath(RequestWait):
                     ring.writable(fh, False)  # (its next WRITEs come here: EBADF)
                     ring.dirs_changed()  # (the directory's attributes as the tree has them)
         finally:
-            self.making_created = False
+            answers.making_created = False
         ring = self.ring
         if ring.reserve_left() < fring.RESERVE // 4:
             ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
-
-    def count_looked(self, looked: list[int]) -> None:
-        """The LOOKUPs the queue threads answered from prepared answers: each is one more
-        lookup of its inode that the kernel holds (its FORGET counts them back)."""
-        inodes, lookups = self.ops.ns.inodes, self.lookups
-        for ino in looked:
-            key = lookups.pop(ino, None)
-            x = inodes.get(ino)
-            if x is None:  # (a defect: its answer named an inode the tree let go of)
-                log.error("a LOOKUP answered by a queue thread names inode %d, unknown", ino)
-                continue
-            x.lookups += 1
-            if key is not None:
-                self.lookup_next[key[0]] = key[1]
-
-    def prepare_lookups(self, parent: int, name: bytes) -> None:
-        """After a LOOKUP found `name` in directory `parent`: the answers to LOOKUPs of the
-        names after it in the directory's creation order (LOOKUPS_AHEAD of them), each
-        file's next OPEN prepared too where its bytes are cached (prepare_open), so that the
-        queue threads answer a restore's next files without this side (fuse/ring_reads.c,
-        fr_lookup). Only files no one has open with one name, in one of this writer's own
-        directories; every change of a directory or of a file's attributes, a handle that
-        can write, a file's extent map changing and a look at other writers that brings
-        changes take them all back (drop_lookups). Never raises."""
-        try:
-            self._prepare_lookups(parent, name)
-        except Exception:
-            log.exception("prepared lookups in directory %d", parent)
-            self.drop_lookups()
-
-    def _prepare_lookups(self, parent: int, name: bytes) -> None:
-        ops = self.ops
-        d = ops.ns.inodes.get(parent)
-        if d is None or not self._own_dir(d, parent) or ops.merged(d):
-            return
-        order = self.name_order.get(parent)
-        if order is None:
-            if len(d.children) > NAME_ORDER_MAX:
-                return
-            if len(self.name_order) >= NAME_ORDERS:
-                self.name_order.clear()
-            names = list(d.children)
-            order = self.name_order[parent] = (names, {n: i for i, n in enumerate(names)})
-        names, index = order
-        i = index.get(name)
-        if i is None:
-            return
-        lookups, ring, children, inodes = self.lookups, self.ring, d.children, ops.ns.inodes
-        if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
-            self.drop_lookups()
-        ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
-        now = time.monotonic()
-        for ahead, n in enumerate(names[i + 1:i + 1 + LOOKUPS_AHEAD], 1):
-            y = inodes.get(children.get(n, 0))
-            if (y is None or y.emap is None or y.opens or y.nlink != 1
-                    or y.layer == CONTROL_LAYER):
-                continue
-            ops.dcp.saw_name(parent, n, y.ino)  # (its LOOKUP may be answered in C)
-            # (first: its OPEN follows the LOOKUP at once; one prepared before is now nearer:
-            # most of a restore's names ahead were prepared by the LOOKUPs before)
-            fh = self.prepared_ino.get(y.ino)
-            if fh is not None:
-                self._prepared_nearer(fh, y.ino, ahead, now)
-            else:
-                self.prepare_open(y, ahead)
-            if y.ino in lookups:
-                continue
-            if not ring.lookup_put(parent, n, y.ino,
-                                   _entry_of(y, ops.attr_fields(y), self.entry_valid)):
-                return
-            lookups[y.ino] = (parent, n)
-            self.lookups_put = True
-            y.emap.watcher = self.emap_changed  # (a change of its bytes takes them back)
-
-    def lookup_served(self, x) -> None:
-        """A LOOKUP of file x served here: an answer prepared for it goes, unused (the
-        kernel asked before it stood). Left standing, it would answer the file's next LOOKUP
-        (once the kernel let its entry go) while the window prepared with it is gone with
-        this OPEN: that OPEN would come here."""
-        key = self.lookups.pop(x.ino, None)
-        if key is not None:
-            self.ring.lookup_drop(*key)
-
-    def drop_lookups(self) -> None:
-        """Every prepared LOOKUP answer goes (what they say may have changed). (Also one
-        no longer listed: a name answered and prepared again before the first answer's note
-        was taken has its second answer standing unlisted.)"""
-        if self.lookups_put:
-            self.lookups.clear()
-            self.lookups_put = False
-            self.ring.lookups_clear()
 
     def make_opened(self, opened: list[tuple]) -> None:
         """Make the handles of the OPENs the queue threads answered from prepared windows, in
         order, as the OPEN would have made them here (ops.open_prepared); the window is the
         handle's now (it may be dropped already: its READs come here then)."""
-        ops, windows = self.ops, self.windows
+        ops, answers = self.ops, self.answers
         for fh, nodeid, flags, uid, gid, pid in opened:
-            self._unprepare(fh)
-            w = windows.get(fh)
+            answers.unprepare(fh)
+            w = answers.windows.get(fh)
             try:
                 ops.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh, flags,
                                   _Context(uid, gid, pid))
@@ -1222,210 +1007,7 @@ class FastPath(RequestWait):
                 log.exception("an open answered by a queue thread cannot be made (inode %d): "
                               "its reads fail", nodeid)
                 self.opens_not_made += 1
-                self.drop_window(fh)  # (its READs come here: EBADF)
-
-    # namespace.Watch (with the ring): what the queue threads answer from follows the tree
-    def dirs_changed(self) -> None:
-        if not self.making_created:
-            self.ring.dirs_changed()
-            self.drop_lookups()
-            self.name_order.clear()
-
-    def files_changed(self) -> None:
-        self.drop_lookups()
-
-    def name_added(self, parent: int, name: bytes) -> None:
-        if not self.making_created:
-            self.ring.name_added(parent, name)
-
-    def view_changed(self) -> None:
-        self.drop_lookups()
-        self.name_order.clear()
-        for fh in list(self.windows):  # (other writers' files may have changed)
-            self.drop_window(fh)
-        self.names_refused.clear()
-        self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
-        self.settle_ring()  # (the files they created are in the tree before others' names)
-
-    # read windows: the queue threads answer a handle's READs from the read cache
-    def open_window(self, fh: int, off: int) -> None:
-        """For a READ of handle fh at `off` answered here (before its reply): the queue threads
-        answer its next READs of the bytes from there (from 0 for a file that fits in one
-        window, unless the bytes cached from 0 stop short of `off`: `torch.load` reads a
-        zip's directory at its end in several small READs first) that are in the read cache,
-        checked, from the cache's buffers (fuse/ring_reads.c, fr_read), until the
-        window runs out (the READ past it comes here and opens the next), the handle is
-        released, or the file may change (a write, a truncate, a handle that can write, a look
-        at other writers that brings changes). Only for a handle that reads alone: the only
-        open one of its file, read-only (so no WRITE the queue threads answered can be
-        behind what it reads; a copy-up, which gives the file a new extent map, tells the
-        old one: ExtentMap.replaced). Never raises (a failure: no window)."""
-        try:
-            self._open_window(fh, off)
-        except Exception:
-            log.exception("read window of handle %d", fh)
-            self.drop_window(fh)
-            if self.ring is not None:  # (one the queue threads hold unknown to this side)
-                self.ring.window_drop(fh)
-
-    def _open_window(self, fh: int, off: int) -> None:
-        ops = self.ops
-        h = ops.handles.get(fh)
-        if h is None:
-            return
-        x = h.inode
-        if (x.opens != 1 or h.flags & os.O_ACCMODE != os.O_RDONLY or x.emap is None
-                or x.layer == CONTROL_LAYER):
-            self.drop_window(fh)
-            return
-        start = 0 if x.size <= WINDOW_BYTES else off
-        old = self.windows.get(fh)
-        reader = ops.reader
-        share = reader.max_chunks // WINDOW_CACHE_SHARE
-        # (an open handle's window goes before prepared ones, which may never be opened: as
-        # many of those go as its chunks need, up to half the windows' share)
-        need = min(share // 2, (min(x.size - start, WINDOW_BYTES) + CHUNK_BYTES - 1)
-                   // CHUNK_BYTES + 1)
-        pins = self.window_pins
-        while True:  # (chunks are counted once, however many windows pin them)
-            budget = share - len(pins) + (sum(pins[k] == 1 for k in old[4]) if old else 0)
-            if budget >= need or not self.prepared:
-                break
-            self._drop_prepared()
-        got = reader.read_window(x.emap, start, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
-                                 budget, pins) if budget > 0 and start < x.size else None
-        if start < off and budget > 0 and (got is None
-                                            or start + sum(map(len, got[0])) <= off):
-            if got is not None:  # (short of the reader: from where it reads then)
-                reader.unpin(got[1])
-            got = reader.read_window(x.emap, off, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
-                                     budget, pins)
-            start = off
-        if got is None:
-            self.drop_window(fh)
-            return
-        ok = self._set_window(fh, x, start, got)  # (replaces the old one: unused now)
-        if old is not None:
-            if not ok:
-                del self.windows[fh]
-            self._unpin_window(old[4])
-
-    def _set_window(self, fh: int, x, start: int, got, nodeid: int = 0,
-                    open_flags: int = 0) -> bool:
-        """Leave with the queue threads `got` (Reader.read_window's, from `start` of file x)
-        as handle fh's window (a prepared one with `nodeid`: Ring.window); False when no
-        window was free (its chunks are let go)."""
-        parts, keys, eof = got
-        try:
-            ok = self.ring.window(fh, start, eof, parts, nodeid, open_flags)
-        except BaseException:
-            self.ops.reader.unpin(keys)
-            raise
-        if not ok:
-            self.ops.reader.unpin(keys)
-            return False
-        self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
-        self.window_pins.update(keys)
-        x.emap.watcher = self.emap_changed
-        return True
-
-    def prepare_open(self, x, ahead: int = 0) -> None:
-        """After a LOOKUP found file x (or a file `ahead` names after it, prepare_lookups):
-        when its first bytes are in the read cache, checked, and no one has it open, a
-        window over them is prepared with a new handle number, and the queue threads answer
-        the file's next read-only OPEN themselves (fuse/ring_reads.c, fr_open): a restore's small
-        file is then a LOOKUP here and an OPEN, READs and a RELEASE without this side. The
-        window is dropped as any other when the file may change; at most PREPARED_MAX wait
-        for their OPEN (past it, one of the files furthest ahead goes: those of several
-        directories read in turn stand for their next files). Never raises (a failure: no
-        window)."""
-        try:
-            self._prepare_open(x, ahead)
-        except Exception:
-            log.exception("prepared open of inode %d", x.ino)
-
-    def _prepare_open(self, x, ahead: int) -> None:
-        ops = self.ops
-        if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
-                or not ops.may_prepare_open(x)):
-            return
-        if not ahead:  # (no OPEN there once a look is due; prepare_lookups says it first)
-            self.ring.absent_until(ops.fresh_until())
-        fh = self.prepared_ino.get(x.ino)
-        if fh is not None:
-            self._prepared_nearer(fh, x.ino, ahead, time.monotonic())
-            return
-        reader = ops.reader
-        budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
-        got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
-                                 budget, self.window_pins)
-        if got is None:
-            return
-        fh, fi = ops.prepare_open(x)
-        if not self._set_window(fh, x, 0, got, x.ino, _open_flags(fi, os.O_RDONLY)):
-            return
-        self.prepared[fh] = (time.monotonic(), ahead, x.ino)
-        self.prepared_ino[x.ino] = fh
-        while len(self.prepared) > PREPARED_MAX:
-            self._drop_prepared()
-
-    def _prepared_nearer(self, fh: int, ino: int, ahead: int, now: float) -> None:
-        """A window prepared before for inode ino (handle fh), whose OPEN did not come yet or
-        came here once a look was due, stands for the one asked for now: the newest, as far
-        ahead as it is now (no other window of a file no one has open stands)."""
-        prepared = self.prepared
-        del prepared[fh]
-        prepared[fh] = (now, ahead, ino)
-
-    def _drop_prepared(self) -> None:
-        """The prepared window of a file furthest ahead of its directory's last LOOKUP goes
-        (the oldest of those)."""
-        prepared = self.prepared
-        self.drop_window(max(prepared, key=lambda fh: prepared[fh][1]))
-
-    def _unprepare(self, fh: int) -> None:
-        p = self.prepared.pop(fh, None)
-        if p is not None and self.prepared_ino.get(p[2]) == fh:
-            del self.prepared_ino[p[2]]
-
-    def expire_prepared(self) -> None:
-        """Prepared windows whose OPEN has not come within PREPARED_TTL_S go (a stat sweep's
-        would otherwise pin their chunks until the next LOOKUPs push them out)."""
-        prepared = self.prepared
-        if prepared:
-            stale = time.monotonic() - PREPARED_TTL_S
-            for fh, (t, _, _) in list(prepared.items()):
-                if t > stale:
-                    break
-                self.drop_window(fh)
-
-    def drop_window(self, fh: int, ring=None) -> None:
-        """Handle fh's READs come here again; its window's chunks are let go (a prepared
-        window's OPEN comes here again)."""
-        self._unprepare(fh)
-        w = self.windows.pop(fh, None)
-        if w is None:
-            return
-        (ring or self.ring).window_drop(fh)
-        self._unpin_window(w[4])
-
-    def _unpin_window(self, keys) -> None:
-        """A window's chunks are let go (counted once more free when no window pins them)."""
-        pins = self.window_pins
-        for k in keys:
-            if pins[k] <= 1:
-                del pins[k]
-            else:
-                pins[k] -= 1
-        self.ops.reader.unpin(keys)
-
-    def emap_changed(self, emap) -> None:
-        """The watcher of the extent maps of files with read windows or prepared LOOKUPs
-        (ExtentMap.watcher): one of them changed."""
-        self.drop_lookups()
-        for fh, w in list(self.windows.items()):
-            if w[1] is emap:
-                self.drop_window(fh)
+                answers.invalidate(fh=fh)  # (its READs come here: EBADF)
 
     def reads_served(self, reads: list, released=()) -> None:
         """The READs the queue threads answered from windows, accounted for as if answered
@@ -1443,10 +1025,10 @@ class FastPath(RequestWait):
             except Exception:  # (accounting only: the READs were answered)
                 log.exception("accounting for the READs of handle %d", fh)
             end = max(off + n for off, _, n in served)
-            w = self.windows.get(fh)
+            w = self.answers.windows.get(fh)
             if (w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size
                     and fh not in released and ops.reader.has(w[1], w[3])):
-                self.open_window(fh, end)
+                self.answers.open_window(fh, end)
 
     def stop_ring(self) -> bool:
         """Stop the queue threads; False if some did not stop."""
@@ -1454,10 +1036,8 @@ class FastPath(RequestWait):
         if ring is None:
             return True
         self.staging.offer(None)
-        self.lookups.clear()
-        self.lookups_put = False
-        for fh in list(self.windows):
-            self.drop_window(fh, ring)
+        self.answers.close()
+        self.answers = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
         self.ops.reader.land_lazily(False)
