@@ -21,8 +21,9 @@ act on interrupts, so every other INTERRUPT is dropped here.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
 pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
-socket pair (the real /dev/fuse descriptor is kept under a new number), the loop writes the
-request into the other end, and pyfuse3 reads it from there as if from /dev/fuse; libfuse's
+socket pair (the real /dev/fuse descriptor is kept under a new number; fuse/devfuse.py, the
+transport), the loop writes the request into the other end, and pyfuse3 reads it from there
+as if from /dev/fuse; libfuse's
 replies come back through the pair and are passed on to /dev/fuse by the task that forwarded
 the request (in its next call of the wait, right after pyfuse3 served it). The INIT reply is
 read on the way: the fast path starts once the protocol version (7.12 or later: header sizes)
@@ -52,7 +53,6 @@ import errno
 import logging
 import os
 import select
-import socket
 import stat
 import struct
 import time
@@ -63,6 +63,7 @@ import trio
 
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
+from ckptfs.fuse.devfuse import REQUEST_MAX, DevFuse
 from ckptfs.fuse.answers import AnswerCache
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
@@ -133,10 +134,6 @@ RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
-# libfuse 3's receive buffer: 256 pages of payload + 4 KiB of header room. No request is larger
-# than that unless max_write says so (checked at INIT).
-REQUEST_MAX = 256 * 4096 + 4096
-SOCKET_BUFFER = 4 << 20
 
 
 def _dead(seg, dpos, soff, k, crc=None) -> None:
@@ -194,19 +191,16 @@ class FastPath(RequestWait):
     request itself and answers the common ones here; anything else it hands to libfuse and
     returns True (pyfuse3 then reads it)."""
 
-    def __init__(self, fuse_fd: int, lib_fd: int, sock: socket.socket, ops, spin_s: float,
-                 interrupts: Interrupts, uring: bool = False,
-                 queue_threads: bool = False) -> None:
-        super().__init__(fuse_fd, spin_s)
-        self.lib_fd = lib_fd  # libfuse's descriptor number (now our socket's other end)
-        self.sock = sock
+    def __init__(self, dev: DevFuse, ops, spin_s: float, interrupts: Interrupts,
+                 uring: bool = False, queue_threads: bool = False) -> None:
+        super().__init__(dev.fd, spin_s)
+        self.dev = dev  # /dev/fuse and the socket pair toward libfuse (fuse/devfuse.py)
         self.ops = ops
         self.staging = ops.staging
         self.entry_valid = valid(ops.settings.entry_timeout)
         self.head = bytearray(HEAD)
         self.overflow: bytearray | None = bytearray(REQUEST_MAX)
         self.request_max = REQUEST_MAX
-        self.replies = bytearray(REQUEST_MAX)
         self.minor = 0  # negotiated protocol minor; 0 until the INIT reply went by
         self.init_unique = -1
         self.kernel_flags = 0  # what the kernel offered in INIT
@@ -255,25 +249,14 @@ class FastPath(RequestWait):
             # the slow path sleeps on /dev/fuse and on the queue threads' eventfd at once (on
             # the eventfd only once they read /dev/fuse themselves)
             self.epoll = select.epoll()
-            self.epoll.register(fuse_fd, select.EPOLLIN)
+            self.epoll.register(dev.fd, select.EPOLLIN)
             self.wait_fd = self.epoll.fileno()
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts,
                uring: bool = False, queue_threads: bool = False) -> "FastPath":
-        """Move libfuse's descriptor `lib_fd` onto a socket and keep /dev/fuse for us."""
-        fuse_fd = os.dup(lib_fd)  # the session's /dev/fuse, under a new number
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for s in (ours, theirs):
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                try:
-                    s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-                except OSError:
-                    pass
-        os.dup2(theirs.fileno(), lib_fd, inheritable=False)
-        theirs.close()
-        os.set_blocking(fuse_fd, False)
-        return cls(fuse_fd, lib_fd, ours, ops, spin_s, interrupts, uring, queue_threads)
+        """Take /dev/fuse over from libfuse (whose descriptor `lib_fd` becomes a socket)."""
+        return cls(DevFuse.attach(lib_fd), ops, spin_s, interrupts, uring, queue_threads)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""
@@ -286,11 +269,7 @@ class FastPath(RequestWait):
         stopped = self.stop_ring()
         if self.epoll is not None:
             self.epoll.close()
-        os.set_blocking(self.fd, True)
-        os.dup2(self.fd, self.lib_fd, inheritable=False)
-        if stopped:  # (else a queue thread that still runs may read or write it)
-            os.close(self.fd)
-        self.sock.close()
+        self.dev.detach(close=stopped)  # (else a queue thread that still runs may use it)
 
     def counts(self) -> dict:
         c = super().counts()
@@ -362,16 +341,10 @@ class FastPath(RequestWait):
         t1, t2 = self.staging.tails() if self.minor and ring is None else (None, None)
         bufs = [head, t1, t2, self.overflow] if t2 is not None else (
             [head, t1, self.overflow] if t1 is not None else [head, self.overflow])
-        try:
-            n = os.readv(self.fd, bufs)
-        except (BlockingIOError, InterruptedError):
-            return False  # the request was withdrawn (its caller was interrupted)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return False
-            if exc.errno != errno.ENODEV:
-                log.error("reading /dev/fuse: %s", exc)
-            self.close()  # ENODEV: unmounted, or the connection was aborted
+        n = self.dev.read(bufs)
+        if n <= 0:  # withdrawn (its caller was interrupted), or unmounted, aborted
+            if n < 0:
+                self.close()
             return False
         if n < IN_HEADER.size:
             log.error("short read on /dev/fuse (%d bytes)", n)
@@ -775,7 +748,7 @@ class FastPath(RequestWait):
             i = self.ring_uniques.pop(OUT_HEADER.unpack_from(header)[2], None)
             if i is not None and self.ring.dev:  # (written here: then the slot is free)
                 try:
-                    return self._write(header, data)
+                    return self.dev.write(header, data)
                 finally:
                     self.ring.answered(i)
             if i is not None:
@@ -786,20 +759,7 @@ class FastPath(RequestWait):
                 self.ring.answer(i, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO,
                                                     OUT_HEADER.unpack_from(header)[2]), ())
                 return True
-        return self._write(header, data)
-
-    def _write(self, header: bytes, data) -> bool:
-        try:
-            if not data:
-                os.write(self.fd, header)
-            else:
-                os.writev(self.fd, [header, *data])
-        except OSError as exc:
-            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                log.error("replying on /dev/fuse: %s", exc)
-                return False
-        return True
+        return self.dev.write(header, data)
 
     # ------------------------------------------------------------ FUSE over io_uring
     def start_ring(self) -> None:
@@ -1062,7 +1022,7 @@ class FastPath(RequestWait):
             self.setattr_seen(b"".join(map(bytes, parts)))
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
-        self.sock.sendmsg(parts)
+        self.dev.forward(parts)
         if opcode in INTERRUPTIBLE_FORWARDED:
             self.interrupts.forwarded(unique, pid)
 
@@ -1084,19 +1044,11 @@ class FastPath(RequestWait):
 
     def pump(self) -> None:
         """Pass libfuse's replies (and notifications) on to /dev/fuse."""
-        buf = self.replies
         while True:
-            try:
-                k = self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
+            msg = self.dev.reply()
+            if msg is None:
                 return
-            except OSError as exc:
-                log.error("reading libfuse's replies: %s", exc)
-                return
-            if k <= 0:
-                return
-            msg = memoryview(buf)[:k]
-            if k >= OUT_HEADER.size:
+            if len(msg) >= OUT_HEADER.size:
                 _, err, unique = OUT_HEADER.unpack_from(msg)
                 if unique == self.init_unique:
                     self.init_unique = -1
