@@ -14,6 +14,7 @@ import pytest
 from ckptfs import system
 from ckptfs.bench import models, targets
 from ckptfs.bench.e2e import DEFAULT_CONTENDERS, QUICK_SIZE
+from ckptfs.bench.peers import CONTENDERS
 from ckptfs.fuse import ring
 
 pytest.importorskip("torch")
@@ -70,7 +71,7 @@ def test_quick_run_is_complete_and_verified(tmp_path):
     # the daemon's CPU per GB is reported for every ckptfs row, and only there
     for key in expected:
         m = res["summary"][key]["median"]
-        if key in ("ckptfs", "ckptfs_pc", "dcp_ckptfs"):
+        if CONTENDERS[key].on_ckptfs:
             assert m["daemon_save_cpu_s_per_gb"] >= 0 and m["daemon_restore_cpu_s_per_gb"] >= 0, key
         else:
             assert "daemon_save_cpu_s_per_gb" not in m, key

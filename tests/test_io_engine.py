@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 
@@ -411,6 +412,15 @@ def test_stub_build_without_liburing(tmp_path, monkeypatch):
     """The build falls back to a stub module (install does not fail) without liburing."""
     monkeypatch.setenv("CKPTFS_BUILD_NO_URING", "1")
     build = os.path.join(os.path.dirname(cio.__file__), "_uring_build.py")
+    # The build names its sources relative to the source tree (as setup.py runs it there) and
+    # cffi compiles inside `tmpdir`: the C files go there under the same relative names.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(cio.__file__))))
+    monkeypatch.chdir(root)
+    for sub in ("ckptfs/io", "ckptfs/fuse"):
+        os.makedirs(tmp_path / sub)
+        for name in os.listdir(os.path.join(root, sub)):
+            if name.endswith((".c", ".h")):
+                shutil.copy(os.path.join(root, sub, name), tmp_path / sub / name)
     ffibuilder = runpy.run_path(build)["ffibuilder"]
     so = ffibuilder.compile(tmpdir=str(tmp_path))
     spec = importlib.util.spec_from_file_location("_uring_cffi", so)
