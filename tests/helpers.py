@@ -393,6 +393,18 @@ def writer_main(mnt: str, it: int, seed: int, journal_path: str) -> None:
         os.close(jfd)
 
 
+def kill_mid_write(m, w, mnt: str) -> None:
+    """kill -9 of mount m's daemon while writer process w writes into it: the writer ends
+    (its writes fail), `ckptfs umount` detaches the stale mount and says the daemon is gone,
+    and the daemon is reaped."""
+    os.kill(m.pid, signal.SIGKILL)
+    w.join(30)
+    assert not w.is_alive(), "writer hung on the dead mount"
+    res = cli("umount", mnt)
+    assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
+    m._reap(kill=False)
+
+
 def read_journal(path: str) -> tuple[dict[str, int], set[str]]:
     planned, durable, _ = read_journal_with_deletes(path)
     return planned, durable

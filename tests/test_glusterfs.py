@@ -15,7 +15,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -25,7 +24,8 @@ import pytest
 from ckptfs import api
 from helpers import (
     CRASH_WRITER_OPTS, DAEMONS, MiB, RANKS, Volume, backing_files, check_all, check_rank,
-    check_tree, cli, content, dcp_save_load, fill, four_writers, gpt_state_dict, kill_quietly,
+    check_tree, cli, content, dcp_save_load, fill, four_writers, gpt_state_dict, kill_mid_write,
+    kill_quietly,
     listed, listed_mount, md5_tree, pids_in, rank_paths, read_all, read_fd, read_journal,
     save_all, save_ranks, sync_until_ok, verify_and_remount, verify_ok, write_ckpt,
     writer_main,
@@ -146,12 +146,7 @@ def test_kill_9_fsynced_files_exact_after_remount(gdir, mounts, tmp_path):
                         args=(mnt, it, rng.randrange(1 << 30), jpath))
         w.start()
         time.sleep(rng.uniform(0.5, 1.5))
-        os.kill(m.pid, signal.SIGKILL)
-        w.join(30)
-        assert not w.is_alive(), "writer hung on the dead mount"
-        res = cli("umount", mnt)
-        assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
-        m._reap(kill=False)
+        kill_mid_write(m, w, mnt)
         p, d = read_journal(jpath)
         planned.update(p)
         durable |= d

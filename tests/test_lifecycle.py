@@ -12,7 +12,8 @@ import time
 
 import pytest
 from helpers import (
-    KiB, cli, content, proc_status, read_all, read_journal_with_deletes, wait_for, write_file,
+    KiB, cli, content, kill_mid_write, proc_status, read_all, read_journal_with_deletes, wait_for,
+    write_file,
 )
 
 from ckptfs.format import backingdir, records
@@ -486,7 +487,6 @@ def test_a_remount_leaves_the_last_log_of_a_small_tree_where_it_is(mounts):
 def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
     import multiprocessing
     import random
-    import signal
 
     from helpers import first_mismatch
 
@@ -519,12 +519,7 @@ def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
                 if want is not None and want in doing:
                     break
             time.sleep(rng.uniform(0.0, 0.02))
-        os.kill(m.pid, signal.SIGKILL)
-        w.join(30)
-        assert not w.is_alive(), "writer hung on the dead mount"
-        res = cli("umount", mnt)
-        assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
-        m._reap(kill=False)
+        kill_mid_write(m, w, mnt)
         # an index snapshot's process dies with its daemon (it would write a fresh index
         # while the next mount runs)
         wait_for(lambda: not snapshot_processes(), "the snapshot process to die with the "

@@ -21,8 +21,8 @@ import time
 
 import pytest
 from helpers import (
-    CRASH_WRITER_OPTS, MiB, check_tree, cli, content, read_all, read_journal, status_reaches,
-    wait_unmounted, writer_main,
+    CRASH_WRITER_OPTS, MiB, check_tree, cli, content, kill_mid_write, read_all, read_journal,
+    status_reaches, wait_unmounted, writer_main,
 )
 
 from ckptfs import api
@@ -264,12 +264,7 @@ def test_kill_9_while_draining_to_the_volume(gdir, mounts, tmp_path):
         w = ctx.Process(target=writer_main, args=(mnt, it, rng.randrange(1 << 30), jpath))
         w.start()
         time.sleep(rng.uniform(0.5, 1.5))
-        os.kill(m.pid, signal.SIGKILL)
-        w.join(30)
-        assert not w.is_alive(), "writer hung on the dead mount"
-        res = cli("umount", mnt)
-        assert res.returncode != 0 and "daemon is gone" in res.stderr, res.stderr
-        m._reap(kill=False)
+        kill_mid_write(m, w, mnt)
         p, d = read_journal(jpath)
         planned.update(p)
         durable |= d
