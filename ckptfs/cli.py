@@ -21,6 +21,7 @@ EPILOG = """examples:
   ckptfs mount /lustre/proj/run42 /ckpt       mount (daemonizes once the mount is live)
   python train.py --save-dir /ckpt            unmodified training code writes there
   ckptfs sync /ckpt                           barrier: everything written so far is durable
+  ckptfs wait --level backing /ckpt/step_100  (node tier) step_100 is in the backing directory
   ckptfs status /ckpt                         live figures (--json for machines)
   ckptfs umount /ckpt                         flush, wait until durable, unmount
   ckptfs mount /lustre/proj/run42 /ckpt       later, anywhere: the same tree again
