@@ -55,6 +55,21 @@ class _Swap:
         self.fresh, self.upto, self.version, self.done = fresh, upto, version, done
 
 
+def take_queued(q: queue.SimpleQueue, timeout: float | None) -> list:
+    """What a worker thread's queue holds: the first item waited for up to `timeout` seconds
+    (None: until one comes; 0: not at all), then every item queued behind it."""
+    items = []
+    try:
+        items.append(q.get(timeout=timeout) if timeout != 0.0 else q.get_nowait())
+    except queue.Empty:
+        pass
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class FlushStats:
     def __init__(self) -> None:
         self.segments = 0
@@ -375,7 +390,7 @@ class Flusher:
         stopping = False
         stop_attempts = 0
         while True:
-            items = []
+            timeout = 0.0
             if stopping and self.error is not None:
                 # Unmount with a failing backing store: a few more tries, then give up (stop()
                 # reports what could not be made durable).
@@ -392,16 +407,7 @@ class Flusher:
                     timeout = max(0.0, first_written + SYNC_INTERVAL_S - time.monotonic())
                 else:
                     timeout = None
-                try:
-                    items.append(self.q.get(timeout=timeout))
-                except queue.Empty:
-                    pass
-            while True:
-                try:
-                    items.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
-            for it in items:
+            for it in take_queued(self.q, timeout):
                 if it is _STOP:
                     stopping = True
                 elif it is _COMMIT:

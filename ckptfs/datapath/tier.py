@@ -43,6 +43,7 @@ import time
 import trio
 
 from ckptfs import failpoints
+from ckptfs.datapath.flusher import take_queued
 from ckptfs.format import records
 from ckptfs.format.backingdir import (
     BACKING_MARKER,
@@ -367,17 +368,7 @@ class Tier:
         stopping = False
         attempts = 0
         while True:
-            try:
-                item = self.q.get(timeout=RETRY_S if note is not None else None)
-            except queue.Empty:
-                item = None
-            items = [] if item is None else [item]
-            while True:
-                try:
-                    items.append(self.q.get_nowait())
-                except queue.Empty:
-                    break
-            for it in items:
+            for it in take_queued(self.q, RETRY_S if note is not None else None):
                 if it is _STOP:
                     stopping = True
                 else:  # (the newest note covers the older ones)
