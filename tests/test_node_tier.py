@@ -312,3 +312,50 @@ def test_a_failing_backing_directory_leaves_node_durability_and_catches_up(faili
     ro = mounts.mount(backing, ro=True)
     _check(ro.mountpoint, files)
     ro.stop()
+
+
+def test_the_readme_recipe_dcp_async_save_and_a_rotation(mounts, tmp_path):
+    """The README's recipe for jobs that can change one line: DCP's async_save into a mount
+    with the node tier and --durability node; once the future is done, waiting for the node
+    level covers what came after DCP's last fsync (its .metadata rename); the drain is held,
+    so the step is not yet backing; the rotation removes the older step only after
+    api.wait_level(newer, "backing"), which returns once the drain is let go. A mount of the
+    backing directory alone then restores the newer step with dcp.load."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    hold = str(tmp_path / "hold-drain")
+    m = mounts.mount(backing, local_dir=local, durability="node",
+                     env={"CKPTFS_HOLD": f"drain:{hold}"}, **OPTS)
+    gen = torch.Generator().manual_seed(7)
+    states = {s: {f"layer{i}.weight": torch.randn(64 * (i + 1), 257, generator=gen)
+                  for i in range(6)} for s in (1, 2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no process group: DCP says it saves alone)
+        dcp.async_save(states[1], checkpoint_id=f"{m.mountpoint}/step_1").result()
+        api.wait_level(f"{m.mountpoint}/step_1", "backing", timeout=60)
+        open(hold, "w").close()
+        fut = dcp.async_save(states[2], checkpoint_id=f"{m.mountpoint}/step_2")
+        fut.result()
+    newer = f"{m.mountpoint}/step_2"
+    assert api.wait_level(newer, "node", timeout=60) == "node"
+    with pytest.raises(TimeoutError):
+        api.wait_level(newer, "backing", timeout=0.5)
+    os.unlink(hold)
+    assert api.wait_level(newer, "backing", timeout=60) == "backing"
+    shutil.rmtree(f"{m.mountpoint}/step_1")
+    m.stop()
+
+    ro = mounts.mount(backing, ro=True)
+    assert sorted(os.listdir(ro.mountpoint)) == ["step_2"]
+    out = {k: torch.empty_like(v) for k, v in states[2].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, checkpoint_id=f"{ro.mountpoint}/step_2")
+    for k, v in states[2].items():
+        assert torch.equal(out[k], v), k
+    ro.stop()
