@@ -64,8 +64,9 @@ TIER_MARKER = "ckptfs-tier.json"
 DRAIN_STATE = "drain.json"
 RETRY_S = 1.0  # a failing backing store is tried again this often
 # Read from the local log (O_DIRECT where the local file system allows: the bytes were written
-# past the page cache and are not read again here, so they do not go through it), then
-# written to the backing copy in --io-chunk requests, all in flight at once
+# past the page cache and are not read again here, so they do not go through it) into one
+# half of this buffer while the other half is written to the backing copy in --io-chunk
+# requests, all in flight at once
 DRAIN_CHUNK_BYTES = 64 << 20
 EVICT_AT = 0.9  # drained logs are removed once the local logs take up this share of the space
 LEVELS = ("staged", "node", "backing")
@@ -461,31 +462,31 @@ class Tier:
 
     def _copy_log(self, lg: int, start: int, end: int) -> int:
         """Bytes [start, end) of local log `lg` to the same place in its backing copy, in
-        DRAIN_CHUNK_BYTES reads and io-chunk writes (all aligned: segments and copy blocks
-        end on the alignment, and so does `start`)."""
+        DRAIN_CHUNK_BYTES pieces (all aligned: segments and copy blocks end on the alignment,
+        and so does `start`). The buffer's two halves take turns: the next piece is read
+        from the node while the writes of this one are in flight to the backing store, so
+        the copy takes about as long as the slower of the two, not their sum."""
         src = self.local.dir.open(data_log_name(lg),
                                   os.O_RDONLY | (os.O_DIRECT if self.local_direct else 0))
         dst = self._backing_fd(lg)
-        buf = memoryview(self.buf)
+        half = DRAIN_CHUNK_BYTES // 2
+        whole = memoryview(self.buf)
+        halves = [whole[:half], whole[half:]]
+        ahead = None  # (offset, length, half) of the read in flight
         try:
-            off = start
+            off, turn = start, 0
+            n = self._read_piece(src, lg, halves[turn], off, min(half, end - off))
             while off < end:
-                want = min(DRAIN_CHUNK_BYTES, end - off)
-                try:
-                    n = os.preadv(src, [buf[:want]], off)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL or not self.local_direct:
-                        raise
-                    self.local_direct = False  # (O_DIRECT refused after all: buffered reads)
-                    os.close(src)
-                    src = self.local.dir.open(data_log_name(lg), os.O_RDONLY)
-                    n = os.preadv(src, [buf[:want]], off)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"node tier: {self.local.dir.join(data_log_name(lg))}"
-                                  f" ends at {off}, before {end}")
+                buf = halves[turn]
+                nxt = off + n
+                if nxt < end:  # the next piece into the other half, while this one is written
+                    want = min(half, end - nxt)
+                    self.engine.submit_read(src, halves[turn ^ 1][:want], nxt, ("drain", nxt))
+                    ahead = (nxt, want)
                 if n % 4096:  # (a log's end is aligned; the write must be too)
-                    buf[n:-(-n // 4096) * 4096] = bytes(-(-n // 4096) * 4096 - n)
-                    n = -(-n // 4096) * 4096
+                    up = -(-n // 4096) * 4096
+                    buf[n:up] = bytes(up - n)
+                    n = up
                 reqs = [(dst, buf[o:min(n, o + self.io_chunk)], off + o)
                         for o in range(0, n, self.io_chunk)]
                 try:
@@ -493,11 +494,50 @@ class Tier:
                 finally:
                     for _, v, _ in reqs:
                         v.release()
-                off += n
+                off, turn = nxt, turn ^ 1
+                if ahead is not None:
+                    res = self._reap_ahead()
+                    got, want = ahead
+                    ahead = None
+                    if res < want:  # an error or a short read: again, the plain way
+                        res = self._read_piece(src, lg, halves[turn], got, want)
+                    n = res
         finally:
+            if ahead is not None:  # never let the buffer go while the kernel may fill it
+                self._reap_ahead()
             os.close(src)
-            buf.release()
+            for v in halves:
+                v.release()
+            whole.release()
         return end - start
+
+    def _reap_ahead(self) -> int:
+        """The result of the one read submitted ahead (negative: an errno)."""
+        while True:
+            for tag, res in self.engine.reap(1):
+                if isinstance(tag, tuple) and tag[0] == "drain":
+                    return res
+                log.warning("drain: an unexpected completion %r (%d)", tag, res)
+
+    def _read_piece(self, src: int, lg: int, buf: memoryview, off: int, want: int) -> int:
+        """`want` bytes of local log `lg` at `off` into `buf`, synchronously (O_DIRECT given
+        up where the local file system refuses it after all)."""
+        try:
+            n = os.preadv(src, [buf[:want]], off)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self.local_direct:
+                raise
+            self.local_direct = False  # (O_DIRECT refused after all: buffered reads)
+            fd = self.local.dir.open(data_log_name(lg), os.O_RDONLY)
+            try:
+                os.dup2(fd, src)  # (the same descriptor number, now without O_DIRECT)
+            finally:
+                os.close(fd)
+            n = os.preadv(src, [buf[:want]], off)
+        if n <= 0:
+            raise OSError(errno.EIO, f"node tier: {self.local.dir.join(data_log_name(lg))}"
+                          f" ends at {off}, before {off + want}")
+        return n
 
     def _write(self, fd: int, reqs) -> None:
         try:
