@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from ckptfs import api
-from helpers import FUSE_URING, FailingMount, Tracker, Volume, uring_switch
+from helpers import FUSE_URING, FailingDisk, FailingMount, Tracker, Volume, uring_switch
 
 
 @pytest.fixture(scope="session", autouse=FUSE_URING)
@@ -166,3 +166,16 @@ def failing(tmp_path):
         yield fm
     finally:
         fm.stop()
+
+
+@pytest.fixture
+def failing_disk(failing, tmp_path):
+    """ext4 on a loop device whose writes fail with EIO on command (helpers.FailingDisk),
+    mounted at tmp_path/disk. Needs root, losetup and mkfs.ext4. Requested before `mounts`."""
+    if os.geteuid() != 0 or not (shutil.which("losetup") and shutil.which("mkfs.ext4")):
+        pytest.skip("a loop device needs root, losetup and mkfs.ext4")
+    disk = FailingDisk(failing, str(tmp_path / "disk"))
+    try:
+        yield disk
+    finally:
+        disk.stop()

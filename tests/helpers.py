@@ -1288,3 +1288,49 @@ class FailingMount:
             api.fusermount(self.mountpoint, lazy=True)
         if self.proc.stdout:
             self.proc.stdout.close()
+
+
+class FailingDisk:
+    """A real block device that fails its writes with EIO on command, where device-mapper
+    (dm-error, dm-flakey) is missing: ext4 on a loop device whose image lies in a failing_fs
+    mount. fail() makes the image's writes fail, so the loop device completes every write
+    with an I/O error and ext4 sees what it sees from a dying disk (O_DIRECT writes fail,
+    buffered pages whose writeback fails are dropped and reported once by fdatasync);
+    heal() lets them through again. `path`: the ext4 file system's root."""
+
+    def __init__(self, failing: FailingMount, path: str, size: int = 512 * MiB) -> None:
+        self.failing, self.path, self.loop = failing, path, None
+        image = os.path.join(failing.mountpoint, "disk.img")
+        with open(image, "wb") as f:
+            f.truncate(size)
+        try:
+            self.loop = subprocess.run(["losetup", "-f", "--show", image], check=True,
+                                       capture_output=True, text=True,
+                                       timeout=30).stdout.strip()
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", self.loop], check=True,
+                           capture_output=True, timeout=60)
+            os.makedirs(path, exist_ok=True)
+            subprocess.run(["mount", "-o", "errors=continue", self.loop, path], check=True,
+                           capture_output=True, timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+
+    def fail(self) -> None:
+        self.failing.fail("write")
+
+    def heal(self) -> None:
+        self.failing.heal()
+
+    def stop(self) -> None:
+        self.heal()
+        if os.path.ismount(self.path):
+            try:
+                subprocess.run(["umount", self.path], timeout=60, capture_output=True)
+            except subprocess.TimeoutExpired:
+                pass
+            if os.path.ismount(self.path):
+                subprocess.run(["umount", "-l", self.path], timeout=30, capture_output=True)
+        if self.loop:
+            subprocess.run(["losetup", "-d", self.loop], timeout=30, capture_output=True)
+            self.loop = None

@@ -118,6 +118,49 @@ def test_eio_then_recovery(failing, mounts):
     print(f"\nEIO scenario: {time.monotonic() - t0:.1f} s")
 
 
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_a_disk_that_fails_writes(failing_disk, mounts, io):
+    """The backing directory on ext4 over a block device whose writes fail with EIO (a loop
+    device: helpers.FailingDisk), what dm-error does where device-mapper exists. The kernel's
+    own behaviour, not a stand-in: O_DIRECT writes fail; buffered pages whose writeback failed
+    are dropped and fdatasync reports that once, so a segment is durable only after it is
+    written again. fsync reports EIO, durable data stays readable, nothing hangs; healed,
+    everything staged lands and a remount (caches dropped) reads every byte back."""
+    backing = os.path.join(failing_disk.path, "b")
+    os.mkdir(backing)
+    opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.2, io=io)
+    sizes = {"a": 3 * MiB, "b": 4 * MiB + 4321, "c": 2 * MiB}
+    m = mounts.mount(backing, **opts)
+    mnt = m.mountpoint
+    try:
+        write_fsync(os.path.join(mnt, "a"), content("a", sizes["a"]))
+        failing_disk.fail()
+        fd = os.open(os.path.join(mnt, "b"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        data = content("b", sizes["b"])
+        for off in range(0, len(data), MiB):
+            os.write(fd, data[off:off + MiB])
+        with pytest.raises(OSError) as ei:
+            os.fsync(fd)
+        assert ei.value.errno == errno.EIO, ei.value
+        with pytest.raises(OSError) as ei:
+            os.close(fd)
+        assert ei.value.errno == errno.EIO, ei.value
+        with pytest.raises(OSError) as ei:
+            m.sync()
+        assert ei.value.errno == errno.EIO
+        assert m.proc.poll() is None, "daemon died on EIO"
+        assert read_all(os.path.join(mnt, "a")) == content("a", sizes["a"])
+        failing_disk.heal()
+        sync_until_ok(m, errno.EIO, 15, "staged data never landed after healing")
+        write_fsync(os.path.join(mnt, "c"), content("c", sizes["c"]))
+    finally:
+        failing_disk.heal()
+    m.stop()
+    drop_caches()  # (the remount reads what the disk holds, not the page cache)
+    verify_and_remount(mounts, m, backing, opts, sizes).stop()
+
+
 def test_umount_timeout_when_the_store_hangs(failing, mounts):
     """A backing store that stops answering (its fsync hangs): `ckptfs umount --timeout` gives
     up after that long with a clear message and leaves the mount in place, nothing lost; once

@@ -15,6 +15,7 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -29,7 +30,7 @@ from ckptfs.datapath.journal import Journal
 from ckptfs.datapath.staging import NO_LOG, Segment, Staging, round_up
 from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
-from ckptfs.format.logs import LogWriter
+from ckptfs.format.logs import LogWriter, punch_hole
 from ckptfs.io import alloc_aligned, fault_in, open_engine
 
 log = logging.getLogger("ckptfs.flusher")
@@ -107,6 +108,9 @@ class Flusher:
         # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
         # (ENOSPC at writeback), so their buffers are kept until then.
         self.release_early = direct
+        # (log, offset) -> length of segments whose buffered writeback failed: their range is
+        # punched before they are written again (see _write_segments)
+        self.lost: dict[tuple[int, int], int] = {}
         self.written_hook = None  # called (trio thread) with each segment once it is on disk
         self.durable_hook = None  # called (trio thread) with each segment once it is durable
         self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
@@ -466,6 +470,8 @@ class Flusher:
                         # writeback failed, and it reports that once: a second fdatasync
                         # would succeed over lost bytes. So the segments (still staged) are
                         # written again, to the same places, before the next one.
+                        for seg in written:
+                            self.lost[(seg.log, seg.loff)] = round_up(seg.used, self.align)
                         pending = written + pending
                         written, written_bytes = [], 0
                     self._call(self._on_error, exc)
@@ -531,6 +537,8 @@ class Flusher:
                     if opened:
                         extra.append(fd)
                     by_log_fd[seg.log] = fd
+                if (seg.log, seg.loff) in self.lost:
+                    self._punch_lost(fd, seg, nbytes)
                 for off in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - off)
                     reqs.append((fd, seg.view[off:off + n], seg.loff + off))
@@ -550,6 +558,19 @@ class Flusher:
         self.stats.segments += len(segs)
         self.stats.bytes_written += written
         self.stats.flush_seconds += time.perf_counter() - t0
+
+    def _punch_lost(self, fd: int, seg: Segment, nbytes: int) -> None:
+        """Before a segment whose buffered writeback failed is written again: give its range
+        back to the file system. ext4 leaves the failed range's blocks unwritten (they read
+        as zeros) while a rewrite of the same pages and its fdatasync succeed; punched, the
+        rewrite is allocated anew like any first write. Where punching is not supported the
+        rewrite is all there is."""
+        try:
+            punch_hole(fd, seg.loff, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        del self.lost[(seg.log, seg.loff)]
 
     def _copy_placed(self) -> tuple[int, int, memoryview] | None:
         """The copy block of the commit groups not yet copied, placed in a data log and laid
