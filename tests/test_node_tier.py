@@ -26,6 +26,7 @@ from helpers import (
 )
 
 from ckptfs import api
+from ckptfs.bench import drop_caches
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -288,27 +289,47 @@ def test_a_failing_backing_directory_leaves_node_durability_and_catches_up(faili
     returns and the file's level is node, `sync --level backing` fails with EIO, the status
     counts the drain's errors; healed, the drain catches up by itself and the backing
     directory alone holds everything."""
-    backing = os.path.join(failing.mountpoint, "backing")
+    _failing_backing_catches_up(mounts, tmp_path, failing.mountpoint,
+                                lambda: failing.fail("write fsync"), failing.heal)
+
+
+def test_a_disk_under_the_backing_directory_that_fails_writes(failing_disk, mounts, tmp_path):
+    """The same with the backing directory on ext4 over a block device whose writes fail
+    (helpers.FailingDisk), the drain's writes buffered (--io buffered): the kernel drops
+    the pages whose writeback failed, so the drain must copy that range again (punched
+    first: ext4 keeps it unwritten otherwise), and a mount of the backing directory alone,
+    caches dropped, reads every byte back."""
+    _failing_backing_catches_up(mounts, tmp_path, failing_disk.path, failing_disk.fail,
+                                failing_disk.heal, io="buffered")
+
+
+def _failing_backing_catches_up(mounts, tmp_path, root: str, fail, heal, **extra) -> None:
+    backing = os.path.join(root, "backing")
     os.mkdir(backing)
     local = str(tmp_path / "local")
     os.mkdir(local)
-    m = mounts.mount(backing, local_dir=local, durability="node", **OPTS)
+    m = mounts.mount(backing, local_dir=local, durability="node", **OPTS, **extra)
     files = {"a.pt": _write(m.mountpoint, "a.pt", 2 * MiB)}
     api.sync(m.mountpoint, "backing")
-    failing.fail("write fsync")
-    files["b.pt"] = _write(m.mountpoint, "b.pt", 3 * MiB + 17, fsync=True)
-    api.sync(m.mountpoint)
-    assert api.level(os.path.join(m.mountpoint, "b.pt")) == "node"
-    with pytest.raises(OSError) as e:
-        api.sync(m.mountpoint, "backing")
-    assert e.value.errno == errno.EIO
-    status_reaches(m, "tier_drain_errors", 1)
-    st = api.status(m.mountpoint)
-    assert st["tier_backlog_bytes"] > 0 and "Input/output error" in st["tier_drain_last_error"]
-    failing.heal()
+    fail()
+    try:
+        files["b.pt"] = _write(m.mountpoint, "b.pt", 3 * MiB + 17, fsync=True)
+        api.sync(m.mountpoint)
+        assert api.level(os.path.join(m.mountpoint, "b.pt")) == "node"
+        with pytest.raises(OSError) as e:
+            api.sync(m.mountpoint, "backing")
+        assert e.value.errno == errno.EIO
+        status_reaches(m, "tier_drain_errors", 1)
+        st = api.status(m.mountpoint)
+        assert st["tier_backlog_bytes"] > 0 and "Input/output error" in st["tier_drain_last_error"]
+    finally:
+        heal()
     api.wait_level(os.path.join(m.mountpoint, "b.pt"), "backing", timeout=60)
     api.sync(m.mountpoint, "backing")
     m.stop()
+    drop_caches()  # (what the backing store holds, not its page cache)
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
     ro = mounts.mount(backing, ro=True)
     _check(ro.mountpoint, files)
     ro.stop()

@@ -55,6 +55,7 @@ from ckptfs.format.backingdir import (
     data_logs,
     write_atomic,
 )
+from ckptfs.format.logs import punch_hole
 from ckptfs.format.records import INDEX_HEADER, FormatError
 from ckptfs.io import alloc_aligned, open_engine
 
@@ -238,6 +239,7 @@ class Tier:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.drained_index = drained_index
         self.drained = self._load_state()  # log -> bytes of it in the backing copy
+        self.lost: dict[int, int] = {}  # log -> where a range whose writeback failed starts
         self.ends: dict[int, int | None] = {n: None for n in data_logs(local.path)}
         self.final: set[int] = set()  # closed logs wholly in the backing copy, or gone
         self.bfds: dict[int, int] = {}
@@ -403,7 +405,7 @@ class Tier:
         failpoints.hit("drain")
         t0 = time.perf_counter()
         copied = 0
-        synced = []
+        synced: dict[int, tuple[int, int]] = {}  # log -> the range copied now
         for lg in sorted(self.ends):
             end = self.ends[lg]
             if lg in self.final:
@@ -422,10 +424,20 @@ class Tier:
                     self._close_backing(lg)
                 continue
             copied += self._copy_log(lg, start, end)
-            synced.append(lg)
+            synced[lg] = (start, end)
+        for lg, (start, end) in synced.items():
+            try:
+                self.engine.fsync(self.bfds[lg], datasync=True)
+            except OSError:
+                if not self.direct:
+                    # Buffered: the pages whose writeback failed are dropped and the error
+                    # is reported once, so the range is copied again, punched first
+                    # (ext4 keeps a failed range unwritten under a rewrite that succeeds)
+                    for lg2, (start2, _) in synced.items():
+                        self.lost[lg2] = min(start2, self.lost.get(lg2, start2))
+                raise
+        for lg, (_, end) in synced.items():
             self.drained[lg] = end
-        for lg in synced:
-            self.engine.fsync(self.bfds[lg], datasync=True)
         if synced:
             write_atomic(self.local.dir, DRAIN_STATE, json.dumps(
                 {"logs": {str(k): v for k, v in self.drained.items()}}).encode())
@@ -469,6 +481,14 @@ class Tier:
         src = self.local.dir.open(data_log_name(lg),
                                   os.O_RDONLY | (os.O_DIRECT if self.local_direct else 0))
         dst = self._backing_fd(lg)
+        lost = self.lost.pop(lg, None)
+        if lost is not None:
+            try:
+                punch_hole(dst, lost, max(0, end - lost))
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    self.lost[lg] = lost
+                    raise
         half = DRAIN_CHUNK_BYTES // 2
         whole = memoryview(self.buf)
         halves = [whole[:half], whole[half:]]
