@@ -291,7 +291,10 @@ def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
 async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                  local: WriterDir | None = None) -> int:
     journal = Journal()
-    ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid())
+    # the live bytes of the own data logs: every own extent map reports what it lets go of
+    space = cleaner.LogSpace(facts["align"]) if wd is not None else None
+    ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid(),
+                   on_dead=space.dead if space is not None else None)
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
@@ -387,10 +390,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
                                                          round_up(seg.used, facts["align"]))
     maintainer = None
-    if wd is not None:
-        space = cleaner.LogSpace(facts["align"])
+    if space is not None:
         space.count(ns, {**backingdir.data_logs(wd.path), **backingdir.data_logs(own.path)})
-        cleaner.install(space)
         flusher.durable_hook = space.durable
         maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, own.dir)
         if node_tier is not None:
@@ -512,7 +513,6 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
         loop.uninstall()
-        cleaner.uninstall()
         reader.close()
         staging.close()
         if index is not None:

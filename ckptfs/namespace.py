@@ -74,7 +74,8 @@ class Inode:
                  "tail_run", "tail_end", "layer", "commit_ns")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, rdev: int = 0,
-                 atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0, target: bytes = b""):
+                 atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0, target: bytes = b"",
+                 on_dead: Callable[[Run, int], None] | None = None):
         self.ino = ino
         self.mode = mode
         self.uid = uid
@@ -88,7 +89,7 @@ class Inode:
         self.target = target
         self.children: dict[bytes, int] | None = {} if fmt == _S_IFDIR else None
         self.parent = 0
-        self.emap = ExtentMap() if fmt == _S_IFREG else None
+        self.emap = ExtentMap(on_dead) if fmt == _S_IFREG else None
         self.lookups = 0
         self.opens = 0
         # The run that the next sequential write may extend (see Namespace.write_piece).
@@ -127,10 +128,14 @@ class Watch(Protocol):
 
 class Namespace:
     """The tree. `journal_hook(rec)` receives every change made through `change()`; `watch`,
-    if set, is told after each of them that changed a directory or a file's attributes."""
+    if set, is told after each of them that changed a directory or a file's attributes;
+    `on_dead(run, n)` is given to the extent map of every file the tree makes (a mount's own
+    tree: cleaner.LogSpace.dead, which counts the bytes of its data logs that no map points
+    at any more; staging.ExtentMap)."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
-                 gid: int = 0, now_ns: int | None = None) -> None:
+                 gid: int = 0, now_ns: int | None = None,
+                 on_dead: Callable[[Run, int], None] | None = None) -> None:
         now = time.time_ns() if now_ns is None else now_ns
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 0, now, now, now)
         root.nlink = 2
@@ -138,6 +143,7 @@ class Namespace:
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
+        self.on_dead = on_dead
         self.watch: Watch | None = None
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
         self.retired: set[int] = set()  # data logs a RETIRE record named
@@ -360,7 +366,7 @@ class Namespace:
         x = Inode(ino, _MODES.setdefault(mode, mode) if mode <= 0xFFFF else mode,
                   uid if uid < 256 else _common(uid),
                   gid if gid < 256 else _common(gid), rec.rdev, rec.atime_ns, rec.mtime_ns,
-                  rec.ctime_ns, rec.target)
+                  rec.ctime_ns, rec.target, self.on_dead)
         inodes[ino] = x
         children[name] = ino
         # a directory's times are not journaled on their own: an entry created in it is its

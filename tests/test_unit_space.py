@@ -1,5 +1,6 @@
 """Space accounting without a mount: the live bytes of each data log follow every overwrite,
-truncate and unlink (cleaner.LogSpace through ExtentMap.on_dead), the RETIRE record and the
+truncate and unlink (cleaner.LogSpace.dead, the on_dead of every extent map of the tree it is
+given to), the RETIRE record and the
 version-2 index header it needs, and an IndexWriter putting a fresh index in place."""
 
 from __future__ import annotations
@@ -32,12 +33,7 @@ KiB = 1 << 10
 
 @pytest.fixture
 def space():
-    sp = cleaner.LogSpace(4096)
-    cleaner.install(sp)
-    try:
-        yield sp
-    finally:
-        cleaner.uninstall()
+    return cleaner.LogSpace(4096)
 
 
 def _file(ns: Namespace, ino: int, name: bytes) -> None:
@@ -45,7 +41,7 @@ def _file(ns: Namespace, ino: int, name: bytes) -> None:
 
 
 def test_replayed_pieces_count_and_changes_take_bytes_off(space):
-    ns = Namespace(now_ns=0)
+    ns = Namespace(now_ns=0, on_dead=space.dead)
     _file(ns, 2, b"a")
     _file(ns, 3, b"b")
     ns.apply(ExtentRec(2, 0, 100 * KiB, 1, 4096, 0))
@@ -62,7 +58,7 @@ def test_replayed_pieces_count_and_changes_take_bytes_off(space):
 
 
 def test_a_segment_counts_when_durable_with_what_survived(space):
-    ns = Namespace(now_ns=0)
+    ns = Namespace(now_ns=0, on_dead=space.dead)
     _file(ns, 2, b"a")
     x = ns.inodes[2]
     seg = Segment(bytearray(64 * KiB), 1)
@@ -77,6 +73,21 @@ def test_a_segment_counts_when_durable_with_what_survived(space):
     assert space.live == {5: 16 * KiB} and space.ends[5] == 4096 + 64 * KiB
     x.emap.truncate(0)
     assert space.live == {5: 0}
+
+
+def test_only_the_tree_given_the_space_takes_bytes_off(space):
+    """Another tree in the same process and thread (an offline tool's, a test's) that names the
+    same logs lets go of its pieces without touching the mount's count."""
+    own, other = Namespace(now_ns=0, on_dead=space.dead), Namespace(now_ns=0)
+    for ns in (own, other):
+        _file(ns, 2, b"a")
+        ns.apply(ExtentRec(2, 0, 100 * KiB, 1, 4096, 0))
+    space.count(own, {})
+    other.apply(SizeRec(2, 0, 2, 2))
+    other.apply(UnlinkRec(1, b"a"))
+    assert space.live == {1: 100 * KiB}
+    own.apply(SizeRec(2, 30 * KiB, 2, 2))  # (and the own tree's changes still count)
+    assert space.live == {1: 30 * KiB}
 
 
 def test_retire_record_needs_index_version_2(tmp_path):

@@ -3,7 +3,8 @@ live byte, cleaning logs that are mostly dead, and the index snapshot.
 
 - `LogSpace` counts, per data log of this writer, the bytes that extent maps still point at.
   Replay gives the start (every piece of the replayed tree); then every byte an overwrite,
-  truncate, unlink or move kills is taken off its log (ExtentMap.on_dead), and every segment
+  truncate, unlink or move kills is taken off its log (`dead`, every own extent map's
+  on_dead: namespace.Namespace gives it to the maps of the tree), and every segment
   the flusher makes durable adds its runs' surviving bytes to its log.
 - `Maintainer` is the task that acts on it, on the trio thread, once a second:
   1. retire: a log with no live byte that no segment is being placed in gets a RETIRE record;
@@ -50,7 +51,6 @@ import logging
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 
@@ -64,7 +64,6 @@ from ckptfs.datapath.journal import ExtentEntry
 from ckptfs.datapath.staging import (
     CHECKSUM_BLOCK_BYTES,
     NO_LOG,
-    ExtentMap,
     Run,
     Segment,
     round_up,
@@ -104,12 +103,10 @@ class LogSpace:
         self.ages: dict[int, float] = {}  # log -> when a segment last landed in it (monotonic)
         self.punched: dict[int, int] = {}  # log -> bytes punched out of it
         self.killed_at: dict[int, float] = {}  # log -> when a byte of it last died (monotonic)
-        # The thread whose extent maps count: the trio thread, which owns the live tree. A
-        # tree built in a worker thread (an index snapshot's) has runs of its own.
-        self.thread = threading.get_ident()
 
     def count(self, ns, logs: dict[int, str]) -> None:
-        """The start: the replayed tree's pieces, the existing logs' sizes."""
+        """The start: the replayed tree's pieces, the existing logs' sizes. (What replay
+        itself clipped or dropped before it is not in the tree, so not counted.)"""
         for n, path in logs.items():
             self.ends[n] = os.path.getsize(path)
             self.live.setdefault(n, 0)
@@ -125,8 +122,8 @@ class LogSpace:
                     live[run.log] = live.get(run.log, 0) + p.length
 
     def dead(self, run: Run, n: int) -> None:
-        """ExtentMap.on_dead: `n` bytes of `run` are no longer pointed at."""
-        if run.layer or threading.get_ident() != self.thread:
+        """An own extent map's on_dead: `n` bytes of `run` are no longer pointed at."""
+        if run.layer:
             return
         run.dead += n
         seg = run.seg
@@ -850,13 +847,3 @@ def logs_named_by_others(view, own_logs=()) -> set[int]:
             out.update(run.log for run in foreign if run.layer == alias)
     return out
 
-
-def install(space: LogSpace) -> None:
-    """From now on every byte an extent map of this thread lets go of is taken off its log
-    (daemon: after replay, on the trio thread)."""
-    space.thread = threading.get_ident()
-    ExtentMap.on_dead = space.dead
-
-
-def uninstall() -> None:
-    ExtentMap.on_dead = None

@@ -104,20 +104,21 @@ class ExtentMap:
     """The file's bytes as sorted, non-overlapping pieces of runs; a range no piece covers is a
     hole (reads as zeros).
 
-    `ExtentMap.on_dead(run, n)`, when set (the daemon sets it once its tree is replayed:
-    cleaner.LogSpace), hears of every `n` bytes of `run` that a map stops pointing at: an
-    overwrite or truncate clips them, a forgotten inode drops its map.
+    A map's `on_dead(run, n)`, when it is made with one (the daemon's tree gives every map
+    of its files cleaner.LogSpace.dead: namespace.Namespace), hears of every `n` bytes of
+    `run` that the map stops pointing at: an overwrite or truncate clips them, a forgotten
+    inode drops its map.
 
     A map's `watcher(emap)`, when it has one (the answer cache sets it on the maps of the files
     the queue threads answer from: fuse/answers.py), hears of the map's first change, and is
     cleared: a write, truncate or drop, or its file getting another map (`replaced`: a
     copy-up)."""
 
-    __slots__ = ("pieces", "stored", "watcher")
-    on_dead: Callable[[Run, int], None] | None = None
+    __slots__ = ("pieces", "stored", "watcher", "on_dead")
 
-    def __init__(self) -> None:
+    def __init__(self, on_dead: Callable[[Run, int], None] | None = None) -> None:
         self.pieces: list[Piece] = []
+        self.on_dead = on_dead
         # The bytes the pieces hold (st_blocks, asked for on every stat: kept up to date
         # instead of summed; see also `grow`).
         self.stored = 0
@@ -169,7 +170,7 @@ class ExtentMap:
         if i < 0:
             i = 0
         out: list[Piece] = []
-        dead = ExtentMap.on_dead
+        dead = self.on_dead
         j = i
         while j < len(pieces) and pieces[j].start < hi:
             p = pieces[j]
@@ -192,7 +193,7 @@ class ExtentMap:
         """Forget every piece (the file is gone)."""
         if self.watcher is not None:
             self._changed()
-        dead = ExtentMap.on_dead
+        dead = self.on_dead
         if dead is not None:
             for p in self.pieces:
                 dead(p.run, p.length)

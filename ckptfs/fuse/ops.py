@@ -353,7 +353,7 @@ class CkptOperations(pyfuse3.Operations):
         x.tail_run, x.tail_end = None, -1
         if x.emap is not None:
             x.emap.replaced()
-            x.emap, x.size = ExtentMap(), 0
+            x.emap, x.size = ExtentMap(self.ns.on_dead), 0
         self.ns.inodes[ino] = x  # the old number stays an alias of the same inode
         for foff, n, run, roff in pieces:
             self.ns.change(XExtentRec(ino, foff, n, view.run_writer(run), run.log, run.loff,
