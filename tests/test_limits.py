@@ -1,5 +1,6 @@
 """What is written can be read back: sizes, offsets and times at and past what the index can
-record, on a real mount and again after a remount; and a defect in the flusher thread fails
+record, on a real mount and again after a remount; and a defect in a thread or task of the
+daemon (the flusher, a loader, the cleaner, the hand-over of the queue threads' requests) fails
 every barrier with EIO instead of hanging it."""
 
 from __future__ import annotations
@@ -119,6 +120,41 @@ def test_a_failed_flusher_fails_every_barrier_with_eio_and_says_why(mounts):
     res = cli("umount", m.mountpoint, timeout=60)
     assert res.returncode != 0, res.stdout
     assert "flusher thread failed" in mounts.log(m)
+    if api.is_mounted(m.mountpoint):
+        assert cli("umount", "--force", m.mountpoint, timeout=60).returncode in (0, 1)
+    assert not api.is_mounted(m.mountpoint)
+    m.proc.wait(timeout=30)
+
+
+def test_a_defect_in_the_hand_over_of_a_queue_threads_request_fails_the_mount(mounts):
+    """The trio thread ends a request the queue threads handed over on an unexpected exception
+    (injected at the first hand-over: the first LOOKUP, no answer is left with the queue
+    threads yet): that request fails with EIO, the mount is failed as with the flusher (fsync,
+    sync, umount: EIO and the cause) and serves on, so the unmount returns."""
+    m = mounts.mount(writer_id="w", env={"CKPTFS_FAILPOINT": "handover:1"})
+    assert m.status()["transport"] != "/dev/fuse"  # (the queue threads, on either transport)
+    p = os.path.join(m.mountpoint, "a.pt")
+    with pytest.raises(OSError) as e:
+        os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    assert e.value.errno == errno.EIO
+    st = api.status(m.mountpoint)
+    assert st["failed"] == 1 and "hand-over" in st["last_error"], st
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)  # (the mount serves on, failed)
+    try:
+        os.write(fd, b"a" * 100_000)
+        with pytest.raises(OSError) as e:
+            os.fsync(fd)
+        assert e.value.errno == errno.EIO
+    finally:
+        try:
+            os.close(fd)
+        except OSError as exc:  # (close reports the mount's error too)
+            assert exc.errno == errno.EIO
+    res = cli("sync", m.mountpoint, timeout=30)
+    assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr
+    res = cli("umount", m.mountpoint, timeout=60)  # (returns, and says what was lost)
+    assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr
+    assert "failpoint handover reached" in mounts.log(m)
     if api.is_mounted(m.mountpoint):
         assert cli("umount", "--force", m.mountpoint, timeout=60).returncode in (0, 1)
     assert not api.is_mounted(m.mountpoint)

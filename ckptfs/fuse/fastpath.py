@@ -61,6 +61,7 @@ from collections import deque
 import pyfuse3
 import trio
 
+from ckptfs import failpoints
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.devfuse import REQUEST_MAX, DevFuse
@@ -364,36 +365,46 @@ class FastPath(RequestWait):
 
     async def serve_ring(self, i: int) -> bool:
         """Serve the request in ring entry i (fuse/ring.py) as serve_one serves one read from
-        /dev/fuse; True if it was handed to libfuse."""
+        /dev/fuse; True if it was handed to libfuse. An unexpected exception on the way (a
+        defect) fails the mount (Flusher.fail: every barrier fails with EIO from then on) and
+        the request with EIO, and the loop serves on: the caller does not wait for ever, and
+        the unmount can run."""
         ring = self.ring
-        self.settle_ring()
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
-        self.ring_uniques[unique] = i
-        self.handed_ops[opcode] = self.handed_ops.get(opcode, 0) + 1
-        if self.releases and opcode not in PAST_RELEASES:
-            self.run_releases()
-        pay = ring.payloads[i]
-        # the op's fixed part (in the header buffer); the rest is in the payload buffer
-        opsize = length - IN_HEADER.size - psz
-        if not 0 <= opsize <= fring.OP_IN_SIZE:
-            log.error("ring request %d: %d bytes, %d of payload", opcode, length, psz)
-            self.reply_error(unique, errno.EIO)
-            return False
-        op = fring.OP_IN
-        if opcode in NO_REPLY:  # (read from /dev/fuse by the queue threads: no answer)
-            del self.ring_uniques[unique]
-        req = _Request(opcode, unique, nodeid, uid, gid, pid, h, op,
-                       IN_HEADER.size + opsize + psz, i)
-        req.opsize, req.pay, req.psz = opsize, pay, psz
+        if opcode not in NO_REPLY:  # (read from /dev/fuse by the queue threads: no answer)
+            self.ring_uniques[unique] = i
         try:
+            failpoints.hit("handover")
+            self.settle_ring()
+            self.handed_ops[opcode] = self.handed_ops.get(opcode, 0) + 1
+            if self.releases and opcode not in PAST_RELEASES:
+                self.run_releases()
+            pay = ring.payloads[i]
+            # the op's fixed part (in the header buffer); the rest is in the payload buffer
+            opsize = length - IN_HEADER.size - psz
+            if not 0 <= opsize <= fring.OP_IN_SIZE:
+                log.error("ring request %d: %d bytes, %d of payload", opcode, length, psz)
+                self.reply_error(unique, errno.EIO)
+                return False
+            op = fring.OP_IN
+            req = _Request(opcode, unique, nodeid, uid, gid, pid, h, op,
+                           IN_HEADER.size + opsize + psz, i)
+            req.opsize, req.pay, req.psz = opsize, pay, psz
             if not extlen and await self.dispatch(req):
                 return False
             head = bytearray(h[:IN_HEADER.size])
             _U32.pack_into(head, 0, IN_HEADER.size + opsize + psz)
             self.forward([head, h[op:op + opsize], pay[:psz]], opcode, unique, pid)
+        except Exception as exc:
+            log.critical("the hand-over of a queue thread's request failed (opcode %d)", opcode,
+                         exc_info=True)
+            self.ops.flusher.fail(exc, "the hand-over of the queue threads' requests")
+            if unique in self.ring_uniques:  # (not answered yet)
+                self.reply_error(unique, errno.EIO)
+            return False
         finally:
-            if opcode in NO_REPLY:  # (served or its bytes sent: the entry is free)
+            if opcode in NO_REPLY:  # (served, its bytes sent, or failed: the entry is free)
                 ring.answered(i)
         return True
 
