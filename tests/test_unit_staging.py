@@ -278,7 +278,7 @@ def test_every_change_of_the_tails_claims_them_first():
     first, so what that thread landed is recorded before, at the place it landed, and once:
     the claimer is let go before it runs, so what it records claims nothing again. Simulated
     here: the "other thread" lands bytes into the offered tails, and the claimer records them
-    as claim_landed does."""
+    as Landing.claim does."""
     async def main():
         sealed = []
         st = staging(4, sealed)

@@ -73,7 +73,7 @@ class AnswerCache:
         name_order: directory -> (its names in creation order, name -> position).
         names_refused: directories too large for a name filter.
         making_created: the trio thread makes the files the queue threads created, whose
-            changes they know already (FastPath.make_created).
+            changes they know already (Landing.make_created).
     """
 
     def __init__(self, ring: fring.Ring, ops, entry_valid: tuple[int, int],

@@ -53,7 +53,6 @@ import errno
 import logging
 import os
 import select
-import stat
 import struct
 import time
 from collections import deque
@@ -66,16 +65,14 @@ from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.devfuse import REQUEST_MAX, DevFuse
 from ckptfs.fuse.answers import AnswerCache
+from ckptfs.fuse.intake import Intake
+from ckptfs.fuse.landing import Landing
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import (
-    IO_BLOCK_BYTES,
-    SETID_BITS,
-)
-from ckptfs.fuse.replies import ATTR_VALID, attr_out, entry_out, open_flags, valid
+from ckptfs.fuse.ops import SETID_BITS, Context
+from ckptfs.fuse.replies import attr_out, entry_out, open_flags, valid
 from ckptfs.fuse.protocol import (
     CREATE_IN,
-    FATTR_MODE,
     FLUSH_IN,
     FUSE_BATCH_FORGET,
     FUSE_CREATE,
@@ -116,7 +113,6 @@ from ckptfs.fuse.protocol import (
 log = logging.getLogger("ckptfs")
 
 # offsets in FUSE's wire protocol (fuse/protocol.h)
-SETATTR_MODE_AT = protocol.layout("fuse_setattr_in").offset("mode")
 INIT_OUT_FLAGS2 = protocol.layout("fuse_init_out").offset("flags2")  # (64-byte reply: 7.23+)
 INIT_OUT_MAX_PAGES = protocol.layout("fuse_init_out").offset("max_pages")  # (7.28+)
 HEAD = IN_HEADER.size + WRITE_IN.size  # a WRITE's or READ's header and op part: 80 bytes
@@ -135,19 +131,6 @@ RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
-
-
-def _dead(seg, dpos, soff, k, crc=None) -> None:
-    """The recorder of landed bytes that belong to no file (dead space in their segment)."""
-
-
-class _Context:
-    """What the handlers read of pyfuse3's RequestContext."""
-
-    __slots__ = ("uid", "gid", "pid", "umask")
-
-    def __init__(self, uid: int, gid: int, pid: int, umask: int = 0) -> None:
-        self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
 
 
 def _pieces(n: int, bufs: list) -> list:
@@ -229,12 +212,11 @@ class FastPath(RequestWait):
         self.ring: fring.Ring | None = None
         self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
         self.ring_turn = 0
-        self.zone_live = False  # staging's tails offered to the queue threads
-        self.ring_landed: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
-        self.creates_not_made = 0  # files the queue threads created that could not be made
-        self.opens_not_made = 0  # OPENs the queue threads answered whose handle was not made
-        # what the queue threads answer from (fuse/answers.py), while they run
+        # while they run: what they answer from (fuse/answers.py), their WRITEs and CREATEs
+        # made real here (fuse/landing.py), what they noted taken in (fuse/intake.py)
         self.answers: AnswerCache | None = None
+        self.landing: Landing | None = None
+        self.intake: Intake | None = None
         self.transport = "/dev/fuse"
         # opcode -> its handler here, for both loops (serve_one, serve_ring): each takes a
         # _Request and says whether it served it (else it goes to pyfuse3)
@@ -281,8 +263,8 @@ class FastPath(RequestWait):
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
         if self.ring is not None:
             c["ring_handed_by_opcode"] = dict(sorted(self.handed_ops.items()))
-            c.update(self.ring.counts(), ring_creates_not_made=self.creates_not_made,
-                     ring_opens_not_made=self.opens_not_made, **self.answers.counts())
+            c.update(self.ring.counts(), ring_creates_not_made=self.landing.creates_not_made,
+                     ring_opens_not_made=self.intake.opens_not_made, **self.answers.counts())
         return c
 
     def close(self) -> None:
@@ -296,8 +278,8 @@ class FastPath(RequestWait):
         if ring is not None:
             if ring.pending():
                 return True
-            if not self.zone_live:
-                self.offer_zone()
+            if not self.landing.live:
+                self.landing.offer()
             if ring.dev:  # (they read /dev/fuse; serve_one closes the loop once it is gone)
                 return ring.gone()
         return bool(self.poller.poll(timeout))
@@ -423,14 +405,14 @@ class FastPath(RequestWait):
     async def write_req(self, req: _Request) -> bool:
         """WRITE: on /dev/fuse its payload was read into staging's tails as far as they
         reach (write); from a queue thread it landed in the landing zone, recorded by
-        claim_landed (wholly: answered now; in part: the rest copied by write_landed)."""
+        Landing.claim (wholly: answered now; in part: the rest copied by write_landed)."""
         if req.length < HEAD:
             return False
         if req.entry < 0:
             await self.write(req.unique, req.length, req.t1, req.t2, req.pid)
             return True
         fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(req.head, req.at)
-        done, err = self.ring_landed.pop(req.entry, (0, 0))
+        done, err = self.landing.outcome(req.entry)
         if size != req.psz or err:
             self.reply_error(req.unique, err or errno.EIO)
         elif done == size:
@@ -470,7 +452,7 @@ class FastPath(RequestWait):
 
     async def entry_req(self, req: _Request) -> bool:
         await self.entry_op(req.opcode, req.unique, req.nodeid,
-                            _Context(req.uid, req.gid, req.pid), req.body())
+                            Context(req.uid, req.gid, req.pid), req.body())
         return True
 
     async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
@@ -484,7 +466,7 @@ class FastPath(RequestWait):
                            pid: int, t1, t2, payload, recorded: int = 0) -> None:
         """A WRITE whose payload landed in t1 and t2 (the staging's tails) as far as they
         reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer;
-        `recorded`: bytes at its start the queue threads landed (and claim_landed recorded)."""
+        `recorded`: bytes at its start the queue threads landed (and Landing.claim recorded)."""
         ops, staging = self.ops, self.staging
         try:
             h, x = ops.write_target(fh, off, size)
@@ -573,7 +555,7 @@ class FastPath(RequestWait):
         if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
             self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
 
-    async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: _Context,
+    async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: Context,
                        body: bytes) -> None:
         """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
         reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
@@ -606,7 +588,8 @@ class FastPath(RequestWait):
                 flags, _ = OPEN_IN.unpack_from(body)
                 fi = await ops.open(nodeid, flags, ctx)
                 out = OPEN_OUT.pack(fi.fh, open_flags(fi, flags), 0)
-                self.takes_writes(fi.fh, flags)
+                if self.landing is not None:
+                    self.landing.takes_writes(fi.fh, flags)
                 if self.ring is not None and flags & os.O_ACCMODE == os.O_RDONLY:
                     window = fi.fh  # (readahead may have brought the file in)
             else:
@@ -616,7 +599,8 @@ class FastPath(RequestWait):
                 fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
                 out = entry_out(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
                     fi.fh, open_flags(fi, flags), 0)
-                self.takes_writes(fi.fh, flags)
+                if self.landing is not None:
+                    self.landing.takes_writes(fi.fh, flags)
                 if self.ring is not None:
                     # (the kernel asks for the directory's attributes right after: its
                     # permission check before the next name in it)
@@ -725,22 +709,6 @@ class FastPath(RequestWait):
         ring = self.ring
         return ring.sleep(sleeping) if ring is not None else False
 
-    def takes_writes(self, fh: int, flags: int) -> None:
-        """With the ring: a handle opened for writing whose writes ops would take (write_target)
-        gets its WRITEs answered by the queue threads when they land whole."""
-        if self.ring is None or flags & os.O_ACCMODE == os.O_RDONLY:
-            return
-        # (a file's attributes may change now, and its bytes: its READs come here again)
-        h = self.ops.handles.get(fh)
-        self.answers.invalidate(inode=h.inode if h is not None else None)
-        try:
-            h, x = self.ops.write_target(fh)
-        except pyfuse3.FUSEError:
-            return
-        if x.mode & SETID_BITS:  # (a WRITE may have to clear them first: ops.clear_setid)
-            return
-        self.ring.writable(fh, True)
-
     async def simple(self, unique: int, handler, fh: int) -> None:
         try:
             await handler(fh)
@@ -791,12 +759,12 @@ class FastPath(RequestWait):
         self.ring = ring
         ops = self.ops
         self.answers = AnswerCache(ring, ops, self.entry_valid, self.settle_ring)
-        ops.reader.land_lazily(True)  # (chunk loads land at every settle_ring)
+        self.landing = Landing(ring, ops, self.answers, self.count_landed)
+        self.intake = Intake(ring, ops, self.answers, self.landing, self.hold_releases,
+                             self.release_now, self.count_reads)
+        ops.reader.land_lazily(True)  # (chunk loads land at every settle)
         ops.ns.watch = self.answers
-        if not ops.settings.readonly:
-            ring.create_setup(self.create_policy())
-            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
-        self.offer_zone()
+        self.landing.start(self.entry_valid)
         flusher = self.ops.flusher
         flusher.error_hook = ring.flush_fails
         ring.flush_fails(flusher.error is not None)
@@ -808,211 +776,33 @@ class FastPath(RequestWait):
                  "CPU", "queue threads on /dev/fuse" if dev else "FUSE over io_uring",
                  ring.nqueues, ring.depth, payload >> 10, ring.counts()["ring_queues_pinned"])
 
-    def create_policy(self) -> fring.CreatePolicy:
-        """What a file the queue threads create is: what a CREATE served here makes of it
-        (ops.new_file_mode, ops.file_info for a new file, _open_flags, takes_writes), handed
-        over as data (fuse/ring.h, struct ck_fring_policy)."""
-        ops = self.ops
-        file_type = stat.S_IFMT(ops.new_file_mode(0, 0))
-        modes = range(4)  # (by access mode: O_RDONLY, O_WRONLY, O_RDWR, O_ACCMODE)
-        return fring.CreatePolicy(
-            entry_valid=self.entry_valid, attr_valid=ATTR_VALID, file_type=file_type,
-            mode_bits=ops.new_file_mode(0xFFFFFFFF, 0) & ~file_type, blksize=IO_BLOCK_BYTES,
-            open_flags=tuple(open_flags(ops.file_info(acc), acc) for acc in modes),
-            writes_here=tuple(acc != os.O_RDONLY for acc in modes),
-            no_writes_mode=SETID_BITS)  # (a WRITE may have to clear them: ops.clear_setid)
-
-    def offer_zone(self) -> None:
-        """Offer the staging's tails to the queue threads for the next WRITE payloads (once
-        claim_landed took them back: an offer while they hold them would land bytes where
-        earlier ones went)."""
-        if self.zone_live:
-            return
-        t1, t2 = self.staging.offered_tails()
-        if t1 is None or not len(t1):
-            return
-        self.ring.offer(t1, t2)
-        self.zone_live = True
-        self.staging.offer(self.claim_landed)
-
-    def claim_landed(self) -> None:
-        """Staging's claimer while the zone is offered (Staging.claim calls it, once; so do
-        settle_ring and quiesce, through it): take the tails back from the queue threads and
-        record the writes they landed, in order, as a /dev/fuse WRITE read into the tails is
-        recorded (serve_one, write_landed); each one's outcome waits for its entry's turn in
-        serve_ring. A write that cannot be recorded (a stale handle, say) still takes its
-        place in the segment, as dead bytes: the writes after it landed behind it."""
-        if not self.zone_live:
-            return
-        ring, ops, staging = self.ring, self.ops, self.staging
-        if ring.landed():  # (their checksums, in C, before the zone is taken back)
-            ring.sum_landed()
-        self.zone_live = False
-        ring.revoke()
-        if ring.created():  # (a created file's writes land after its CREATE was answered)
-            self.make_created(ring.take_created())
-        for (i, answered, k1, k2, fh, off, size, write_flags, pid, crc1,
-             crc2) in ring.take_landed():
-            try:
-                h, x = ops.write_target(fh, off, size)
-                if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
-                    ops.clear_setid(x)
-                record = ops.piece_recorder(x, off)
-            except Exception as exc:
-                err = exc.errno if isinstance(exc, pyfuse3.FUSEError) else errno.EIO
-                if answered:  # (a handle said to take writes that does not: a defect)
-                    log.error("a WRITE answered by its queue thread cannot be recorded "
-                              "(handle %d, pid %d): %s", fh, pid, exc)
-                else:  # (an answered one's entry is another request's by now)
-                    if not isinstance(exc, pyfuse3.FUSEError):
-                        log.exception("internal error in write (pid %d)", pid)
-                    self.ring_landed[i] = (0, err)
-                record = _dead
-            if k1:
-                staging.landed(k1, record, crc=crc1)
-            if k2:
-                staging.landed(k2, record, base=k1, crc=crc2)
-            self.bytes_in_place += k1 + k2
-            if record is not _dead:
-                if k1 + k2 == size:
-                    ops.wrote(h, x, off + size, size)
-                if answered:
-                    self.writes_in_place += 1
-                else:
-                    self.ring_landed[i] = (k1 + k2, 0)
-
     def settle_ring(self) -> None:
-        """Before a request is served (and on the idle tick, and before the status): the
-        LOOKUPs the queue threads answered are counted, the handles of the OPENs they
-        answered and the files they created are made, the RELEASEs they answered join the
-        releases to run (a read-only handle's run in this pass), their READs are accounted
-        for, the writes they landed are recorded
-        (those of a released handle landed before its RELEASE came; those of a created file
-        after it was made), and the tails are offered again (while nothing
-        landed, the offer stands: staging is as offered; a landing in progress belongs to a
-        WRITE whose caller has no answer yet, so no request served now depends on it)."""
-        ring = self.ring
-        self.ops.reader.land()  # (the chunks read ahead: windows open over them below)
-        looked = ring.take_looked() if ring.looked() else None
-        answers = self.answers
-        if looked:  # (counted before any request: a FORGET among them)
-            answers.count_looked(looked)
-        # (taken so that every note's antecedents come with it: the OPEN or CREATE of every
-        # handle a RELEASE releases, and every READ of it, were noted before the RELEASE, and
-        # the OPEN before the READs; so the releases are taken first, then the READs, then
-        # the opens, and the handles are made before any of them is worked on)
-        released = ring.take_released() if ring.released() else None
-        reads = ring.take_reads() if ring.reads() else None
-        if ring.opened():
-            self.make_opened(ring.take_opened())
-        if released:
-            # (a handle that can write has its work held, to run after the requests that do
-            # not depend on it, as a RELEASE served here; a read-only one, only a count to
-            # lower, is let go in this pass, once its READs are accounted for: a LOOKUP of
-            # its file served now, which goes before held releases, sees it closed)
-            handles = self.ops.handles
-            ro = {fh for fh in released if (h := handles.get(fh)) is not None
-                  and h.flags & os.O_ACCMODE == os.O_RDONLY}
-            held = [fh for fh in released if fh not in ro] if ro else released
-            if held:
-                self.hold_releases(held)
-        if reads:
-            self.reads_served(reads, released or ())
-        if ring.created():
-            self.make_created(ring.take_created())
-        if released and answers.windows:
-            for fh in released:
-                answers.invalidate(fh=fh)
-        if released and ro:
-            for fh in released:  # (in the order they came)
-                if fh in ro:
-                    self.release_now(fh)
-        if not self.zone_live or ring.landed():
-            self.staging.claim()
-            self.offer_zone()
-        if looked and answers.lookup_next:
-            # (the names after the last one answered in each directory, once the writes are
-            # recorded: a file's size is what its landed writes made it)
-            following, answers.lookup_next = answers.lookup_next, {}
-            for parent, name in following.items():
-                answers.prepare_lookups(parent, name)
+        """Take in what the queue threads answered (Intake.settle): before every request
+        served here, at every wake-up by them, on the idle tick, before the status."""
+        self.intake.settle()
 
-    def make_created(self, created: list[tuple]) -> None:
-        """Make the files the queue threads created (fuse/ring_dirs.c), in order, as the CREATE
-        would have made them here, with their numbers and time: the INODE record, the open
-        handle (the queue threads put it in the writable set themselves; it may be released
-        already). The queue threads have the directory's names and attributes as they are
-        after it already (the watch is not told)."""
-        ops, ring, answers = self.ops, self.ring, self.answers
-        answers.making_created = True
-        try:
-            for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
-                answers.name_order.pop(parent, None)  # (a name more in its order)
-                try:
-                    ops.create_open(parent, name, mode, flags, _Context(uid, gid, pid), ino, fh,
-                                    now)
-                except Exception:  # (a defect: the kernel has the file open already)
-                    log.exception("a file created by a queue thread cannot be made "
-                                  "(%r in directory %d): its writes fail", name, parent)
-                    self.creates_not_made += 1
-                    ring.writable(fh, False)  # (its next WRITEs come here: EBADF)
-                    ring.dirs_changed()  # (the directory's attributes as the tree has them)
-        finally:
-            answers.making_created = False
-        ring = self.ring
-        if ring.reserve_left() < fring.RESERVE // 4:
-            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
+    def count_landed(self, writes: int, nbytes: int) -> None:
+        """WRITEs the queue threads answered and the bytes they landed (Landing.claim),
+        counted with those read in place here."""
+        self.writes_in_place += writes
+        self.bytes_in_place += nbytes
 
-    def make_opened(self, opened: list[tuple]) -> None:
-        """Make the handles of the OPENs the queue threads answered from prepared windows, in
-        order, as the OPEN would have made them here (ops.open_prepared); the window is the
-        handle's now (it may be dropped already: its READs come here then)."""
-        ops, answers = self.ops, self.answers
-        for fh, nodeid, flags, uid, gid, pid in opened:
-            answers.unprepare(fh)
-            w = answers.windows.get(fh)
-            try:
-                ops.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh, flags,
-                                  _Context(uid, gid, pid))
-            except Exception:  # (a defect: the kernel has the file open already)
-                log.exception("an open answered by a queue thread cannot be made (inode %d): "
-                              "its reads fail", nodeid)
-                self.opens_not_made += 1
-                answers.invalidate(fh=fh)  # (its READs come here: EBADF)
-
-    def reads_served(self, reads: list, released=()) -> None:
-        """The READs the queue threads answered from windows, accounted for as if answered
-        here (ops.read_served); a window read past its middle is opened anew from where
-        its reader got to, when the cache holds the bytes past its end by now (the
-        readahead those READs started), unless its handle was released."""
-        ops = self.ops
-        self.reads_direct += len(reads)
-        by_handle: dict[int, list] = {}
-        for fh, off, size, n in reads:
-            by_handle.setdefault(fh, []).append((off, size, n))
-        for fh, served in by_handle.items():
-            try:
-                ops.read_served(fh, served)
-            except Exception:  # (accounting only: the READs were answered)
-                log.exception("accounting for the READs of handle %d", fh)
-            end = max(off + n for off, _, n in served)
-            w = self.answers.windows.get(fh)
-            if (w is not None and end > (w[2] + w[3]) // 2 and w[3] < w[0].size
-                    and fh not in released and ops.reader.has(w[1], w[3])):
-                self.answers.open_window(fh, end)
+    def count_reads(self, reads: int) -> None:
+        """READs the queue threads answered from read windows (Intake.reads_served), counted
+        with those answered here."""
+        self.reads_direct += reads
 
     def stop_ring(self) -> bool:
         """Stop the queue threads; False if some did not stop."""
         ring, self.ring = self.ring, None
         if ring is None:
             return True
-        self.staging.offer(None)
+        self.landing.stop()
         self.answers.close()
-        self.answers = None
+        self.answers = self.landing = self.intake = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
         self.ops.reader.land_lazily(False)
-        self.zone_live = False
         self.ring_uniques.clear()
         try:
             ring.stop()
@@ -1030,28 +820,12 @@ class FastPath(RequestWait):
                 _, _, _, flags, flags2 = INIT_IN.unpack_from(self.head, IN_HEADER.size)
                 self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
         if opcode == FUSE_SETATTR and self.ring is not None:
-            self.setattr_seen(b"".join(map(bytes, parts)))
+            self.landing.setattr_seen(b"".join(map(bytes, parts)))
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         self.dev.forward(parts)
         if opcode in INTERRUPTIBLE_FORWARDED:
             self.interrupts.forwarded(unique, pid)
-
-    def setattr_seen(self, msg: bytes) -> None:
-        """A SETATTR that gives a file set-user-ID or set-group-ID: the handles open on it
-        stop taking WRITEs in the queue threads (takes_writes), whose answer would come
-        before the write clears them (ops.clear_setid)."""
-        body = IN_HEADER.size
-        if len(msg) < body + SETATTR_MODE_AT + 4:
-            return
-        valid, = _U32.unpack_from(msg, body)
-        mode, = _U32.unpack_from(msg, body + SETATTR_MODE_AT)
-        if not (valid & FATTR_MODE and mode & SETID_BITS):
-            return
-        x = self.ops.ns.inodes.get(IN_HEADER.unpack_from(msg)[3])
-        for fh, h in self.ops.handles.items():
-            if h.inode is x:
-                self.ring.writable(fh, False)
 
     def pump(self) -> None:
         """Pass libfuse's replies (and notifications) on to /dev/fuse."""

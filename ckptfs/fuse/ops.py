@@ -98,6 +98,16 @@ def _err(e: int):
     return pyfuse3.FUSEError(e)
 
 
+class Context:
+    """What the handlers read of pyfuse3's RequestContext: the fast path makes one for the
+    requests it serves itself and for those the queue threads answered."""
+
+    __slots__ = ("uid", "gid", "pid", "umask")
+
+    def __init__(self, uid: int, gid: int, pid: int, umask: int = 0) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
+
+
 class _Handle:
     __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid",
                  "plan")
@@ -819,7 +829,8 @@ class CkptOperations(pyfuse3.Operations):
                   fh: int = 0) -> pyfuse3.FileInfo:
         """How a handle opened with `flags` on a file of `size` bytes uses the kernel's page
         cache (written_direct: the file was last written through a direct handle); by
-        default a new file's, which the queue threads' CREATEs answer with (create_policy)."""
+        default a new file's, which the queue threads' CREATEs answer with
+        (Landing.create_policy)."""
         # Write-only handles bypass the kernel page cache when direct_writes is on: the
         # application's buffers go straight into WRITE requests (one copy less, no page-cache
         # growth, no dirty-page throttling, close() does not wait for writeback); readers keep

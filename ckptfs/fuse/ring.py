@@ -138,7 +138,7 @@ class RingError(OSError):
 
 class CreatePolicy(NamedTuple):
     """What a file the queue threads create is (struct ck_fring_policy), as the Python side
-    decided it (FastPath.create_policy, from ops)."""
+    decided it (Landing.create_policy, from ops)."""
 
     entry_valid: tuple[int, int]  # its entry's timeout (s, ns)
     attr_valid: tuple[int, int]  # its attributes' timeout (s, ns)
