@@ -226,6 +226,22 @@ def write_file(path: str, data: bytes, fsync: bool = False, chunk: int | None = 
         os.close(fd)
 
 
+def fsync_fails(path: str, data: bytes, err: int = errno.EIO) -> None:
+    """`data` written into `path` (created), whose fsync must fail with `err` (a failing
+    store, a failed mount); the close may report it again (as NFS's does), nothing else."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        with pytest.raises(OSError) as e:
+            os.fsync(fd)
+        assert e.value.errno == err
+    finally:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            assert exc.errno == err
+
+
 def dump_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from helpers import (
-    CLI, MiB, NOBODY, cli, content, read_all, status_reaches, sync_until_ok,
+    CLI, MiB, NOBODY, cli, content, fsync_fails, read_all, status_reaches, sync_until_ok,
     verify_and_remount,
 )
 
@@ -501,17 +501,7 @@ def test_a_failed_fdatasync_in_buffered_mode_writes_the_segments_again(failing, 
     m = mounts.mount(backing, **opts)
     write_fsync(os.path.join(m.mountpoint, "a"), content("a", sizes["a"]))
     failing.fail("fsync-lose")
-    fd = os.open(os.path.join(m.mountpoint, "b"), os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, content("b", sizes["b"]))
-        with pytest.raises(OSError) as ei:
-            os.fsync(fd)
-        assert ei.value.errno == errno.EIO
-    finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    fsync_fails(os.path.join(m.mountpoint, "b"), content("b", sizes["b"]))
     assert "writes lost" in failing.log_text()
     failing.heal()
     sync_until_ok(m, errno.EIO, 15, "the segments never landed after the store healed")

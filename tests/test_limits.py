@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import cli, wait_for
+from helpers import cli, fsync_fails, wait_for
 
 from ckptfs import api
 from ckptfs.format import records
@@ -97,20 +97,9 @@ def test_a_failed_flusher_fails_every_barrier_with_eio_and_says_why(mounts):
     `ckptfs sync` and `ckptfs umount` fail with EIO within their time, status says so."""
     backing = mounts.backing()
     m = mounts.mount(backing, writer_id="w", env={"CKPTFS_FAILPOINT": "flusher-commit:1"})
-    p = os.path.join(m.mountpoint, "a.pt")
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, b"a" * 100_000)
-        t0 = time.monotonic()
-        with pytest.raises(OSError) as e:
-            os.fsync(fd)
-        assert e.value.errno == errno.EIO
-        assert time.monotonic() - t0 < 30
-    finally:
-        try:
-            os.close(fd)
-        except OSError as exc:  # (close reports the mount's error too, as NFS's does)
-            assert exc.errno == errno.EIO
+    t0 = time.monotonic()
+    fsync_fails(os.path.join(m.mountpoint, "a.pt"), b"a" * 100_000)
+    assert time.monotonic() - t0 < 30
     st = api.status(m.mountpoint)
     assert st["failed"] == 1 and "flusher thread failed" in st["last_error"], st
     res = cli("sync", m.mountpoint, timeout=30)
@@ -139,17 +128,7 @@ def test_a_defect_in_the_hand_over_of_a_queue_threads_request_fails_the_mount(mo
     assert e.value.errno == errno.EIO
     st = api.status(m.mountpoint)
     assert st["failed"] == 1 and "hand-over" in st["last_error"], st
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)  # (the mount serves on, failed)
-    try:
-        os.write(fd, b"a" * 100_000)
-        with pytest.raises(OSError) as e:
-            os.fsync(fd)
-        assert e.value.errno == errno.EIO
-    finally:
-        try:
-            os.close(fd)
-        except OSError as exc:  # (close reports the mount's error too)
-            assert exc.errno == errno.EIO
+    fsync_fails(p, b"a" * 100_000)  # (the mount serves on, failed)
     res = cli("sync", m.mountpoint, timeout=30)
     assert res.returncode != 0 and "Input/output error" in res.stderr, res.stderr
     res = cli("umount", m.mountpoint, timeout=60)  # (returns, and says what was lost)
