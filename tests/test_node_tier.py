@@ -380,3 +380,71 @@ def test_the_readme_recipe_dcp_async_save_and_a_rotation(mounts, tmp_path):
     for k, v in states[2].items():
         assert torch.equal(out[k], v), k
     ro.stop()
+
+
+def test_index_snapshots_reach_the_backing_directory(mounts, tmp_path):
+    """Index snapshots with the tier: the local index is replaced at once, the backing index
+    whole once the drain reaches that commit (byte for byte the local one then). A kill -9
+    while the drain is held after a snapshot leaves the backing index a prefix of the
+    replaced one (kept as index.pre-swap); the remount with the same local directory
+    replaces it, and the backing directory alone then holds the live tree."""
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    hold = str(tmp_path / "hold-drain")
+    opts = dict(OPTS, durability="node", clean_idle=0.2, index_snapshot_min="4K")
+    env = {"CKPTFS_HOLD": f"drain:{hold}"}
+    m = mounts.mount(backing, local_dir=local, env=env, **opts)
+    own_b = os.path.join(backing, "writers", "w", "index.log")
+    own_l = os.path.join(local, "writers", "w")
+    live: dict[str, bytes] = {}
+
+    def step(k: int) -> None:
+        for i in range(20):
+            name = f"step_{k}/t{i}.pt"
+            live[name] = _write(m.mountpoint, name, 1000 + 37 * i + k)
+        api.sync(m.mountpoint)
+        if k >= 2:
+            shutil.rmtree(os.path.join(m.mountpoint, f"step_{k - 2}"))
+            for name in [n for n in live if n.startswith(f"step_{k - 2}/")]:
+                del live[name]
+
+    k = 0
+    while api.status(m.mountpoint)["index_snapshots"] < 1:
+        assert k < 40, "no index snapshot after 40 steps"
+        step(k)
+        k += 1
+        time.sleep(0.3)  # (the cleaner and the snapshot run after --clean-idle without writes)
+    api.sync(m.mountpoint, "backing")
+    api.wait_level(m.mountpoint, "backing", timeout=60)
+    with open(own_b, "rb") as b, open(os.path.join(own_l, "index.log"), "rb") as lo:
+        assert b.read() == lo.read(), "the backing index is the snapshot, byte for byte"
+    assert not os.path.exists(os.path.join(own_l, "index.pre-swap"))
+
+    open(hold, "w").close()
+    before = api.status(m.mountpoint)["index_snapshots"]
+    while api.status(m.mountpoint)["index_snapshots"] == before:
+        assert k < 80, "no second index snapshot"
+        step(k)
+        k += 1
+        time.sleep(0.3)
+    assert os.path.exists(os.path.join(own_l, "index.pre-swap"))
+    api.sync(m.mountpoint)  # (node)
+    os.kill(m.pid, signal.SIGKILL)
+    cli("umount", m.mountpoint)
+    assert wait_unmounted(m.mountpoint)
+    m.proc.wait(10)
+
+    os.unlink(hold)
+    again = mounts.mount(backing, local_dir=local, env=env, **opts)
+    _check(again.mountpoint, live)
+    api.wait_level(again.mountpoint, "backing", timeout=60)
+    again.stop()
+    assert not os.path.exists(os.path.join(own_l, "index.pre-swap"))
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ro = mounts.mount(backing, ro=True)
+    _check(ro.mountpoint, live)
+    names = {os.path.relpath(os.path.join(d, f), ro.mountpoint)
+             for d, _, fs in os.walk(ro.mountpoint) for f in fs}
+    assert names == set(live), sorted(names ^ set(live))[:5]
+    ro.stop()

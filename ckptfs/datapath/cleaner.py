@@ -414,7 +414,7 @@ class Maintainer:
     async def snapshot_due(self) -> bool:
         idx = self.flusher.index
         ratio = self.snapshot_ratio
-        if not ratio or idx.size < self.snapshot_min or self.tier is not None:
+        if not ratio or idx.size < self.snapshot_min:
             return False
         if self.fresh_bytes is None or idx.size > ratio * self.fresh_bytes:
             self.fresh_bytes = await self.estimate()  # (the tree may have grown: look again)

@@ -611,7 +611,13 @@ class Flusher:
         err = None
         t0 = time.perf_counter()
         try:
-            self.index.replace(sw.fresh, sw.upto, sw.version)
+            if self.tier is None:
+                self.index.replace(sw.fresh, sw.upto, sw.version)
+            else:  # (the drain replaces the backing index with it in turn)
+                def replace() -> int:
+                    self.index.replace(sw.fresh, sw.upto, sw.version)
+                    return self.index.size
+                self.tier.swap(replace, self._committed_upto, self.logs.ends())
         except OSError as exc:
             err = exc
             try:

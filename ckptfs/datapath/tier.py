@@ -16,6 +16,14 @@ the drain has passed its commit.
     LOCAL/writers/<id>/data-NNNNNN.log  data logs (drained ones stay as a read copy)
     LOCAL/writers/<id>/drain.json       how far each data log is drained (written after the
                                         backing copy is synced: never ahead of it)
+    LOCAL/writers/<id>/index.pre-swap   the index as it was before an index snapshot took its
+                                        place, kept until the snapshot replaced the backing
+                                        index too (the backing index is a prefix of this one
+                                        meanwhile)
+
+An index snapshot (datapath/cleaner.py) replaces the local index at once; the drain replaces
+the backing index whole with a copy of the new one once it reaches that commit (written beside
+it, synced, renamed into place), and appends again after that.
 
 Local space is bounded (`--local-size`): the flusher asks for room before it writes a segment
 (`reserve`); drained data logs no segment goes to any more are removed, oldest first, when room
@@ -63,6 +71,8 @@ log = logging.getLogger("ckptfs.tier")
 
 TIER_MARKER = "ckptfs-tier.json"
 DRAIN_STATE = "drain.json"
+PRE_SWAP = "index.pre-swap"
+FRESH_COPY = INDEX_NAME + ".drain"  # (the backing index's replacement, written beside it)
 RETRY_S = 1.0  # a failing backing store is tried again this often
 # Read from the local log (O_DIRECT where the local file system allows: the bytes were written
 # past the page cache and are not read again here, so they do not go through it) into one
@@ -141,12 +151,26 @@ def _read_all(fd: int, start: int, end: int) -> bytes:
     return b"".join(parts)
 
 
+def _begins(fd: int, size: int, records_part: bytes) -> bool:
+    """Whether the index open as `fd` (`size` bytes) holds `records_part` after its header."""
+    end = INDEX_HEADER.size + len(records_part)
+    return end <= size and _read_all(fd, INDEX_HEADER.size, end) == records_part
+
+
+def _discard(where: Dir, name: str) -> None:
+    try:
+        where.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
 def reconcile(local: Dir, backing: Dir) -> int:
     """Before replay: make the local index the one to replay, and return how many bytes of it
-    the backing index already holds (where the drain goes on). A node that lost its local
-    directory (or a first mount with the tier) starts from a copy of the backing index. A
-    backing index that is not a prefix of the local one (beyond a torn group the drain was
-    writing) is refused: the local directory does not continue it."""
+    the backing index already holds (where the drain goes on); -1 when the backing index is
+    a prefix of the index an index snapshot replaced (PRE_SWAP): the drain replaces it whole.
+    A node that lost its local directory (or a first mount with the tier) starts from a copy
+    of the backing index. A backing index that is not a prefix of the local one (beyond a
+    torn group the drain was writing) is refused: the local directory does not continue it."""
     bsize = lsize = 0
     try:
         bfd = backing.open(INDEX_NAME, os.O_RDONLY)
@@ -177,17 +201,31 @@ def reconcile(local: Dir, backing: Dir) -> int:
         try:
             lsize = os.fstat(lfd).st_size
             if bfd < 0 or bsize < INDEX_HEADER.size:
+                _discard(local, PRE_SWAP)
                 return 0
             bdata = _read_all(bfd, 0, bsize)
             valid = records.scan_index(backing.join(INDEX_NAME), bdata).valid_bytes
-            ldata = _read_all(lfd, INDEX_HEADER.size, min(valid, lsize))
-            if valid > lsize or ldata != bdata[INDEX_HEADER.size:valid]:
-                raise TierError(
-                    f"the backing index {backing.join(INDEX_NAME)} is not a prefix of the node "
-                    f"tier's {local.join(INDEX_NAME)}: the backing directory changed without "
-                    "this tier (compact, fsck, another mount with the same writer id); move "
-                    "the local directory away to mount from the backing directory")
-            return valid
+            _discard(backing, FRESH_COPY)
+            if _begins(lfd, lsize, bdata[INDEX_HEADER.size:valid]):
+                _discard(local, PRE_SWAP)  # (a snapshot's replacement got there)
+                return valid
+            try:
+                pfd = local.open(PRE_SWAP, os.O_RDONLY)
+            except FileNotFoundError:
+                pfd = -1
+            if pfd >= 0:
+                try:
+                    if _begins(pfd, os.fstat(pfd).st_size, bdata[INDEX_HEADER.size:valid]):
+                        log.info("node tier: an index snapshot not yet in the backing "
+                                 "directory replaces its index at the first drain")
+                        return -1
+                finally:
+                    os.close(pfd)
+            raise TierError(
+                f"the backing index {backing.join(INDEX_NAME)} is not a prefix of the node "
+                f"tier's {local.join(INDEX_NAME)}: the backing directory changed without "
+                "this tier (compact, fsck, another mount with the same writer id); move "
+                "the local directory away to mount from the backing directory")
         finally:
             os.close(lfd)
     finally:
@@ -201,10 +239,12 @@ class _Note:
     `seq`; the data logs this mount made are written up to `ends` (log -> offset; None: closed,
     its size is final)."""
 
-    __slots__ = ("seq", "index_end", "ends", "when")
+    __slots__ = ("seq", "index_end", "ends", "when", "swapped")
 
-    def __init__(self, seq: int, index_end: int, ends: dict[int, int]) -> None:
+    def __init__(self, seq: int, index_end: int, ends: dict[int, int],
+                 swapped: bool = False) -> None:
         self.seq, self.index_end, self.ends, self.when = seq, index_end, ends, time.monotonic()
+        self.swapped = swapped  # (an index snapshot took the local index's place)
 
 
 class DrainStats:
@@ -237,7 +277,12 @@ class Tier:
         self.stats = DrainStats()
         # drain thread
         self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.drained_index = drained_index
+        # An index snapshot's swap and its note are one step for the drain: it looks at the
+        # local index by name only holding this, after taking every note queued
+        self.swap_lock = threading.Lock()
+        self.replace_index = drained_index < 0  # (the backing index is replaced whole next)
+        self.drained_index = max(drained_index, 0)
+        self.lfd_index = -1
         self.drained = self._load_state()  # log -> bytes of it in the backing copy
         self.lost: dict[int, int] = {}  # log -> where a range whose writeback failed starts
         self.ends: dict[int, int | None] = {n: None for n in data_logs(local.path)}
@@ -269,11 +314,23 @@ class Tier:
         self.backing_seq = committed_seq if self.drained_index >= self._local_index_size() \
             else 0
         self.token = trio.lowlevel.current_trio_token()
+        with self.swap_lock:
+            self._open_local_index()
         self.thread = threading.Thread(target=self._main, name="ckptfs-drain")
         self.thread.start()
         if self.backing_seq < committed_seq:
             self.backlog_since = time.monotonic()
             self.q.put(_Note(committed_seq, self._local_index_size(), {}))
+
+    def _open_local_index(self) -> None:
+        """(holding swap_lock) The local index the notes taken so far speak of."""
+        if self.lfd_index >= 0:
+            os.close(self.lfd_index)
+            self.lfd_index = -1
+        try:
+            self.lfd_index = self.local.dir.open(INDEX_NAME, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
 
     def _local_index_size(self) -> int:
         try:
@@ -311,6 +368,18 @@ class Tier:
         self.q.put(_Note(seq, index_end, ends))
         self.noted_ends = ends
 
+    def swap(self, replace, seq: int, ends: dict[int, int | None]) -> None:
+        """Flusher thread: an index snapshot takes the local index's place: `replace()` does
+        it and returns the new index's size. The index it replaces stays (PRE_SWAP) until the
+        drain has replaced the backing index, which is a prefix of that one meanwhile."""
+        with self.swap_lock:
+            if not self.local.dir.exists(PRE_SWAP):
+                self.local.dir.link(INDEX_NAME, PRE_SWAP)
+                self.local.dir.sync()
+            size = replace()
+            self.q.put(_Note(seq, size, ends, swapped=True))
+            self.noted_ends = ends
+
     def reserve(self, sizes: list[int]) -> int:
         """Room in the local logs for the first segments of `sizes` (bytes each): how many
         fit, their room taken. When not all fit, the trio side is asked to make room
@@ -347,7 +416,6 @@ class Tier:
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
             self.buf = alloc_aligned(DRAIN_CHUNK_BYTES, populate=False)
-            self.lfd_index = -1
             self._loop()
         except BaseException as exc:  # a defect: the mount fails, said to every waiter
             log.critical("the drain thread failed; nothing more reaches the backing directory",
@@ -371,7 +439,13 @@ class Tier:
         stopping = False
         attempts = 0
         while True:
-            for it in take_queued(self.q, RETRY_S if note is not None else None):
+            items = take_queued(self.q, RETRY_S if note is not None else None)
+            with self.swap_lock:  # (a swap's note is queued with the swap: none is half seen)
+                items += take_queued(self.q, 0)
+                if any(it is not _STOP and it.swapped for it in items):
+                    self.replace_index = True
+                    self._open_local_index()
+            for it in items:
                 if it is _STOP:
                     stopping = True
                 else:  # (the newest note covers the older ones)
@@ -578,7 +652,10 @@ class Tier:
         appended to the backing index and synced; the header first when it changed (an index
         version raised)."""
         if self.lfd_index < 0:
-            self.lfd_index = self.local.dir.open(INDEX_NAME, os.O_RDONLY)
+            with self.swap_lock:
+                self._open_local_index()
+        if self.replace_index:
+            return self._replace_index(end)
         head = os.pread(self.lfd_index, INDEX_HEADER.size, 0)
         bfd = self.backing.open(INDEX_NAME, os.O_RDWR | os.O_CREAT)
         try:
@@ -608,6 +685,33 @@ class Tier:
             return copied
         finally:
             os.close(bfd)
+
+    def _replace_index(self, end: int) -> int:
+        """After an index snapshot: the backing index replaced whole by the local index's
+        first `end` bytes (written beside it, synced, renamed into place, the name synced);
+        the local PRE_SWAP is not needed any more then."""
+        bfd = self.backing.open(FRESH_COPY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            off = 0
+            while off < end:
+                chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
+                if not chunk:
+                    raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
+                                  f"ends at {off}, before {end}")
+                view = memoryview(chunk)
+                while view:
+                    k = os.pwrite(bfd, view, off)
+                    off += k
+                    view = view[k:]
+            os.fdatasync(bfd)
+        finally:
+            os.close(bfd)
+        self.backing.rename(FRESH_COPY, INDEX_NAME)
+        self.backing.sync()
+        self.drained_index, self.replace_index = end, False
+        _discard(self.local.dir, PRE_SWAP)
+        log.info("node tier: the backing index replaced by the index snapshot (%d bytes)", end)
+        return end
 
     # ------------------------------------------------------------ trio side
     def note_committed(self, seq: int) -> None:

@@ -100,6 +100,10 @@ class Dir:
     def rename(self, old: str, new: str) -> None:
         os.rename(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
+    def link(self, old: str, new: str) -> None:
+        """A second name for `old` (never following a link)."""
+        os.link(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+
     def sync(self) -> None:
         """fsync of the directory: the names created, renamed or removed in it are durable."""
         os.fsync(self.fd)
