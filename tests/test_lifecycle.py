@@ -42,13 +42,16 @@ def after_cleaner_turns(m, n: int = 2) -> dict:
                     f"{n} turns of the cleaner")
 
 
-def snapshot_processes() -> list[int]:
-    """PIDs of index snapshot processes (cleaner.py) on this machine."""
+def snapshot_processes(session: int) -> list[int]:
+    """PIDs of the index snapshot processes (cleaner.py) of the daemon that leads `session`
+    (api.Mount starts each daemon so: its pid): they stay in it when the daemon is killed,
+    and other mounts on the machine, whose snapshot processes must not be touched, have
+    sessions of their own."""
     out = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ckptfs.datapath.mover" in f.read():
+                if b"ckptfs.datapath.mover" in f.read() and os.getsid(int(pid)) == session:
                     out.append(int(pid))
         except (OSError, ValueError):
             continue
@@ -252,13 +255,14 @@ def test_an_unmount_during_an_index_snapshot_leaves_no_fresh_index(mounts, tree_
     m = mounts.mount(backing, **opts)
     fresh = os.path.join(backing, "writers", WRITER, backingdir.INDEX_NAME) + ".fresh"
     dirs = sorted(os.listdir(m.mountpoint))
+    daemon = m.pid
     held: list[int] = []
     stop = threading.Event()
 
     def catch() -> None:  # the snapshot's process, stopped while its fresh index exists
         while not stop.is_set():
             if os.path.exists(fresh):
-                for pid in snapshot_processes():
+                for pid in snapshot_processes(daemon):
                     os.kill(pid, signal.SIGSTOP)
                     held.append(pid)
                 if held and os.path.exists(fresh):
@@ -285,7 +289,7 @@ def test_an_unmount_during_an_index_snapshot_leaves_no_fresh_index(mounts, tree_
     names = sorted(os.listdir(os.path.join(m.mountpoint, keep)))
     m.stop()
     assert not os.path.exists(fresh)
-    assert not set(held) & set(snapshot_processes()), held
+    assert not set(held) & set(snapshot_processes(daemon)), held
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     m = mounts.mount(backing, **opts)
@@ -519,10 +523,11 @@ def test_kill_9_while_cleaning_retiring_and_snapshotting(mounts, tmp_path):
                 if want is not None and want in doing:
                     break
             time.sleep(rng.uniform(0.0, 0.02))
+        daemon = m.pid
         kill_mid_write(m, w, mnt)
         # an index snapshot's process dies with its daemon (it would write a fresh index
         # while the next mount runs)
-        wait_for(lambda: not snapshot_processes(), "the snapshot process to die with the "
+        wait_for(lambda: not snapshot_processes(daemon), "the snapshot process to die with the "
                  "daemon", timeout=5)
         p, d, u = read_journal_with_deletes(jpath)
         planned.update(p)
