@@ -46,10 +46,10 @@
 set -euo pipefail
 
 # Root runs every command here from / with a PATH of system directories only.
-SELF=$(readlink -f -- "$0")
-cd /
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
+SELF=$(readlink -f -- "$0")
+cd /
 
 GLUSTER_DIR=${GLUSTER_DIR:-/var/tmp/ckptfs-gluster}
 GLUSTER_VOLUME=${GLUSTER_VOLUME:-ckptfs}
@@ -78,9 +78,9 @@ done
 [[ $GLUSTER_BRICK_SIZE =~ ^([1-9][0-9]*[KMGkmg]?)?$ ]] || die 2 "GLUSTER_BRICK_SIZE=$GLUSTER_BRICK_SIZE: e.g. 64M"
 [[ $GLUSTER_TIMEOUT =~ ^[1-9][0-9]*$ ]] || die 2 "GLUSTER_TIMEOUT=$GLUSTER_TIMEOUT: seconds"
 
-# trusted, make_dir: root-paths.sh, beside this script
+# trusted, make_dir: root-paths.sh, beside this script (SELF: the cwd is / by now)
 # shellcheck source-path=SCRIPTDIR source=root-paths.sh
-. "${BASH_SOURCE[0]%/*}/root-paths.sh"
+. "${SELF%/*}/root-paths.sh"
 
 # check_dir DIR: DIR is a directory only root can change, or missing from a place where only
 # root can create it. Prints the reason and fails when not.

@@ -24,9 +24,10 @@ set -u
 
 # ckptfs and its daemon start from / with a PATH of system directories (plus the directory of
 # the ckptfs executable), whatever slurmd's working directory and PATH are.
-cd / || exit 1
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
+HERE=$(dirname -- "$(readlink -f -- "${BASH_SOURCE[0]}")")  # (before the cd: a relative name)
+cd / || exit 1
 
 job=${SLURM_JOB_ID:-}
 tag=${CKPTFS_LOG_TAG:-ckptfs-slurm}
@@ -39,7 +40,7 @@ fail() { log "ERROR: $*"; exit 1; }
 
 # trusted, make_dir, source_trusted: root-paths.sh, beside this script
 # shellcheck source-path=SCRIPTDIR source=root-paths.sh
-. "${BASH_SOURCE[0]%/*}/root-paths.sh"
+. "$HERE/root-paths.sh"
 
 source_trusted "${CKPTFS_SLURM_CONF:-/etc/ckptfs/slurm.conf}" || fail "$trust_why"
 root=${CKPTFS_BACKING_ROOT:-/var/lib/ckptfs}

@@ -398,3 +398,24 @@ def test_install_refuses_a_ckptfs_path_sed_would_read_as_commands(tmp_path):
     assert r.returncode != 0 and "unsupported characters" in r.stderr, r.stdout + r.stderr
     assert os.listdir(written) == []
     assert not (tmp_path / "d" / "usr" / "sbin" / "mount.fuse.ckptfs").exists()
+
+
+@pytest.mark.parametrize("script", ["slurm-prolog.sh", "slurm-epilog.sh", "glusterfs.sh"])
+def test_a_script_called_by_a_relative_name_finds_its_helpers(tmp_path, script):
+    """`make gluster-up` calls mount_scripts/glusterfs.sh by a relative name, and a Slurm
+    configuration may too: the script goes to / first, and must still read root-paths.sh
+    from beside itself. The prolog and epilog are stopped right after it (a configuration
+    file of another user's is refused with root-paths.sh's message); glusterfs.sh status
+    only looks."""
+    env = dict(os.environ, CKPTFS_SLURM_CONF=str(tmp_path / "slurm.conf"))
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("CKPTFS_MOUNTPOINT=/nowhere\n")
+    os.chown(conf, NOBODY, NOBODY)
+    r = subprocess.run(["bash", script] + (["status"] if script == "glusterfs.sh" else []),
+                       cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    assert "root-paths.sh" not in r.stderr, r.stderr
+    if script == "glusterfs.sh":
+        assert r.returncode in (0, 3), r.stdout + r.stderr
+    else:
+        assert r.returncode == 1 and "not reading" in r.stderr, r.stderr
