@@ -318,7 +318,7 @@ def _status_summary(st: dict) -> str:
         f"durable {_bytes(g('bytes_durable'))}; staged {_bytes(g('bytes_staged'))} of "
         f"{_bytes(g('staging_bytes'))}",
         f"  read {_bytes(g('bytes_read'))} in {g('read_requests', 0)} requests; from disk "
-        f"{_bytes(g('read_disk_bytes'))}",
+        f"{_bytes(g('read_disk_bytes'))}, from memory {_bytes(g('read_memory_bytes', 0))}",
         f"  data logs {g('data_logs', 0)}: {_bytes(g('live_bytes'))} live, "
         f"{_bytes(g('dead_bytes'))} dead; index {_bytes(g('index_size_bytes'))}",
         *([f"  node tier {g('tier_local_dir')}: {_bytes(g('tier_local_bytes'))} of "

@@ -372,7 +372,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
                     direct=facts["direct"],  # buffers on first use: performance-notes.md
                     interruptible=interrupts.waiting, on_fatal=flusher.fail,
-                    fallback={0: mirror.path} if mirror else None)
+                    fallback={0: mirror.path} if mirror else None,
+                    in_memory=staging.in_memory)
     node_tier = None
     if mirror is not None:
         node_tier = tier.Tier(local, mirror.dir, drained_index=facts["drained_index"],

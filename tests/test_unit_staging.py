@@ -232,9 +232,72 @@ def test_full_pool_makes_writers_wait_until_a_segment_is_released():
             nursery.start_soon(writer)
             await trio.testing.wait_all_tasks_blocked()
             assert done == [] and st.waiting_writers == 1
-            st.release(sealed[0])
-            assert sealed[0].buf is None  # the buffer went back to the pool
+            st.release(sealed[0])  # the buffer went back to the pool, its bytes kept
+            assert sealed[0].released and sealed[0].buf is not None
         assert done == [3] and st.waiting_writers == 0
+        assert sealed[0].buf is None  # the writer took the buffer: the bytes are gone
+        st.close()
+
+    run_trio(main)
+
+
+def _written(st: Staging, seg: Segment, log: int, lfrom: int) -> None:
+    """What the flusher does with a sealed segment: placed in `log` after the bytes up to
+    `lfrom`, written, its buffer back to the pool."""
+    seg.log, seg.loff, seg.lfrom = log, lfrom, lfrom
+    seg.lend = lfrom + round_up(seg.used, 4096)
+    for r in seg.runs:
+        r.log, r.loff = seg.log, seg.loff + r.soff
+    st.release(seg)
+
+
+def test_written_segments_stay_readable_until_their_buffer_is_reused_oldest_first():
+    async def main():
+        sealed = []
+        st = staging(4, sealed)
+        x = _file(1)
+        data = random.Random(1).randbytes(3 * SEG)
+        journal = Journal()
+        await _write(st, journal, x, 0, data, 1 << 20)
+        assert [s.number for s in sealed] == [1, 2, 3]
+        for seg in sealed:
+            _written(st, seg, 7, (seg.number - 1) * SEG)
+        runs = x.emap.runs()
+        assert b"".join(bytes(r.memory()) for r in runs) == data  # all three, from memory
+        assert st.kept_bytes() == 3 * SEG
+        assert st.in_memory(7, 0, 3 * SEG) and st.in_memory(7, SEG // 2, SEG + 10)
+        assert not st.in_memory(7, 0, 3 * SEG + 1) and not st.in_memory(8, 0, 1)
+        # the never used buffer goes first, then the one written longest ago (segment 1)
+        await st.append(bytes(SEG), lambda *a: None)
+        assert [s.buf is not None for s in sealed[:3]] == [True, True, True]
+        await st.append(bytes(SEG), lambda *a: None)
+        assert [s.buf is not None for s in sealed[:3]] == [False, True, True]
+        assert runs[0].memory() is None and bytes(runs[1].memory()) == data[SEG:2 * SEG]
+        assert st.kept_bytes() == 2 * SEG
+        assert not st.in_memory(7, 0, 2 * SEG) and st.in_memory(7, SEG, 3 * SEG)
+        st.close()
+        assert all(s.buf is None for s in sealed[:3])  # (kept ones let go at the end)
+
+    run_trio(main)
+
+
+def test_offered_tails_take_the_bytes_from_a_written_segment():
+    """Another thread may land bytes in the tails offered (the queue threads): a written
+    segment whose buffer is offered is no longer read from memory."""
+    async def main():
+        sealed = []
+        st = staging(3, sealed)
+        await st.append(b"a" * (3 * SEG), lambda *a: None)
+        for seg in sealed:
+            _written(st, seg, 0, (seg.number - 1) * SEG)
+        assert all(s.buf is not None for s in sealed)
+        t1, t2 = st.offered_tails()  # nothing open: the first two free buffers
+        assert [s.buf is not None for s in sealed] == [False, False, True]
+        assert st.in_memory(0, 2 * SEG, 3 * SEG) and not st.in_memory(0, SEG, 3 * SEG)
+        st.landed(SEG // 2, lambda *a: None)  # half of the first is a segment's now
+        t1, t2 = st.offered_tails()  # the open segment's rest, the next free buffer
+        assert len(t1) == SEG // 2 and len(t2) == SEG
+        assert sealed[2].buf is not None and st.kept_bytes() == SEG  # (not offered)
         st.close()
 
     run_trio(main)

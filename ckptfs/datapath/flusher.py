@@ -243,7 +243,7 @@ class Flusher:
         """O_DIRECT writes completed: the bytes are readable from the data log, so the
         buffers go back to the pool before the (later, shared) fdatasync."""
         for seg in segs:
-            if seg.buf is not None:
+            if not seg.released:
                 self._written(seg)
                 self.staging.release(seg)
 
@@ -258,7 +258,7 @@ class Flusher:
             self.stats.payload_bytes += seg.used  # (its log synced)
             if hook is not None:
                 hook(seg)
-            if seg.buf is not None:
+            if not seg.released:
                 self._written(seg)
                 self.staging.release(seg)
             self.inflight_segments -= 1
@@ -500,6 +500,7 @@ class Flusher:
     # ------------------------------------------------------------ data logs
     def _place(self, seg: Segment, nbytes: int) -> None:
         seg.log, seg.loff = self.logs.place(nbytes)
+        seg.lfrom, seg.lend = self.logs.placed_from, seg.loff + nbytes
         for run in seg.runs:
             run.log = seg.log
             run.loff = seg.loff + run.soff

@@ -1,6 +1,9 @@
 """The read path: file range -> pieces of runs -> staging memory, or chunks of the data logs.
 
-Bytes still in staging are copied from memory. Durable bytes are read through a cache of
+Bytes in staging memory are served from there: a segment not written yet, or one written whose
+buffer the pool has not handed out again (staging.Staging.kept: a checkpoint read back right
+after it was saved does not wait for the disk). Their CRC32C is not checked: it was taken of
+these very bytes. Other bytes are read through a cache of
 fixed-size chunks of the data logs (CHUNK_BYTES, aligned, so O_DIRECT reads work), in pre-faulted
 buffers allocated on first use (up to --read-cache) and then reused, consumed chunks first: this
 VM's memory is backed lazily, and reading into fresh buffers runs at first-touch speed. A run's
@@ -111,7 +114,7 @@ class Reader:
     def __init__(self, writer_dirs: dict[int, str], cache_bytes: int, prefetch_bytes: int,
                  direct: bool = False, populate: bool = False,
                  interruptible=trio.CancelScope, on_fatal=None,
-                 fallback: dict[int, str] | None = None) -> None:
+                 fallback: dict[int, str] | None = None, in_memory=None) -> None:
         # told (trio thread) when a loader thread ends on a defect: (exception, where)
         self.on_fatal = on_fatal
         # the data logs: which file holds a run, descriptors (O_DIRECT where it works), chunk
@@ -189,8 +192,12 @@ class Reader:
         # cancelled when the READ's caller is being killed (fuse/interrupts.py), so that the
         # READ is answered while the loader thread's disk read goes on
         self.interruptible = interruptible
+        # in_memory(log, lo, hi): whether every run byte of this mount's data log `log` in
+        # [lo, hi) is in staging memory (staging.Staging.in_memory): readahead skips it
+        self.in_memory = in_memory
         self.disk_reads = 0
         self.disk_bytes = 0
+        self.memory_bytes = 0  # bytes READs were served from staging memory
         self.load_seconds = 0.0  # time spent in disk reads (loader threads)
         self.wait_seconds = 0.0  # time READ handlers waited for disk reads
 
@@ -564,6 +571,7 @@ class Reader:
         def source(run: Run, roff: int, n: int):
             mv = run.memory()
             if mv is not None:
+                self.memory_bytes += n
                 return [mv[roff:roff + n]]
             parts, lo = [], run.loff + roff
             while n > 0:
@@ -1085,7 +1093,7 @@ class Reader:
             ch = chunks.get(k)
             if ch is not None and ch.holds(*need[k]):
                 chunks.move_to_end(k)
-            elif k not in loading:
+            elif k not in loading and not self._kept(k):
                 wanted[k] = need[k]
             if len(seen) >= window:
                 break
@@ -1093,6 +1101,15 @@ class Reader:
         if wanted:
             self.plan_loads += len(wanted)
             self._start_loads(wanted, keys, seen)
+
+    def _kept(self, key: tuple[int, int, int]) -> bool:
+        """Whether the runs of chunk `key` are all in staging memory: nothing to load."""
+        layer, logno, idx = key
+        if layer or self.in_memory is None:
+            return False
+        lo = idx * CHUNK_BYTES
+        return self.in_memory(logno, lo, min(lo + CHUNK_BYTES,
+                                             self.log_end.get((layer, logno), lo + CHUNK_BYTES)))
 
     def _start_loads(self, wanted: dict, *keep) -> None:
         """Start loading the chunks `wanted` (key -> the part to load, None: all of it), those
@@ -1131,7 +1148,7 @@ class Reader:
                 self.ra_window[(layer, logno)] = (idx, stop)
             for i in range(first, stop):
                 k = (layer, logno, i)
-                if k not in self.chunks and k not in self.loading:
+                if k not in self.chunks and k not in self.loading and not self._kept(k):
                     wanted[k] = None
         if wanted:
             self._start_loads(wanted, keys)

@@ -39,9 +39,14 @@ NO_LOG = -1  # the log (and offset) of a segment or run not placed in a data log
 
 
 class Segment:
-    """One fill of a pool buffer. Lives on (tiny, without its buffer) while runs point at it."""
+    """One fill of a pool buffer. Lives on (tiny, without its buffer) while runs point at it.
 
-    __slots__ = ("buf", "view", "used", "runs", "log", "loff", "sealed", "durable", "number")
+    Once written (`released`: its buffer is back in the pool) the segment keeps its buffer,
+    and with it its bytes, until the pool hands that buffer out again (`Staging.kept`): its
+    runs are read from memory until then (Run.memory)."""
+
+    __slots__ = ("buf", "view", "used", "runs", "log", "loff", "sealed", "durable", "number",
+                 "released", "lfrom", "lend")
 
     def __init__(self, buf, number: int) -> None:
         self.buf = buf
@@ -53,6 +58,12 @@ class Segment:
         self.sealed = False
         self.durable = False
         self.number = number
+        self.released = False  # written: its buffer is in the free pool (kept until reused)
+        # The log bytes [lfrom, lend) are the segment's (set where it is placed): from the
+        # end of the segment placed before it in that log (what lies between is padding or
+        # a copy block, never a run) to the end of its padding
+        self.lfrom = NO_LOG
+        self.lend = NO_LOG
 
 
 class Run:
@@ -80,7 +91,9 @@ class Run:
         self.summed = length  # the bytes `crc` covers (Checksums)
 
     def memory(self) -> memoryview | None:
-        """The run's bytes while they are still in staging memory, else None."""
+        """The run's bytes while they are still in staging memory (its segment staged, or
+        written and its buffer not reused yet), else None. Trio thread: the buffer is reused
+        there only, so the view holds these bytes until the caller's next await."""
         seg = self.seg
         if seg is not None and seg.buf is not None:
             return seg.view[self.soff:self.soff + self.length]
@@ -97,7 +110,9 @@ class Piece(NamedTuple):
     roff: int
 
 
-_START = operator.itemgetter(0)  # a piece's start, the key its map is sorted by
+# a piece's start, the key its map is sorted by (and a kept segment's log range's start:
+# Staging.kept_ranges)
+_START = operator.itemgetter(0)
 
 
 class ExtentMap:
@@ -345,7 +360,16 @@ class Staging:
         self.segment_bytes = segment_bytes
         self.buffers = [alloc_aligned(segment_bytes, populate=False, huge=True)
                         for _ in range(max(2, staging_bytes // segment_bytes))]
+        # In the order the buffers came back: the one written longest ago is reused first.
         self.free: deque = deque(self.buffers)
+        # Written segments whose buffers are in `free` and still hold their bytes, by buffer
+        # (id): their runs are read from memory (Run.memory). A segment loses its buffer the
+        # moment the buffer is taken for a new segment or offered as a tail (_reuse), both
+        # on the trio thread, which is where its bytes are read too. Nothing beyond the
+        # pool is held.
+        self.kept: dict[int, Segment] = {}
+        # The same by data log: log -> the kept segments' (lfrom, lend, seg), sorted
+        self.kept_ranges: dict[int, list[tuple[int, int, Segment]]] = {}
         self.free_event = trio.Event()
         self.open: Segment | None = None
         self.seal_hook = seal_hook
@@ -402,18 +426,71 @@ class Staging:
             finally:
                 self.waiting_writers -= 1
         self.numbers += 1
-        self.open = Segment(self.free.popleft(), self.numbers)
+        self.open = Segment(self._take(), self.numbers)
         return self.open
 
-    def release(self, seg: Segment) -> None:
-        """The flusher is done with `seg`: its buffer goes back to the pool (its runs'
-        checksums are taken first)."""
-        self.checksums.settle(seg)
-        buf = seg.buf
+    def _take(self):
+        """The next free buffer, for a new segment (the written segment it held loses it)."""
+        buf = self.free.popleft()
+        self._reuse(buf)
+        return buf
+
+    def _reuse(self, buf) -> None:
+        """`buf` is about to get new bytes: the written segment it still held lets go of it
+        (its runs are read from the data log from now on)."""
+        seg = self.kept.pop(id(buf), None)
+        if seg is None:
+            return
         seg.buf = None
         seg.view.release()
+        if seg.lfrom != NO_LOG:
+            ranges = self.kept_ranges[seg.log]
+            i = bisect.bisect_left(ranges, seg.lfrom, key=_START)
+            while ranges[i][2] is not seg:  # (a retried placement may share its start)
+                i += 1
+            del ranges[i]
+            if not ranges:
+                del self.kept_ranges[seg.log]
+
+    def release(self, seg: Segment) -> None:
+        """The flusher wrote `seg`: its buffer goes back to the pool (its runs' checksums
+        are taken first), and keeps its bytes readable until it is reused (kept)."""
+        self.checksums.settle(seg)
+        seg.released = True
+        buf = seg.buf
+        self.kept[id(buf)] = seg
+        if seg.lfrom != NO_LOG:
+            ranges = self.kept_ranges.setdefault(seg.log, [])
+            if not ranges or ranges[-1][0] < seg.lfrom:  # (the common case: log order)
+                ranges.append((seg.lfrom, seg.lend, seg))
+            else:
+                bisect.insort(ranges, (seg.lfrom, seg.lend, seg), key=_START)
         self.free.append(buf)
         self.free_event.set()
+
+    def kept_bytes(self) -> int:
+        """Bytes of written segments still readable from memory."""
+        return sum(seg.used for seg in self.kept.values())
+
+    def in_memory(self, log: int, lo: int, hi: int) -> bool:
+        """Whether every run byte of this mount's data log `log` in [lo, hi) is in a kept
+        segment: the segments placed there from lo to hi are all kept, end to end."""
+        ranges = self.kept_ranges.get(log)
+        if not ranges:
+            return False
+        i = bisect.bisect_right(ranges, lo, key=_START) - 1
+        if i < 0:
+            return False
+        pos = lo
+        while i < len(ranges):
+            a, b, _ = ranges[i]
+            if a > pos:
+                return False
+            pos = max(pos, b)
+            if pos >= hi:
+                return True
+            i += 1
+        return False
 
     def seal(self) -> Segment | None:
         self.claim()
@@ -436,6 +513,10 @@ class Staging:
     def offered_tails(self) -> tuple[memoryview | None, memoryview | None]:
         """tails() without the claim: what the claim hook's owner offers."""
         seg, free = self.open, self.free
+        if self.kept and free:  # (bytes may land in what is offered from now on)
+            self._reuse(free[0])
+            if seg is None and len(free) > 1:
+                self._reuse(free[1])
         if seg is not None:
             return seg.view[seg.used:], (memoryview(free[0]) if free else None)
         if not free:
@@ -451,7 +532,7 @@ class Staging:
         seg = self.open
         if seg is None:  # tails() offered the first free buffer: it becomes the open segment
             self.numbers += 1
-            seg = self.open = Segment(self.free.popleft(), self.numbers)
+            seg = self.open = Segment(self._take(), self.numbers)
         soff = seg.used
         seg.used = soff + k
         if crc is None:
@@ -488,6 +569,7 @@ class Staging:
 
     def close(self) -> None:
         for b in self.buffers:
+            self._reuse(b)
             try:
                 b.close()
             except BufferError:

@@ -233,12 +233,13 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 class _OpenLog:
     """A data log being appended to."""
 
-    __slots__ = ("number", "fd", "off", "alloc", "dirty")
+    __slots__ = ("number", "fd", "off", "alloc", "dirty", "seg_end")
 
     def __init__(self, number: int, fd: int, off: int) -> None:
         self.number = number
         self.fd = fd
         self.off = off  # next free byte
+        self.seg_end = 0  # where the segment placed last ends (copy blocks not counted)
         self.alloc = off  # preallocated up to here
         self.dirty = False  # written since the last fdatasync
 
@@ -266,6 +267,9 @@ class LogWriter:
         self.stripe = max(align, stripe_bytes)
         self.slots: list[_OpenLog | None] = [None] * max(1, data_logs)
         self.next_slot = 0
+        # where the segment placed before the last one placed ended in its log (the bytes
+        # from there to the last one's offset hold no run)
+        self.placed_from = 0
         self.syncs = 0  # fdatasyncs of data logs
         self.opened: list[int] = []  # the numbers of the logs it created
 
@@ -299,6 +303,7 @@ class LogWriter:
         lg.off = off + nbytes
         if not copy:
             self.next_slot += 1
+            self.placed_from, lg.seg_end = lg.seg_end, off + nbytes
         return lg.number, off
 
     def fd(self, number: int) -> tuple[int, bool]:
