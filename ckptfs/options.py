@@ -80,7 +80,8 @@ OPTIONS: tuple[Option, ...] = (
            "writer identity in the backing directory (default: the host name); distinct "
            "mounts writing the same backing directory need distinct ids"),
     Option("staging-size", "staging_bytes", "size", 512 * MiB,
-           "memory for staging segments; writers wait when it is full"),
+           "memory for staging segments; writers wait when it is full; what was written "
+           "last is read from it until its memory is reused"),
     Option("segment-size", "segment_bytes", "size", 8 * MiB,
            "segment size: the unit of aggregation and of backing writes"),
     Option("checksum-block", "checksum_block_bytes", "size", 2 * MiB,

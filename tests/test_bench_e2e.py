@@ -93,6 +93,32 @@ def test_quick_run_is_complete_and_verified(tmp_path):
     assert os.listdir(work) == []
 
 
+def test_warm_restore_reads_through_the_mount_that_saved(tmp_path):
+    """--warm-restore: the restore right after the save, page cache kept, ckptfs through the
+    mount that saved (its staging memory holds the whole quick checkpoint: nothing is read
+    from disk)."""
+    out = tmp_path / "out.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
+                           "--warm-restore", "--contenders", "ckptfs,straight_fsync",
+                           "--dir", str(work), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["warm_restore"] is True
+    runs = {r["contender"]: r for r in res["runs"]}
+    for key in ("ckptfs", "straight_fsync"):
+        assert runs[key]["ok"] and runs[key]["verified"] is True, runs[key].get("error")
+        assert not runs[key]["caches_dropped_restore"]
+    ck = runs["ckptfs"]
+    assert "unmount_s" not in ck and "remount_s" not in ck  # (one mount: saved, restored)
+    assert ck["restore_read_disk_bytes"] == 0, ck
+    assert ck["restore_read_memory_bytes"] >= res["payload_bytes"], ck
+    assert _our_mounts(str(tmp_path)) == []
+    assert os.listdir(work) == []
+
+
 def _summary(**durable):
     """A summary as e2e.summarize makes it: medians per contender (only what judge reads)."""
     out = {k: {"bytes": 2_000_000_000, "median": {"durable_s": v, "blocked_s": v / 2,

@@ -11,7 +11,10 @@ Per contender and run:
   blocked_s   until the save call returns (per-tensor torch.save: until the last one returns)
   durable_s   until the checkpoint is durable (sync/fsync included); GB/s = payload / durable_s
   restore_s   torch.load of every tensor (or the contender's own load), cold; ckptfs after an
-              unmount and a remount (both reported, not timed in restore_s)
+              unmount and a remount (both reported, not timed in restore_s). With
+              --warm-restore: right after the save, as an evaluation or a restart on the node
+              that saved reads it: the page cache is not dropped, and ckptfs restores through
+              the mount that saved (what its staging memory still holds is read from there)
   peak RSS    of this process during save / restore (VmHWM, reset per step via clear_refs),
               and the ckptfs daemon's VmHWM
   files, fsyncs on the backing store (files: counted in the backing directory; fsyncs: by
@@ -163,6 +166,7 @@ class Config:
         self.step_timeout = a.step_timeout
         self.live_mounts: list[api.Mount] = []
         self.keep_failed = a.keep_failed
+        self.warm_restore = a.warm_restore  # (restore right after the save: see the docstring)
         self.local_base = local_base  # node-local storage (the node tier, ckptfs_local)
 
 
@@ -215,7 +219,8 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
         res.update(files_created=files, dirs_created=dirs, bytes_in_files=nbytes)
         c.after_save(run)
         res["fsyncs"], res["fsyncs_counted"] = c.fsyncs(run)
-        res["caches_dropped_restore"] = drop_caches() and c.durable
+        res["caches_dropped_restore"] = (not cfg.warm_restore and drop_caches()
+                                         and c.durable)
         c.setup_restore(run)
         rss1 = reset_peak_rss()
         t2 = time.perf_counter()
@@ -456,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-timeout", type=float, default=None,
                     help="seconds after which a hung ckptfs step is killed (default: "
                     "generous, from the size)")
+    ap.add_argument("--warm-restore", action="store_true",
+                    help="restore right after the save: the page cache kept, ckptfs through "
+                    "the mount that saved (no unmount, no remount)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results as JSON here")
     ap.add_argument("--csv", default=None, help="medians as CSV (default: next to --json)")
@@ -566,7 +574,7 @@ def main(argv: list[str]) -> int:
               "arch": None if a.small else a.arch, "small": a.small, "size_arg": a.size,
               "payload_bytes": w.payload_bytes, "tensors": len(w.names),
               "rounds": a.rounds, "warmup": warmup, "contenders": keys,
-              "throttle_bytes_per_s": a.throttle,
+              "warm_restore": a.warm_restore, "throttle_bytes_per_s": a.throttle,
               "mount_options": cfg.mount_options, "elapsed_s": time.time() - started,
               "ratio_definition": "time_vs_ckptfs = contender median time / ckptfs median "
               "time (> 1: ckptfs faster)",

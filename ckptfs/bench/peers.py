@@ -234,10 +234,14 @@ class Ckptfs(Contender):
                   "bytes_durable", "log_bytes_written", "engine", "errors", "last_error"):
             if k in st:
                 run.extra["status_" + k] = st[k]
+        if run.cfg.warm_restore:  # (the restore reads through this mount: cleanup ends it)
+            return
         with Watchdog(m, run.cfg.step_timeout, "unmount"):
             run.extra["unmount_s"] = self._stop(run, m)
 
     def setup_restore(self, run) -> None:
+        if run.cfg.warm_restore:
+            return
         t0 = time.perf_counter()
         run.mount = self._mount(run, settle=False, **self.restore_options)
         run.extra["remount_s"] = time.perf_counter() - t0
@@ -253,7 +257,10 @@ class Ckptfs(Contender):
         run.extra["daemon_restore_peak_rss_bytes"] = status_bytes("VmHWM", run.mount.pid)
         try:
             st = run.mount.status()
-            run.extra["restore_read_disk_bytes"] = st.get("read_disk_bytes")
+            before = getattr(run, "status", None) if run.cfg.warm_restore else None
+            for k in ("read_disk_bytes", "read_memory_bytes"):  # (this restore's)
+                if k in st:
+                    run.extra["restore_" + k] = st[k] - (before or {}).get(k, 0)
         except OSError:
             pass
         return out
