@@ -95,13 +95,14 @@ def test_quick_run_is_complete_and_verified(tmp_path):
 
 def test_warm_restore_reads_through_the_mount_that_saved(tmp_path):
     """--warm-restore: the restore right after the save, page cache kept, ckptfs through the
-    mount that saved (its staging memory holds the whole quick checkpoint: nothing is read
-    from disk)."""
+    mount that saved (256 MiB of staging hold the whole quick checkpoint, ~108 MB: nothing
+    is read from disk)."""
     out = tmp_path / "out.json"
     work = tmp_path / "work"
     work.mkdir()
     proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
-                           "--warm-restore", "--contenders", "ckptfs,straight_fsync",
+                           "--warm-restore", "--staging", "256M",
+                           "--contenders", "ckptfs,straight_fsync",
                            "--dir", str(work), "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
