@@ -41,11 +41,11 @@ def test_sizes_and_offsets_past_the_largest_file_fail_with_efbig(mounts):
         assert e.value.errno == errno.EFBIG, size
     res = subprocess.run(["truncate", "-s", "2P", big], capture_output=True, text=True)
     assert res.returncode != 0 and "too large" in res.stderr.lower()
-    # a WRITE ending past the largest file (write-only opens bypass the page cache: the
-    # WRITE is the write(2) itself)
+    # a WRITE starting at or past the largest file (write-only opens bypass the page cache:
+    # the WRITE is the write(2) itself)
     fd = os.open(os.path.join(m.mountpoint, "dd"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        for off in (MAX - 10, MAX, 1 << 60, (1 << 63) - 8192):
+        for off in (MAX, MAX + 1, 1 << 60, (1 << 63) - 8192):
             with pytest.raises(OSError) as e:
                 os.pwrite(fd, b"x" * 4096, off)
             assert e.value.errno == errno.EFBIG, off
@@ -66,6 +66,46 @@ def test_sizes_and_offsets_past_the_largest_file_fail_with_efbig(mounts):
         assert f.read() == b"tail"
     with open(os.path.join(m.mountpoint, "b.pt"), "rb") as f:
         assert f.read() == b"world\n"
+    assert "out of range" not in mounts.log(m)
+
+
+READERS = {  # who reads the WRITE: each has its own path to ops.write_target
+    "queue threads": {},  # (FUSE's io_uring queues with CKPTFS_TEST_FUSE_URING=1)
+    "request loop": {"fuse_uring": False, "queue_threads": False},
+    "pyfuse3": {"fast_path": False},
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_write_across_the_largest_file_writes_what_fits(mounts, reader):
+    """A WRITE from below the largest file to past it writes the bytes that fit and returns
+    their count, as POSIX and ext4 have it; one starting at the largest file fails with
+    EFBIG. Write-only opens (direct I/O: the WRITE is the write(2)) and read-write ones
+    (through the page cache); sizes and bytes again after a remount."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, writer_id="w", **READERS[reader])
+    data = bytes(range(100))
+    for how in (os.O_WRONLY, os.O_RDWR):
+        fd = os.open(os.path.join(m.mountpoint, f"f{how}"), how | os.O_CREAT, 0o644)
+        try:
+            assert os.pwrite(fd, data, MAX - 10) == 10
+            assert os.fstat(fd).st_size == MAX
+            for off in (MAX, MAX + 5):
+                with pytest.raises(OSError) as e:
+                    os.pwrite(fd, data, off)
+                assert e.value.errno == errno.EFBIG, off
+            assert os.pwrite(fd, data[:40], 0) == 40  # (the file takes writes as before)
+            assert os.pwrite(fd, data, MAX - 1) == 1
+        finally:
+            os.close(fd)
+    assert cli("sync", m.mountpoint).returncode == 0
+    m = _remount(mounts, m, backing)
+    for how in (os.O_WRONLY, os.O_RDWR):
+        with open(os.path.join(m.mountpoint, f"f{how}"), "rb") as f:
+            assert os.fstat(f.fileno()).st_size == MAX
+            assert f.read(40) == data[:40]
+            f.seek(MAX - 10)
+            assert f.read() == data[:9] + data[:1]
     assert "out of range" not in mounts.log(m)
 
 

@@ -9,14 +9,13 @@ The model states the result of every operation (a value or an errno) and the sta
 (kinds, modes with the set-ID and sticky bits, owners, sizes, times in ns, names, link counts,
 which names share an inode and its bytes, xattrs). ckptfs's own limits are documented
 (docs/format.md, "limits"; docs/reliability.md): files up to 1 PiB (`MAX_FILE_BYTES`), a size
-or a WRITE past it fails with EFBIG; times outside 1677-09-21 .. 2262-04-11 (a signed 64-bit
-count of ns) are clamped to the nearest end; no extended attributes but the control ones on the
-mount's root. The same model, given ext4's limits, is run against a plain directory on the
-local disk, so that what it says about POSIX is checked against a kernel file system too. The
-known differences are the Limits below: ext4's largest file is 16 TiB - 4 KiB; a write that
-starts below the largest size and ends past it is short on ext4 (as POSIX says) but fails
-with EFBIG on ckptfs when it reaches the daemon as one WRITE (a write-only open: direct I/O);
-ext4 keeps times 1901-12-13 .. 2446-05-10 and clamps to whole seconds; ext4 stores xattrs."""
+past it or a write starting at it fails with EFBIG, one across it is short; times outside
+1677-09-21 .. 2262-04-11 (a signed 64-bit count of ns) are clamped to the nearest end; no
+extended attributes but the control ones on the mount's root. The same model, given ext4's
+limits, is run against a plain directory on the local disk, so that what it says about POSIX is
+checked against a kernel file system too. The known differences are the Limits below: ext4's
+largest file is 16 TiB - 4 KiB; ext4 keeps times 1901-12-13 .. 2446-05-10 and clamps to whole
+seconds; ext4 stores xattrs."""
 
 from __future__ import annotations
 
@@ -75,7 +74,6 @@ class Limits:
     name: str
     max_file: int  # the largest size; a truncate past it, or a write starting at it: EFBIG
     time: Callable[[int], int]  # what a time set becomes
-    straddle_efbig: bool  # a write-only pwrite from below max_file to past it: EFBIG, not short
     xattrs: bool  # stores extended attributes (else ENOTSUP)
     root_xattrs: tuple[str, ...]  # listed on the root of the tree under test
     # a write by a user outside the file's group clears set-group-ID without group execution
@@ -84,8 +82,8 @@ class Limits:
     kill_sgid_without_gx: bool
 
 
-CKPTFS = Limits("ckptfs", MAX, _ckptfs_time, True, False, (api.XATTR_STATUS,), False)
-EXT4 = Limits("ext4", (1 << 44) - 4096, _ext4_time, False, True, (),
+CKPTFS = Limits("ckptfs", MAX, _ckptfs_time, False, (api.XATTR_STATUS,), False)
+EXT4 = Limits("ext4", (1 << 44) - 4096, _ext4_time, True, (),
               tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 2))
 
 TIMES = [  # ns since the epoch
@@ -300,8 +298,6 @@ class Model:
         if off >= self.lim.max_file:
             return "EFBIG"
         if off + len(data) > self.lim.max_file:
-            if self.lim.straddle_efbig and how == os.O_WRONLY:
-                return "EFBIG"
             data = data[:self.lim.max_file - off]  # a short write, as POSIX has it
         end = off + len(data)
         pieces = {}

@@ -412,12 +412,12 @@ class FastPath(RequestWait):
             await self.write(req.unique, req.length, req.t1, req.t2, req.pid)
             return True
         fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(req.head, req.at)
-        done, err = self.landing.outcome(req.entry)
+        done, err, whole = self.landing.outcome(req.entry)
         if size != req.psz or err:
             self.reply_error(req.unique, err or errno.EIO)
-        elif done == size:
+        elif whole:
             self.writes_in_place += 1
-            self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, req.unique, size, 0))
+            self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, req.unique, done, 0))
         else:
             await self.write_landed(req.unique, fh, off, size, write_flags, req.pid, None,
                                     None, req.pay, done)
@@ -466,10 +466,11 @@ class FastPath(RequestWait):
                            pid: int, t1, t2, payload, recorded: int = 0) -> None:
         """A WRITE whose payload landed in t1 and t2 (the staging's tails) as far as they
         reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer;
-        `recorded`: bytes at its start the queue threads landed (and Landing.claim recorded)."""
+        `recorded`: bytes at its start the queue threads landed (and Landing.claim recorded).
+        Only the bytes below the largest file are recorded, and the answer says how many."""
         ops, staging = self.ops, self.staging
         try:
-            h, x = ops.write_target(fh, off, size)
+            h, x, size = ops.write_target(fh, off, size)
             if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                 ops.clear_setid(x)
             record = ops.piece_recorder(x, off)

@@ -36,6 +36,19 @@ def _dead(seg, dpos, soff, k, crc=None) -> None:
     """The recorder of landed bytes that belong to no file (dead space in their segment)."""
 
 
+def _land(staging, record, n: int, base: int, k: int, crc: int) -> None:
+    """Bytes base .. base + k of a landed write into staging: those below `n` (what the
+    write writes) by `record`, under the CRC32C taken in C when that is all of them (else
+    theirs is owed, as for a write served by the trio thread), the rest as dead space."""
+    live = min(k, max(n - base, 0))
+    if live == k:
+        staging.landed(k, record, base=base, crc=crc)
+        return
+    if live:
+        staging.landed(live, record, base=base)
+    staging.landed(k - live, _dead, base=base + live)
+
+
 class Landing:
     """The trio thread's side of the queue threads' WRITEs and CREATEs."""
 
@@ -51,7 +64,8 @@ class Landing:
         self.answers = answers
         self.tally = tally
         self.live = False  # staging's tails offered to the queue threads
-        self.outcomes: dict[int, tuple[int, int]] = {}  # entry -> (bytes recorded, errno)
+        # entry -> (bytes recorded, errno, whether that is all the write writes)
+        self.outcomes: dict[int, tuple[int, int, bool]] = {}
         self.creates_not_made = 0  # files the queue threads created that could not be made
 
     def start(self, entry_valid: tuple[int, int]) -> None:
@@ -102,7 +116,8 @@ class Landing:
         into the tails is recorded (FastPath.write_landed); each one's outcome waits for its
         entry's turn (`outcome`). A write that cannot be recorded (a stale handle, say)
         still takes its place in the segment, as dead bytes: the writes after it landed
-        behind it."""
+        behind it; so do the bytes of a write past the largest file (ops.write_target: a
+        short write)."""
         if not self.live:
             return
         ring, ops, staging = self.ring, self.ops, self.staging
@@ -116,7 +131,7 @@ class Landing:
         for (i, answered, k1, k2, fh, off, size, write_flags, pid, crc1,
              crc2) in ring.take_landed():
             try:
-                h, x = ops.write_target(fh, off, size)
+                h, x, n = ops.write_target(fh, off, size)
                 if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
                     ops.clear_setid(x)
                 record = ops.piece_recorder(x, off)
@@ -128,26 +143,28 @@ class Landing:
                 else:  # (an answered one's entry is another request's by now)
                     if not isinstance(exc, pyfuse3.FUSEError):
                         log.exception("internal error in write (pid %d)", pid)
-                    self.outcomes[i] = (0, err)
-                record = _dead
+                    self.outcomes[i] = (0, err, False)
+                record, n = _dead, 0
             if k1:
-                staging.landed(k1, record, crc=crc1)
+                _land(staging, record, n, 0, k1, crc1)
             if k2:
-                staging.landed(k2, record, base=k1, crc=crc2)
+                _land(staging, record, n, k1, k2, crc2)
             nbytes += k1 + k2
             if record is not _dead:
-                if k1 + k2 == size:
-                    ops.wrote(h, x, off + size, size)
+                whole = k1 + k2 >= n  # (all of it that fits in the file)
+                if whole:
+                    ops.wrote(h, x, off + n, n)
                 if answered:
                     writes += 1
                 else:
-                    self.outcomes[i] = (k1 + k2, 0)
+                    self.outcomes[i] = (min(k1 + k2, n), 0, whole)
         self.tally(writes, nbytes)
 
-    def outcome(self, entry: int) -> tuple[int, int]:
-        """A handed-over WRITE's landing (entry `entry`): the bytes of it recorded, and the
-        errno its recording failed with (0, 0: nothing of it landed)."""
-        return self.outcomes.pop(entry, (0, 0))
+    def outcome(self, entry: int) -> tuple[int, int, bool]:
+        """A handed-over WRITE's landing (entry `entry`): the bytes of it recorded, the
+        errno its recording failed with, and whether those are all the bytes it writes
+        (0, 0, False: nothing of it landed)."""
+        return self.outcomes.pop(entry, (0, 0, False))
 
     def make_created(self, created: list[tuple]) -> None:
         """Make the files the queue threads created (fuse/ring_dirs.c), in order, as the CREATE
@@ -183,7 +200,7 @@ class Landing:
         h = self.ops.handles.get(fh)
         self.answers.invalidate(inode=h.inode if h is not None else None)
         try:
-            h, x = self.ops.write_target(fh)
+            h, x, _ = self.ops.write_target(fh)
         except pyfuse3.FUSEError:
             return
         if x.mode & SETID_BITS:  # (a WRITE may have to clear them first: ops.clear_setid)

@@ -938,32 +938,35 @@ class CkptOperations(pyfuse3.Operations):
             self.reader.window_served(x.emap, lo, hi, ahead, self._seen(h, x))
 
     async def write(self, fh, off, buf):
-        h, x = self.write_target(fh, off, len(buf))
+        h, x, n = self.write_target(fh, off, len(buf))
         if h.kill_setid and x.mode & SETID_BITS:  # pyfuse3 does not pass the write's flags
             self.clear_setid(x)
         try:
-            await self.staging.append(buf, self.piece_recorder(x, off))
+            await self.staging.append(memoryview(buf)[:n], self.piece_recorder(x, off))
         except OSError as exc:
             raise _err(exc.errno or errno.EIO) from None
-        self.wrote(h, x, off + len(buf), len(buf))
-        return len(buf)
+        self.wrote(h, x, off + n, n)
+        return n
 
     # The three steps of a write, shared with the request loop's in-place writes
     # (fastpath.py), which read the payload straight into the open segment.
-    def write_target(self, fh: int, off: int = 0, size: int = 0) -> tuple[_Handle, Inode]:
-        """The handle and file a WRITE of `size` bytes at `off` goes to; EFBIG for one that
-        would end past the largest file the index records (records.MAX_FILE_BYTES)."""
+    def write_target(self, fh: int, off: int = 0,
+                     size: int = 0) -> tuple[_Handle, Inode, int]:
+        """The handle and file a WRITE of `size` bytes at `off` goes to, and how many of its
+        bytes it writes: those below the largest file the index records
+        (records.MAX_FILE_BYTES), a short write as POSIX and ext4 have it; EFBIG for one
+        that starts at or past it."""
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
-        if off + size > MAX_FILE_BYTES:
+        if size and off >= MAX_FILE_BYTES:
             raise _err(errno.EFBIG)
         x = h.inode
         if x.emap is None:
             raise _err(errno.EBADF)
         if x.layer or self.settings.readonly:
             raise _err(errno.EROFS)
-        return h, x
+        return h, x, min(size, max(MAX_FILE_BYTES - off, 0))
 
     def clear_setid(self, x: Inode) -> None:
         """A write by a process without CAP_FSETID clears S_ISUID, and S_ISGID where group

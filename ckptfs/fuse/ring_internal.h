@@ -184,7 +184,7 @@ struct ck_fring {
     uint64_t ino_next, ino_end, fh_next, fh_end;  /* numbers reserved for creates (under lock) */
     int create_here;  /* CREATE is answered here at all (ck_fring_create_setup) */
     struct ck_fring_policy policy;  /* what a file created here is (under lock) */
-    uint64_t file_bytes_max;  /* a WRITE ending past it is the Python side's to refuse (EFBIG) */
+    uint64_t file_bytes_max;  /* a WRITE ending past it is the Python side's (short, EFBIG) */
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */

@@ -121,7 +121,8 @@ int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 }
 
 /* A WRITE whose end lies past n bytes is not answered here (the largest file the index
- * records: format/records.py MAX_FILE_BYTES); 0 until the Python side says. */
+ * records: format/records.py MAX_FILE_BYTES): the Python side records the bytes below it and
+ * answers with their count, or EFBIG (ops.write_target); 0 until the Python side says. */
 void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n)
 {
     pthread_mutex_lock(&f->lock);
