@@ -93,6 +93,37 @@ def tree_snapshot(root: str) -> dict:
     return out
 
 
+def walk_fds(root: str, reads: dict[bytes, list[tuple[int, int]]]) -> tuple[dict, dict]:
+    """Every entry under `root`, without recursion and through directory descriptors (paths
+    may be longer than PATH_MAX): {relative path: its lstat fields}, and the bytes of
+    `reads` (path -> [(offset, length)]) read where the walk passes."""
+    snap, got = {}, {}
+    queue = [(b"", os.open(root, os.O_RDONLY | os.O_DIRECTORY))]
+    while queue:
+        rel, dfd = queue.pop()
+        try:
+            for name in os.listdir(dfd):
+                name = os.fsencode(name)
+                path = rel + b"/" + name if rel else name
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                snap[path] = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink,
+                              st.st_rdev, st.st_ino, st.st_atime_ns, st.st_mtime_ns,
+                              st.st_ctime_ns,
+                              os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else b"")
+                if stat.S_ISDIR(st.st_mode):
+                    queue.append((path, os.open(name, os.O_RDONLY | os.O_DIRECTORY |
+                                                os.O_NOFOLLOW, dir_fd=dfd)))
+                elif path in reads:
+                    fd = os.open(name, os.O_RDONLY, dir_fd=dfd)
+                    try:
+                        got[path] = [os.pread(fd, n, off) for off, n in reads[path]]
+                    finally:
+                        os.close(fd)
+        finally:
+            os.close(dfd)
+    return snap, got
+
+
 def as_user(argv: list[str], uid: int = NOBODY, gid: int = NOBODY, timeout: float = 60,
             **kw) -> subprocess.CompletedProcess:
     """Run argv as another user (no supplementary groups)."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 
 import pytest
-from helpers import cli, md5_tree
+from helpers import cli, content, md5_tree, walk_fds
 
 from ckptfs import api, system
+from ckptfs.tools.fdtree import remove_tree
 
 
 def run(*args, check=True, timeout=120):
@@ -241,6 +243,74 @@ def test_compaction_cuts_long_runs_into_checksum_blocks(mounts):
     m2 = mounts.mount(m.backing)
     with open(f"{m2.mountpoint}/big", "rb") as f:
         assert f.read() == data
+
+
+DEEP = 2000  # levels: the full paths pass PATH_MAX (4,096 bytes) about a fifth of the way
+
+
+def _deep_tree(root: str) -> None:
+    """A tree 2,000 directories deep under `root`, made level by level through descriptors:
+    a file at every 500th level and at the bottom, a link, a directory mode and times set."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for level in range(DEEP + 1):
+            if level % 500 == 0 or level == DEEP:
+                wfd = os.open(f"f{level}", os.O_WRONLY | os.O_CREAT, 0o640, dir_fd=fd)
+                os.write(wfd, content(f"f{level}", 70_000 + level))
+                os.close(wfd)
+            if level == DEEP:
+                os.symlink(f"f{level}", "link", dir_fd=fd)
+                break
+            os.mkdir("dir", 0o750 if level == 1234 else 0o755, dir_fd=fd)
+            nfd = os.open("dir", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.utime(fd, ns=(10**18, 10**18 + 7))
+    finally:
+        os.close(fd)
+
+
+def _tree(root: str) -> dict:
+    """{relative path: (mode, size, mtime_ns, link target, bytes)} of everything under root,
+    read through directory descriptors."""
+    snap, _ = walk_fds(root, {})
+    files = {p: [(0, v[3])] for p, v in snap.items() if stat.S_ISREG(v[0])}
+    snap, got = walk_fds(root, files)
+    return {p: (v[0], v[3], v[8], v[10], got.get(p)) for p, v in snap.items()}
+
+
+@pytest.mark.timeout(600)
+def test_export_import_and_gc_of_a_tree_deeper_than_path_max(mounts, tmp_path):
+    """`ckptfs export` of a tree 2,000 directories deep, whose paths are longer than PATH_MAX,
+    writes it out whole; `ckptfs import` of that brings back the same tree, bit-exact;
+    `ckptfs gc` removes it."""
+    m = mounts.mount()
+    os.mkdir(f"{m.mountpoint}/step_1")
+    _deep_tree(f"{m.mountpoint}/step_1")
+    want = _tree(m.mountpoint)
+    assert max(map(len, want)) > 4096, "deeper than PATH_MAX"
+    m.stop()
+    exp = str(tmp_path / "export")
+    try:
+        r = run("export", m.backing, exp)
+        assert f"exported {DEEP // 500 + 1} files" in r.stdout, r.stdout
+        assert _tree(exp) == want
+        b2 = tmp_path / "reimported"
+        b2.mkdir()
+        run("import", exp, b2)
+    finally:  # (pytest's own clean-up of old temporary directories recurses per level)
+        if os.path.isdir(exp):
+            remove_tree(exp)
+    m2 = mounts.mount(str(b2))
+    assert _tree(m2.mountpoint) == want
+    with open(f"{m2.mountpoint}/step_2", "wb") as f:
+        f.write(b"kept")
+    r = run("gc", m2.mountpoint, "--keep", "1")
+    assert "removed" in r.stdout, r.stdout
+    assert os.listdir(m2.mountpoint) == ["step_2"]
+    m2.stop()
+    m3 = mounts.mount(str(b2))
+    assert os.listdir(m3.mountpoint) == ["step_2"]
 
 
 def test_stats_file_and_prometheus(mounts, tmp_path):

@@ -32,9 +32,11 @@ import tempfile
 from collections.abc import Callable
 
 import pytest
+from helpers import walk_fds
 
 from ckptfs import api
 from ckptfs.format import records
+from ckptfs.tools.fdtree import remove_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -463,37 +465,6 @@ class Target:
             os.close(fd)
 
 
-def walk(root: str, reads: dict[bytes, list[tuple[int, int]]]) -> tuple[dict, dict]:
-    """Every entry under `root`, without recursion and through directory descriptors (paths
-    may be longer than PATH_MAX): {relative path: its lstat fields}, and the bytes of
-    `reads` (path -> [(offset, length)]) read where the walk passes."""
-    snap, got = {}, {}
-    queue = [(b"", os.open(root, os.O_RDONLY | os.O_DIRECTORY))]
-    while queue:
-        rel, dfd = queue.pop()
-        try:
-            for name in os.listdir(dfd):
-                name = os.fsencode(name)
-                path = rel + b"/" + name if rel else name
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                snap[path] = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink,
-                              st.st_rdev, st.st_ino, st.st_atime_ns, st.st_mtime_ns,
-                              st.st_ctime_ns,
-                              os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else b"")
-                if stat.S_ISDIR(st.st_mode):
-                    queue.append((path, os.open(name, os.O_RDONLY | os.O_DIRECTORY |
-                                                os.O_NOFOLLOW, dir_fd=dfd)))
-                elif path in reads:
-                    fd = os.open(name, os.O_RDONLY, dir_fd=dfd)
-                    try:
-                        got[path] = [os.pread(fd, n, off) for off, n in reads[path]]
-                    finally:
-                        os.close(fd)
-        finally:
-            os.close(dfd)
-    return snap, got
-
-
 class Harness:
     """Runs each operation on the model and on the target and compares the outcomes; checks
     the whole tree against the model."""
@@ -519,7 +490,7 @@ class Harness:
         model = self.model
         reads = {p: [(o, len(b)) for o, b in n.data.items()] + [(max(n.size - 3, 0), 6)]
                  for p, n in model.tree.items() if n.kind == "f" and n.data}
-        snap, got = walk(self.t.root, reads)
+        snap, got = walk_fds(self.t.root, reads)
         want_paths = set(model.tree) - {b""}
         assert set(snap) == want_paths, (sorted(set(snap) - want_paths)[:5],
                                          sorted(want_paths - set(snap))[:5])
@@ -940,7 +911,7 @@ def nobody_expected(lim: Limits) -> tuple[dict, dict]:
 
 def check_shared(root: str, want: dict) -> dict:
     """The tree the other user left is `want` (nobody_expected); returns its snapshot."""
-    snap, _ = walk(root, {})
+    snap, _ = walk_fds(root, {})
     got = {p: [v[1], v[2], oct(stat.S_IMODE(v[0])), v[4]] for p, v in
            ((os.fsdecode(p), v) for p, v in snap.items()) if p in want["attrs"]}
     assert got == want["attrs"]
@@ -1084,35 +1055,6 @@ def test_the_model_holds_on_a_local_disk(tmp_path, umask0):
     finally:
         h.t.close()
         remove_tree(root)
-
-
-def remove_tree(path: str) -> None:
-    """rm -r of a tree deeper than Python's recursion limit (shutil.rmtree recurses once per
-    level) and with paths past PATH_MAX: every directory is moved up to the top first."""
-    top = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        work = [n for n in os.listdir(top)]
-        moved = 0
-        while work:
-            name = work.pop()
-            if not stat.S_ISDIR(os.stat(name, dir_fd=top, follow_symlinks=False).st_mode):
-                os.unlink(name, dir_fd=top)
-                continue
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
-            try:
-                for child in os.listdir(fd):
-                    if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
-                        moved += 1
-                        os.rename(child, f".up{moved}", src_dir_fd=fd, dst_dir_fd=top)
-                        work.append(f".up{moved}")
-                    else:
-                        os.unlink(child, dir_fd=fd)
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=top)
-    finally:
-        os.close(top)
-    os.rmdir(path)
 
 
 def _fs_type(path: str) -> str:

@@ -8,57 +8,97 @@ import sys
 
 from ckptfs.format.logs import RunReader
 from ckptfs.namespace import ROOT_INO, Inode
+from ckptfs.tools.fdtree import DirCursor
 from ckptfs.tools.snapshot import Progress, Snapshot
 
 
 def cmd_export(a) -> int:
-    """Write the virtual tree (or PATH below it) out as plain files under DEST."""
+    """Write the virtual tree (or PATH below it) out as plain files under DEST (a file at
+    PATH: DEST is its copy). Directories are made and entered one level at a time through
+    their descriptors: a tree of any depth, paths longer than PATH_MAX."""
     snap = Snapshot(a.backing, a.writer)
     for w in snap.warnings:
         print(f"warning: {w}", file=sys.stderr)
     top = snap.lookup(a.path)
-    entries = list(snap.walk(top, ""))
-    os.makedirs(a.dest, exist_ok=True)
+    files = [x for _, _, x in snap.entries(top) if x.emap is not None]
     logs = RunReader(snap.union.writer_dirs)
-    prog = Progress(sum(x.size for _, x in entries if x.emap is not None), "export",
-                    force=a.progress)
+    prog = Progress(sum(x.size for x in files), "export", force=a.progress)
     failed = 0
-    dirs = []
     try:
-        for rel, x in entries:
-            dst = os.path.join(a.dest, rel.lstrip("/")) if rel != "/" else a.dest
+        if top.children is None:  # one file
+            if top.emap is None:
+                print(f"ckptfs: export {a.path}: not a regular file", file=sys.stderr)
+                return 1
+            parent, name = os.path.split(os.path.abspath(a.dest))
+            with DirCursor(parent) as cur:
+                _export_file(logs, top, cur.fd, name)
+            prog.add(top.size)
+        else:
+            failed = _export_tree(snap, top, a.dest, logs, prog)
+    finally:
+        logs.close()
+        prog.finish()
+    print(f"exported {len(files) - failed} files to {a.dest}"
+          + (f"; {failed} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+def _export_tree(snap: Snapshot, top: Inode, dest: str, logs: RunReader,
+                 prog: Progress) -> int:
+    """Everything below directory `top` into directory `dest` (made if missing; it takes
+    top's mode and times unless top is the root, which has no record of its own); returns
+    how many files failed."""
+    failed = 0
+    with DirCursor(dest, make=0o777) as cur:
+        dirs: list[Inode] = []  # the directory of each level below DEST the cursor is in
+        names: list[str] = []  # their names (for messages)
+        for depth, name, x in snap.entries(top):
+            if not depth:
+                continue
+            while cur.depth >= depth:  # out of the directories done, their times set last
+                _finish_dir(cur.fd, dirs.pop())
+                names.pop()
+                cur.up()
             if x.children is not None:
-                os.makedirs(dst, exist_ok=True)
-                dirs.append((dst, x))
+                cur.down(name, make=0o700)
+                dirs.append(x)
+                names.append(name.decode(errors="surrogateescape"))
                 continue
             if stat.S_ISLNK(x.mode):
-                if os.path.lexists(dst):
-                    os.unlink(dst)
-                os.symlink(x.target, dst)
+                try:
+                    os.unlink(name, dir_fd=cur.fd)
+                except FileNotFoundError:
+                    pass
+                os.symlink(x.target, name, dir_fd=cur.fd)
+                os.utime(name, ns=(x.atime_ns, x.mtime_ns), dir_fd=cur.fd,
+                         follow_symlinks=False)
                 continue
             if x.emap is None:
                 continue  # device nodes, fifos: not exported
             try:
-                _export_file(logs, x, dst)
+                _export_file(logs, x, cur.fd, name)
             except OSError as exc:
                 failed += 1
+                rel = "/".join(names + [name.decode(errors="surrogateescape")])
                 print(f"ckptfs: export {rel}: {exc.strerror or exc}", file=sys.stderr)
             prog.add(x.size)
-    finally:
-        logs.close()
-        prog.finish()
-    for dst, x in reversed(dirs):  # after their contents, so the times stick
-        if x.ino == ROOT_INO:
-            continue  # the root has no record of its own: leave DEST as it is
-        os.chmod(dst, stat.S_IMODE(x.mode))
-        os.utime(dst, ns=(x.atime_ns, x.mtime_ns))
-    print(f"exported {sum(1 for _, x in entries if x.emap is not None) - failed} files to "
-          f"{a.dest}" + (f"; {failed} failed" if failed else ""))
-    return 1 if failed else 0
+        while dirs:
+            _finish_dir(cur.fd, dirs.pop())
+            cur.up()
+        if top.ino != ROOT_INO:
+            _finish_dir(cur.fd, top)
+    return failed
 
 
-def _export_file(logs: RunReader, x: Inode, dst: str) -> None:
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _finish_dir(fd: int, x: Inode) -> None:
+    """A directory's mode and times, once everything in it is written."""
+    os.chmod(fd, stat.S_IMODE(x.mode))
+    os.utime(fd, ns=(x.atime_ns, x.mtime_ns))
+
+
+def _export_file(logs: RunReader, x: Inode, dir_fd: int, name) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
     try:
         cached_run, cached = None, b""
         for start, length, run, roff in x.emap.pieces:

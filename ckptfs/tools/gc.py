@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import sys
+
+from ckptfs.tools.fdtree import remove_tree
 
 
 def _natural(name: str) -> list:
@@ -30,18 +32,25 @@ def cmd_gc(a) -> int:
     if a.keep < 0:
         print("ckptfs: --keep must be >= 0", file=sys.stderr)
         return 2
-    names = sorted((n for n in os.listdir(top) if fnmatch.fnmatch(n, a.pattern)), key=_natural)
-    doomed = names[:-a.keep] if a.keep else names
-    for n in doomed:
-        p = os.path.join(top, n)
-        if a.dry_run:
-            print(f"would remove {p}")
-            continue
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
-        print(f"removed {p}")
+    top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        names = sorted((n for n in os.listdir(top_fd) if fnmatch.fnmatch(n, a.pattern)),
+                       key=_natural)
+        doomed = names[:-a.keep] if a.keep else names
+        for n in doomed:
+            p = os.path.join(top, n)
+            if a.dry_run:
+                print(f"would remove {p}")
+                continue
+            # (a checkpoint's tree may be deeper than PATH_MAX allows a path to reach:
+            # removed level by level through directory descriptors)
+            if stat.S_ISDIR(os.stat(n, dir_fd=top_fd, follow_symlinks=False).st_mode):
+                remove_tree(n, dir_fd=top_fd)
+            else:
+                os.unlink(n, dir_fd=top_fd)
+            print(f"removed {p}")
+    finally:
+        os.close(top_fd)
     kept = names[len(doomed):]
     print(f"kept {len(kept)}: {', '.join(kept) if kept else '-'}")
     if doomed and not a.dry_run:

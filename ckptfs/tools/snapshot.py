@@ -48,17 +48,29 @@ class Snapshot:
             x = self.ns.inodes[x.children[part.encode()]]
         return x
 
-    def walk(self, top: Inode, prefix: str):
-        """(path, inode) for `top` and everything below it, depth first, sorted by name;
-        without recursion (a tree may be deeper than Python's recursion limit)."""
-        stack = [(prefix, top)]
+    def entries(self, top: Inode):
+        """(depth, name, inode) for `top` (depth 0, no name) and everything below it, depth
+        first, sorted by name; without recursion (a tree may be deeper than Python's
+        recursion limit)."""
+        stack = [(0, b"", top)]
         while stack:
-            path, x = stack.pop()
-            yield path or "/", x
+            depth, name, x = stack.pop()
+            yield depth, name, x
             if x.children is not None:
-                stack.extend((f"{path}/{name.decode(errors='surrogateescape')}",
-                              self.ns.inodes[x.children[name]])
-                             for name in sorted(x.children, reverse=True))
+                stack.extend((depth + 1, n, self.ns.inodes[x.children[n]])
+                             for n in sorted(x.children, reverse=True))
+
+    def walk(self, top: Inode, prefix: str):
+        """(path, inode) for `top` and everything below it, in the order of entries(); the
+        paths start with `prefix` ("/" for `top` when it is empty)."""
+        names: list[str] = []
+        for depth, name, x in self.entries(top):
+            if not depth:
+                yield prefix or "/", x
+                continue
+            del names[depth - 1:]
+            names.append(name.decode(errors="surrogateescape"))
+            yield f"{prefix}/{'/'.join(names)}", x
 
 
 class Progress:
