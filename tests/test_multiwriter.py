@@ -395,3 +395,62 @@ def test_a_tree_thousands_of_levels_deep_shows_on_the_other_mount_and_goes(mount
     b.stop()
     assert listed(backing) <= {"", "/"}
     verify_ok(backing)
+
+
+@pytest.mark.timeout(300)
+def test_another_writers_deep_tree_is_adopted_and_moved(mounts):
+    """Into one writer's trees 2,000 directories deep the other mount creates a file at the
+    bottom (every directory above it adopted into its own tree) and renames a whole tree
+    (every entry in it made its own); both mounts see the result, live and after a remount
+    of the one that changed it."""
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0")
+    b = mounts.mount(backing, writer_id="w1")
+    data = os.urandom(5000)
+    for top in ("x", "y"):
+        os.mkdir(os.path.join(a.mountpoint, top))
+        deep_make(os.path.join(a.mountpoint, top), DEEP, data)
+    a.sync()
+    time.sleep(1.0)  # (--refresh: b's next look reads it)
+    fd = os.open(os.path.join(b.mountpoint, "x"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(DEEP):
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        g = os.open("g", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
+        try:
+            os.write(g, b"made by w1")
+        finally:
+            os.close(g)
+    finally:
+        os.close(fd)
+    os.rename(os.path.join(b.mountpoint, "y"), os.path.join(b.mountpoint, "z"))
+    b.sync()
+    time.sleep(1.0)
+    for m in (b, a, mounts.mount(backing, ro=True)):
+        assert sorted(os.listdir(m.mountpoint)) == ["x", "z"], m.mountpoint
+        assert deep_walk(os.path.join(m.mountpoint, "z"), DEEP) == (DEEP, data)
+        assert _bottom(os.path.join(m.mountpoint, "x")) == (["f", "g"], b"made by w1")
+    b.stop()
+    b = mounts.mount(backing, mountpoint=b.mountpoint, writer_id="w1")
+    assert deep_walk(os.path.join(b.mountpoint, "z"), DEEP) == (DEEP, data)
+    assert _bottom(os.path.join(b.mountpoint, "x")) == (["f", "g"], b"made by w1")
+    assert "Traceback" not in mounts.log(a) + mounts.log(b)
+
+
+def _bottom(root: str) -> tuple[list[str], bytes]:
+    """The names in the deepest directory of d/d/... below `root`, and the bytes of its g."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(DEEP):
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        g = os.open("g", os.O_RDONLY, dir_fd=fd)
+        try:
+            return sorted(os.listdir(fd)), os.read(g, 100)
+        finally:
+            os.close(g)
+    finally:
+        os.close(fd)

@@ -306,26 +306,34 @@ class CkptOperations(pyfuse3.Operations):
     def _own_dir(self, d: Inode) -> Inode:
         """A directory to create entries in. If it belongs to another writer, adopt it into
         this writer's tree first (copy-up): an INODE record gives it an own inode number, and
-        the live inode answers to both numbers, so the kernel's cached entries stay valid."""
-        if self.settings.readonly or d.layer == CONTROL_LAYER:
-            raise _err(errno.EROFS)
-        if d.layer == 0:
-            return d
-        parent = self._own_dir(self.ns.inodes[d.parent])
-        name = next(n for n, i in parent.children.items() if i == d.ino)
-        del parent.children[name]
-        parent.nlink -= 1
-        ino = self.ns.new_ino()
-        self.ns.change(InodeRec(ino, parent.ino, name, d.mode, d.uid, d.gid, 0, d.atime_ns,
-                                d.mtime_ns, d.ctime_ns))
-        fresh = self.ns.inodes[ino]
-        d.lookups += fresh.lookups
-        old = d.ino
-        d.ino, d.layer, d.parent = ino, 0, fresh.parent
-        self.ns.inodes[ino] = d  # the old (foreign) number stays an alias of the same inode
-        if self.view is not None:
-            self.view.renumbered(d, old)
-        return d
+        the live inode answers to both numbers, so the kernel's cached entries stay valid.
+        Its other writers' ancestors are adopted first, top down (without a recursion per
+        level: a tree may be thousands of levels deep)."""
+        chain = []  # d and its ancestors below the nearest own directory
+        while True:
+            if self.settings.readonly or d.layer == CONTROL_LAYER:
+                raise _err(errno.EROFS)
+            if d.layer == 0:
+                break
+            chain.append(d)
+            d = self.ns.inodes[d.parent]
+        parent = d
+        for d in reversed(chain):
+            name = next(n for n, i in parent.children.items() if i == d.ino)
+            del parent.children[name]
+            parent.nlink -= 1
+            ino = self.ns.new_ino()
+            self.ns.change(InodeRec(ino, parent.ino, name, d.mode, d.uid, d.gid, 0, d.atime_ns,
+                                    d.mtime_ns, d.ctime_ns))
+            fresh = self.ns.inodes[ino]
+            d.lookups += fresh.lookups
+            old = d.ino
+            d.ino, d.layer, d.parent = ino, 0, fresh.parent
+            self.ns.inodes[ino] = d  # the old (foreign) number stays an alias of the same inode
+            if self.view is not None:
+                self.view.renumbered(d, old)
+            parent = d
+        return parent
 
     def _owned(self, x: Inode, keep_data: bool = True) -> Inode:
         """x made this writer's own, to change it: another writer's directory is adopted
@@ -376,17 +384,27 @@ class CkptOperations(pyfuse3.Operations):
     def _copy_up_tree(self, d: Inode) -> None:
         """View directory d and everything in it made own (to move it): other writers'
         directories adopted, their files copied up, the versions a conflict hid and the
-        other writers' directories merged here removed."""
-        d = self._own_dir(d)
+        other writers' directories merged here removed; each directory's entries before the
+        directory itself is done (without a recursion per level)."""
         view = self.view
-        for name in list(d.children):
-            c = self.ns.inodes[d.children[name]]
-            if c.is_dir:
-                self._copy_up_tree(c)
-            elif c.layer != 0:
-                self._copy_up(d, name, c)
-            view.remove_others(d, name)
-        view.drop_members(d)
+        d = self._own_dir(d)
+        stack = [(d, iter(list(d.children)), b"")]  # (directory, names left, its name)
+        while stack:
+            d, names, _ = stack[-1]
+            for name in names:
+                c = self.ns.inodes[d.children[name]]
+                if c.is_dir:
+                    c = self._own_dir(c)
+                    stack.append((c, iter(list(c.children)), name))
+                    break
+                if c.layer != 0:
+                    self._copy_up(d, name, c)
+                view.remove_others(d, name)
+            else:
+                _, _, name = stack.pop()
+                view.drop_members(d)
+                if stack:
+                    view.remove_others(stack[-1][0], name)
 
     def _others_at(self, v: Inode, name: bytes) -> bool:
         """Whether `name` in view directory v has a version of another writer (the one shown,
