@@ -136,23 +136,28 @@ def validate_extents(ns: Namespace, writer_dir: str, layer: int = 0,
 MARK_BYTES = 32
 
 
-def index_ident(st: os.stat_result, data: bytes, start: int, end: int) -> tuple:
+def _ident(f, st: os.stat_result, lo: int, end: int) -> tuple:
     """What a tail read checks before it reads on: (st_dev, st_ino, the MARK_BYTES of the
-    index before `end`), `data` holding the index's bytes from `start`."""
-    return st.st_dev, st.st_ino, data[max(0, end - MARK_BYTES - start):end - start]
+    index before `end`, none before `lo`), read from the open index `f`."""
+    at = max(lo, end - MARK_BYTES)
+    return st.st_dev, st.st_ino, os.pread(f.fileno(), end - at, at)
 
 
-def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple] | str":
-    """A writer's index, read whole: (scan, its ident (index_ident) as read), or a warning
-    when it cannot be used. A writer without an index yet has an empty tree. (One open: the
-    identity and the bytes are of the same file, whatever replaces it meanwhile.)"""
+def read_writer(wdir: str, on_group: records.OnGroup | None = None
+                ) -> "tuple[records.IndexScan, tuple] | str":
+    """A writer's index, read whole: (scan, its ident as read), or a warning when it cannot
+    be used. A writer without an index yet has an empty tree. The index is read a piece at
+    a time, each commit group handed to `on_group` as it is read (then the memory this takes
+    does not grow with the index's size; without it, the scan holds every group). (One
+    open: the identity and the bytes are of the same file, whatever replaces it
+    meanwhile.)"""
     index = os.path.join(wdir, backingdir.INDEX_NAME)
     backingdir.refresh_attributes(wdir)
     try:
         with records.open_index_file(index) as f:
             st = os.fstat(f.fileno())
-            data = f.read()
-        scan = records.scan_index(index, data)
+            scan = records.scan_index_file(index, f, on_group=on_group)
+            ident = _ident(f, st, 0, scan.valid_bytes)
     except FileNotFoundError:
         return records.IndexScan(valid_bytes=0), (0, 0)
     except OSError as exc:  # (named by path, not by the descriptor: the same each time)
@@ -161,32 +166,37 @@ def read_writer(wdir: str) -> "tuple[records.IndexScan, tuple] | str":
     except FormatError as exc:
         return records.Damage(records.WRITER_SKIPPED,
                               f"writer {os.path.basename(wdir)} skipped: {exc}")
-    return scan, index_ident(st, data, 0, scan.valid_bytes)
+    return scan, ident
+
+
+TAIL_BYTES = 1 << 20  # of commit groups a tail read decodes at most (then `stopped`)
 
 
 def read_tail(index: str, offset: int, ident: tuple | None):
     """The commit groups appended to `index` since byte `offset` (where the groups read
-    before end), as records.read_index_tail reads them, and the ident to keep for the next
-    read; None when the index is not the one read before (`ident`: another file, or other
-    bytes before `offset`): it is read whole then. Raises FormatError, OSError."""
+    before end), as records.read_index_tail reads them, up to the first that ends
+    TAIL_BYTES or more past `offset` (then scan.stopped: the next read goes on from there),
+    and the ident to keep for the next read; None when the index is not the one read before
+    (`ident`: another file, or other bytes before `offset`): it is read whole then. Raises
+    FormatError, OSError."""
     ident = ident or (0, 0)
     mark = ident[2] if len(ident) > 2 else b""
     start = offset - len(mark)
     with records.open_index_file(index) as f:
         st = os.fstat(f.fileno())
         head = f.read(records.INDEX_HEADER.size)
-        f.seek(start)
-        data = f.read()
-    # (an index that was not there when read before: whichever is there now is the one)
-    if ident[:2] != (0, 0) and (st.st_dev, st.st_ino) != ident[:2] or \
-            data[:len(mark)] != mark:
-        return None
-    scan = records.scan_index(index, head + data[len(mark):], tail=True)
-    end = offset
-    if scan.valid_bytes >= records.INDEX_HEADER.size:
-        end = offset + scan.valid_bytes - records.INDEX_HEADER.size
-    scan.valid_bytes = end
-    return scan, index_ident(st, data, start, end) if end > offset else ident
+        # (an index that was not there when read before: whichever is there now is the one)
+        if ident[:2] != (0, 0) and (st.st_dev, st.st_ino) != ident[:2] or \
+                os.pread(f.fileno(), len(mark), start) != mark:
+            return None
+        f.seek(offset)
+        scan = records.scan_index_file(index, f, tail=True, head=head,
+                                       stop_at=records.INDEX_HEADER.size + TAIL_BYTES)
+        end = offset
+        if scan.valid_bytes >= records.INDEX_HEADER.size:
+            end = offset + scan.valid_bytes - records.INDEX_HEADER.size
+        scan.valid_bytes = end
+        return scan, _ident(f, st, start, end) if end > offset else ident
 
 
 class Touched:

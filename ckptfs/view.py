@@ -25,10 +25,9 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from ckptfs.format import backingdir, records
+from ckptfs.format import backingdir
 from ckptfs.datapath.staging import ExtentMap
 from ckptfs.format.records import (
-    InodeRec,
     RenameRec,
     UnlinkRec,
     XUnlinkRec,
@@ -75,6 +74,35 @@ def _shared_map(src: ExtentMap) -> ExtentMap:
     m = ExtentMap()
     m.share(src)
     return m
+
+
+class TreeBuild:
+    """Another writer's tree made from its index's commit groups as they are read (`group`),
+    apart from the view, so that a worker thread may make it; its warnings and newest commit
+    stamp join the view's when it is installed (View._install)."""
+
+    def __init__(self, layer: int, layer_of, where: str) -> None:
+        self.tree = Namespace(now_ns=0)
+        self.tree.layer = layer
+        self.tree.layer_of = layer_of
+        self.where = where
+        self.warnings: list[str] = []
+        self.max_stamp = 0
+
+    def group(self, group: list, when: int) -> None:
+        apply_group(self.tree, group, when, self.where, self.warnings)
+        if when > self.max_stamp:
+            self.max_stamp = when
+
+    def relayer(self, layer: int) -> None:
+        """The tree under another layer number (its writer's tree is installed anew)."""
+        t, old = self.tree, self.tree.layer
+        t.layer = layer
+        for x in t.inodes.values():
+            if x.emap is not None:
+                for p in x.emap.pieces:
+                    if p.run.layer == old:
+                        p.run.layer = layer
 
 
 class View:
@@ -172,19 +200,20 @@ class View:
         self.union.layers[wid] = layer
         return layer
 
-    def build_tree(self, layer: int, scan: records.IndexScan, where: str) -> Namespace:
-        """Another writer's tree from its index (scan), not yet part of the view."""
-        t = Namespace(now_ns=0)
-        t.layer = layer
-        t.layer_of = self._tree_layer_of
-        warnings = self.union.warnings
-        warnings += scan.warnings
-        with bulk_load():
-            for group, when in zip(scan.groups, scan.group_times):
-                apply_group(t, group, when, where, warnings)
-                if when > self.max_stamp:
-                    self.max_stamp = when
-        return t
+    def tree_build(self, layer: int, wdir: str, threaded: bool = False) -> TreeBuild:
+        """Writer `layer`'s tree, to be made from its index's commit groups as they are read
+        (replay.read_writer's on_group: TreeBuild.group) and then installed (add_tree,
+        reload_tree). `threaded`: made in a worker thread, while this one goes on (the
+        layer under which other trees name the own writer's logs is made here first)."""
+        layer_of = self._tree_layer_of
+        if threaded:
+            layers = self.union.layers
+            alias = self._tree_layer_of(self.own) if layers.get(self.own) == 0 else None
+
+            def layer_of(writer: str) -> int | None:
+                found = layers.get(writer)
+                return alias if found == 0 else found
+        return TreeBuild(layer, layer_of, os.path.join(wdir, backingdir.INDEX_NAME))
 
     def assign(self, only: str | None = None) -> None:
         """Layers for the writers of the backing directory (before any index is replayed:
@@ -203,12 +232,14 @@ class View:
             if layer == 0:
                 continue
             wdir = self.union.writer_dirs[layer]
-            got = read_writer(wdir)
+            built = self.tree_build(layer, wdir)
+            with bulk_load():
+                got = read_writer(wdir, built.group)
             if isinstance(got, str):
                 self.union.warnings.append(got)
                 continue
             scan, ident = got
-            self._install(layer, wdir, scan, ident)
+            self._install(layer, wdir, scan, ident, built)
         for rec in self.ns.xunlinks:
             self._whiteout(rec, touch=False)
         for layer in list(self.trees):
@@ -224,8 +255,22 @@ class View:
         """Carry out the whiteouts of own entries found so far (a read-write mount)."""
         self._adopt_own()
 
-    def _install(self, layer: int, wdir: str, scan, ident) -> Namespace:
-        t = self.build_tree(layer, scan, os.path.join(wdir, backingdir.INDEX_NAME))
+    def _install(self, layer: int, wdir: str, scan, ident,
+                 built: TreeBuild | None = None) -> Namespace:
+        """Writer `layer`'s tree into the view: `built`, or made from the groups `scan`
+        holds."""
+        if built is None:
+            built = self.tree_build(layer, wdir)
+            with bulk_load():
+                for group, when in zip(scan.groups, scan.group_times):
+                    built.group(group, when)
+        elif built.tree.layer != layer:
+            built.relayer(layer)
+        t = built.tree
+        self.union.warnings += scan.warnings
+        self.union.warnings += built.warnings
+        if built.max_stamp > self.max_stamp:
+            self.max_stamp = built.max_stamp
         self.union.warnings += validate_extents(t, wdir, layer)
         self._emptied.clear()
         self.trees[layer] = t
@@ -240,12 +285,14 @@ class View:
         return [layer for layer in self.union.layers.values()
                 if layer != 0 and layer not in self.trees]
 
-    def add_tree(self, wdir: str, scan, ident, layer: int | None = None) -> int:
+    def add_tree(self, wdir: str, scan, ident, layer: int | None = None,
+                 built: TreeBuild | None = None) -> int:
         """A writer that appeared while mounted, or (`layer`) one whose index could not be
-        read before: its whole tree joins the view."""
+        read before: its whole tree (`built`, or made from the groups `scan` holds) joins
+        the view."""
         if layer is None:
             layer = self.add_writer(wdir)
-        t = self._install(layer, wdir, scan, ident)
+        t = self._install(layer, wdir, scan, ident, built)
         for rec in t.xunlinks:
             self._whiteout(rec)
         self.placed[(layer, ROOT_INO)] = self.root
@@ -272,7 +319,8 @@ class View:
         if wid is not None and self.union.layers.get(wid) == layer:
             del self.union.layers[wid]
 
-    def reload_tree(self, layer: int, wdir: str, scan, ident, same_layer: bool = True) -> int:
+    def reload_tree(self, layer: int, wdir: str, scan, ident, same_layer: bool = True,
+                    built: TreeBuild | None = None) -> int:
         """Writer `layer`'s index was rewritten (an index snapshot, a compaction: another
         file, which replays to the tree read so far or one further on): its tree is built
         again from the new one, and the view follows. Under the same layer, so that an entry
@@ -285,14 +333,21 @@ class View:
         wid = self.writer_of(layer)
         known = {x.ino: x for x in self.ns.inodes.values()
                  if x.layer == layer and (x.lookups > 0 or x.opens > 0)}
-        kinds = {rec.ino: stat.S_IFMT(rec.mode) for group in scan.groups for rec in group
-                 if type(rec) is InodeRec}
-        if same_layer and all(kinds.get(ino & _MASK, stat.S_IFMT(x.mode)) ==
-                              stat.S_IFMT(x.mode) for ino, x in known.items()):
+        if built is None:
+            built = self.tree_build(layer, wdir)
+            with bulk_load():
+                for group, when in zip(scan.groups, scan.group_times):
+                    built.group(group, when)
+        # (inode numbers are never given twice in one writer's history: one the new tree
+        # no longer has was of the same kind)
+        kinds = built.tree.inodes
+        if same_layer and all(stat.S_IFMT(kinds[ino & _MASK].mode if ino & _MASK in kinds
+                                          else x.mode) == stat.S_IFMT(x.mode)
+                              for ino, x in known.items()):
             before = {ino: _attributes(x) for ino, x in known.items()}
             self.drop_tree(layer)
             self.union.layers[wid] = layer
-            self.add_tree(wdir, scan, ident, layer)
+            self.add_tree(wdir, scan, ident, layer, built)
             for ino, was in before.items():
                 x = self.ns.inodes.get(ino)
                 if x is not None and x.layer == layer and _attributes(x) != was:
@@ -300,7 +355,7 @@ class View:
                     self.changed.append((INODE, ino))
             return layer
         self.drop_tree(layer)
-        return self.add_tree(wdir, scan, ident)
+        return self.add_tree(wdir, scan, ident, built=built)
 
     def apply_group(self, layer: int, group: list, when: int) -> list:
         """One commit group read from the tail of another writer's index. Returns its EXTENT

@@ -16,12 +16,15 @@ import time
 import pytest
 from helpers import (
     DAEMONS, FUSE_URING, RANKS, RANK_SPECS, bits, check_rank, daemon_of, finish, four_writers,
-    listed, rank_dir, rank_paths, read_tree, save_ranks, start_rank, verify_ok,
+    listed, proc_status, rank_dir, rank_paths, read_tree, save_ranks, start_rank, verify_ok,
     writer_files_digest,
 )
 
 from ckptfs import api
 from ckptfs.bench import models
+from ckptfs.format import records
+from ckptfs.format.records import CommitRec, InodeRec, UnlinkRec
+from ckptfs.namespace import ROOT_INO
 
 torch = pytest.importorskip("torch")
 
@@ -454,3 +457,47 @@ def _bottom(root: str) -> tuple[list[str], bytes]:
             os.close(g)
     finally:
         os.close(fd)
+
+
+@pytest.mark.timeout(300)
+def test_a_rewritten_index_of_many_mib_is_read_in_bounded_memory(mounts):
+    """A writer's index rewritten into one of 25 MiB (its tree, then a long history of files
+    made and removed again, then a directory) is read whole again by the other mount, a piece
+    at a time: the daemon's peak memory (VmHWM) rises by far less than the index, and the
+    view shows the writer's tree."""
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0")
+    with open(os.path.join(a.mountpoint, "f"), "wb") as f:
+        f.write(b"first")
+    a.stop()
+    b = mounts.mount(backing, writer_id="w1", no_populate=True)  # (staging is not touched)
+    assert os.listdir(b.mountpoint) == ["f"]
+    with open(os.path.join(b.mountpoint, "f"), "rb") as f:  # (the read cache's buffers)
+        assert f.read() == b"first"
+    index = os.path.join(backing, "writers", "w0", "index.log")
+    with open(index, "rb") as f:
+        old = f.read()
+    name, stamp, first, n = b"n" * 255, time.time_ns(), 1 << 20, 45_000
+    out = [old]
+    for i in range(n):
+        out += [records.encode(InodeRec(first + i, ROOT_INO, name, 0o100644, 0, 0, 0, stamp,
+                                        stamp, stamp)),
+                records.encode(UnlinkRec(ROOT_INO, name)),
+                records.encode(CommitRec(first + i, stamp + i))]
+    out += [records.encode(InodeRec(first + n, ROOT_INO, b"later", 0o40755, 0, 0, 0, stamp,
+                                    stamp, stamp)),
+            records.encode(CommitRec(first + n, stamp + n))]
+    new = b"".join(out)
+    assert len(new) > 25 << 20
+    with open(index + ".fresh", "wb") as f:  # (another file, as an index snapshot writes)
+        f.write(new)
+    before = proc_status(b.pid)["VmHWM"]
+    os.rename(index + ".fresh", index)
+    time.sleep(1.2)  # (--refresh: the next listing looks first)
+    assert sorted(os.listdir(b.mountpoint)) == ["f", "later"]
+    grew = proc_status(b.pid)["VmHWM"] - before
+    assert grew < 16 << 20, f"the daemon's peak memory rose by {grew >> 20} MiB"
+    with open(os.path.join(b.mountpoint, "f"), "rb") as f:
+        assert f.read() == b"first"
+    assert b.status()["writers_reread"] == 1
+    assert "Traceback" not in mounts.log(b)

@@ -373,3 +373,74 @@ def test_a_tree_thousands_of_levels_deep_comes_and_goes(tmp_path):
     own.load()
     own.adopt_pending()
     assert ns.inodes[ROOT_INO].children == {} and len(ns.inodes) == 1
+
+
+def _churn(first_ino: int, n: int) -> bytes:
+    """`n` commit groups that each create a file with a 255-byte name and remove it again
+    (about 600 bytes of index each; the tree they leave is the one before them)."""
+    name = b"n" * 255
+    out = []
+    for i in range(n):
+        ino = first_ino + i
+        out += [records.encode(InodeRec(ino, ROOT_INO, name, 0o100644, 0, 0, 0, 1, 1, 1)),
+                records.encode(UnlinkRec(ROOT_INO, name)),
+                records.encode(CommitRec(ino, 10**18 + ino))]
+    return b"".join(out)
+
+
+def _peak_growth(fn):
+    """fn's result and how far the memory Python allocated rose above where it was while
+    fn ran (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        got = fn()
+        return got, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_large_index_of_another_writer_is_read_in_bounded_memory(tmp_path):
+    """Another writer's index of 25 MiB is read a piece at a time, read whole (a mount, a
+    rewritten index) and as a tail (what it appended since the last look): the memory the
+    reader holds meanwhile rises by far less than the index's size, and the view is the
+    writer's tree."""
+    from ckptfs.replay import read_tail
+
+    backing = str(tmp_path)
+    wdir = os.path.join(backing, backingdir.WRITERS_DIR, "w1")
+    os.makedirs(wdir)
+    index = os.path.join(wdir, backingdir.INDEX_NAME)
+    head = records.index_header(records.CROSS_INDEX_VERSION)
+    first = (records.encode(InodeRec(2, ROOT_INO, b"kept", 0o40755, 0, 0, 0, 1, 1, 1))
+             + records.encode(CommitRec(1, 10**18)))
+    with open(index, "wb") as f:
+        f.write(head + first)
+    view = load_foreign(Namespace(now_ns=0), backing, None, Union())
+    layer = view.union.layers["w1"]
+    n = 45_000
+    churn = _churn(10, n)
+    assert len(churn) > 25 << 20
+    with open(index, "ab") as f:
+        f.write(churn)
+    # the tail: read on from where the last read stopped, in pieces, until caught up
+    peaks = []
+    while view.offsets[layer] < len(head + first + churn):
+        got, peak = _peak_growth(lambda: read_tail(index, view.offsets[layer],
+                                                   view.index_ids[layer]))
+        peaks.append(peak)
+        scan, ident = got
+        for recs, when in zip(scan.groups, scan.group_times):
+            view.apply_group(layer, recs, when)
+        view.offsets[layer], view.index_ids[layer] = scan.valid_bytes, ident
+    assert len(peaks) > 10 and max(peaks) < 8 << 20, (len(peaks), max(peaks))
+    assert sorted(view.ns.inodes[ROOT_INO].children) == [b"kept"]
+    # read whole
+    fresh, peak = _peak_growth(lambda: load_foreign(Namespace(now_ns=0), backing, None,
+                                                    Union()))
+    assert peak < 8 << 20, peak
+    assert sorted(fresh.ns.inodes[ROOT_INO].children) == [b"kept"]
+    assert fresh.union.warnings == [] and fresh.max_stamp == 10**18 + 10 + n - 1

@@ -481,6 +481,7 @@ class IndexScan:
     warnings: list[str] = field(default_factory=list)
     last_seq: int = 0
     version: int = 1  # the header's
+    stopped: bool = False  # ended at scan_index's stop_at, before the end of the bytes
 
 
 def open_index_file(path: str):
@@ -552,13 +553,24 @@ def _problem(data: bytes, pos: int) -> tuple[str, int]:
     raise AssertionError("scan_index left a good record")  # (its own test would be wrong)
 
 
+INDEX_PIECE_BYTES = 1 << 20  # an index is read this much at a time
+
+
 def read_index(path: str, on_group: OnGroup | None = None) -> IndexScan:
     """Read an index file; complete commit groups only, a torn or corrupt tail is reported
     in `warnings` and excluded. Raises FormatError for a foreign file or a newer version.
-    `on_group`: as scan_index's."""
+    `on_group`: as scan_index's (then the bytes in memory at once are a piece of the file
+    and one commit group, whatever its size)."""
     with open_index_file(path) as f:
-        data = f.read()
-    return scan_index(path, data, on_group=on_group)
+        return scan_index_file(path, f, on_group=on_group)
+
+
+def scan_index_file(path: str, f, tail: bool = False, on_group: OnGroup | None = None,
+                    head: bytes = b"", stop_at: int | None = None) -> IndexScan:
+    """scan_index of the bytes of file object `f` from its position on (after `head`: an
+    index header for a tail), read INDEX_PIECE_BYTES at a time."""
+    return scan_index(path, head + f.read(INDEX_PIECE_BYTES), tail, on_group,
+                      more=lambda: f.read(INDEX_PIECE_BYTES), stop_at=stop_at)
 
 
 def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
@@ -569,24 +581,33 @@ def read_index_tail(path: str, offset: int) -> tuple[IndexScan, int]:
     with open_index_file(path) as f:
         head = f.read(INDEX_HEADER.size)
         f.seek(offset)
-        tail = f.read()
-    scan = scan_index(path, head + tail, tail=True)
+        scan = scan_index_file(path, f, tail=True, head=head)
+        size = f.tell()
     if scan.valid_bytes >= INDEX_HEADER.size:
         scan.valid_bytes = offset + scan.valid_bytes - INDEX_HEADER.size
-    return scan, offset + len(tail)
+    return scan, size
 
 
 OnGroup = Callable[[list[Record], int], None]
 
 
-def scan_index(path: str, data: bytes, tail: bool = False,
-               on_group: OnGroup | None = None) -> IndexScan:
+def scan_index(path: str, data: bytes, tail: bool = False, on_group: OnGroup | None = None,
+               more=None, stop_at: int | None = None) -> IndexScan:
     """The records of `data`: an index header followed by records (the whole index, or with
     `tail` the records from some commit boundary on, where a group still being written at
     the end is expected and not reported). With `on_group`, each complete commit group is
     handed to `on_group(records, commit time)` as soon as it is read instead of being kept in
-    `groups` (replay: the records of a large index are never all in memory at once)."""
+    `groups` (replay: the records of a large index are never all in memory at once). With
+    `more`, `data` is only the first piece of the bytes: more() gives the next (b"" at their
+    end), and the bytes before the record being read are let go (offsets in the scan count
+    from the start of `data`). With `stop_at`, the scan ends after the first commit group
+    that ends there or later (`stopped`: a read in pieces goes on from `valid_bytes`)."""
     scan = IndexScan()
+    eof = more is None
+    while not eof and len(data) < INDEX_HEADER.size:
+        piece = more()
+        eof = not piece
+        data += piece
     if len(data) < INDEX_HEADER.size:
         if data:
             scan.warnings.append(Damage(TORN_TAIL, f"{path}: index header torn ({len(data)} "
@@ -595,11 +616,18 @@ def scan_index(path: str, data: bytes, tail: bool = False,
         return scan
     scan.version = _check_header(path, data)
     pos = INDEX_HEADER.size
+    base = 0  # the offset of data[0] in the bytes scanned
     group: list[Record] = []
     after_damage = False
     end = len(data)
     header, hsize, type_crc = REC_HEADER.unpack_from, REC_HEADER.size, _TYPE_CRC
-    while pos < end:
+    while True:
+        if pos >= end:
+            if eof:
+                break
+            data, base, pos, eof = _read_on(data, base, pos, more)
+            end = len(data)
+            continue
         # The way of a well-formed record first (a replay reads a few per file); anything
         # else is looked at again below.
         if pos + hsize <= end:
@@ -627,10 +655,22 @@ def scan_index(path: str, data: bytes, tail: bool = False,
                             on_group(group, rec.time_ns)
                         after_damage = False
                         group = []
-                        scan.valid_bytes = pos
+                        scan.valid_bytes = base + pos
                         scan.last_seq = rec.seq
+                        if stop_at is not None and base + pos >= stop_at:
+                            scan.stopped = True
+                            return scan
                         continue
+            elif not eof and blen <= MAX_RECORD_BODY:  # (the rest of it is still to read)
+                data, base, pos, eof = _read_on(data, base, pos, more)
+                end = len(data)
+                continue
+        elif not eof:
+            data, base, pos, eof = _read_on(data, base, pos, more)
+            end = len(data)
+            continue
         problem, blen = _problem(data, pos)
+        at = base + pos
         # A torn tail (a crash during a commit) is the usual case: nothing after it was
         # acknowledged. But damage in the middle (a flipped or zeroed byte, a length that
         # runs past the end, a record that does not parse) must not cost the commits after
@@ -638,27 +678,43 @@ def scan_index(path: str, data: bytes, tail: bool = False,
         # (Records after it are checked one by one as any others: nothing in them is
         # trusted more than before.)
         resume = _resync(data, pos)
+        while resume is None and not eof:  # (read on, keeping where a COMMIT may start)
+            keep = max(pos + 1, len(data) - _COMMIT_BYTES)
+            data, base, pos, eof = _read_on(data, base, keep, more)
+            pos -= 1  # (_resync looks after pos)
+            resume = _resync(data, pos)
+        end = len(data)
         if resume is None:
             if tail and problem.startswith("torn"):
                 break  # (being appended to right now)
             scan.warnings.append(Damage(
                 TORN_TAIL if problem.startswith("torn") and blen <= MAX_RECORD_BODY
                 else INDEX_ENDED,
-                f"{path}: {problem} at byte {pos}; the rest of the index ({end - pos} "
+                f"{path}: {problem} at byte {at}; the rest of the index ({base + end - at} "
                 "bytes) is ignored"))
             break
         scan.warnings.append(Damage(
-            GROUP_SKIPPED, f"{path}: {problem} at byte {pos}; {len(group)} records before "
-            f"it and the bytes up to {resume} (the damaged commit group) skipped, replay "
-            "resumes there"))
+            GROUP_SKIPPED, f"{path}: {problem} at byte {at}; {len(group)} records before "
+            f"it and the bytes up to {base + resume} (the damaged commit group) skipped, "
+            "replay resumes there"))
         group = []
         after_damage = True
         pos = resume
-        scan.valid_bytes = pos
+        scan.valid_bytes = base + pos
     if group and not tail:
         scan.warnings.append(Damage(TORN_TAIL, f"{path}: {len(group)} records after the last "
                                            "commit ignored (interrupted commit)"))
     return scan
+
+
+_COMMIT_BYTES = REC_HEADER.size + _COMMIT.size
+
+
+def _read_on(data: bytes, base: int, pos: int, more) -> tuple[bytes, int, int, bool]:
+    """The bytes from `pos` on with the next piece after them: (data, base, pos, at the
+    end)."""
+    piece = more()
+    return data[pos:] + piece, base + pos, 0, not piece
 
 
 # ---------------------------------------------------------------- copies of commit groups

@@ -7,7 +7,9 @@ looks at the backing directory: one listing of `writers/` (a writer that appeare
 other writer a listing of its directory (on a
 network file system it brings the files' current sizes: format/backingdir.py) and a stat of
 its index. Only an index that grew is read, from where the last read stopped to its end, and
-only its complete commit groups are taken (a group being appended is read the next time).
+only its complete commit groups are taken (a group being appended is read the next time);
+a tail of more than replay.TAIL_BYTES is taken that much at a time, each piece applied
+before the next is read, in the same look.
 The trio thread then applies them to the view (view.View), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
 it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py; then a path walk
@@ -18,9 +20,11 @@ to answer.
 
 An index that was replaced (rewritten by a compaction, an index snapshot or a restart: another
 file, or bytes other than those read before where the last read stopped: replay.read_tail)
-is read whole again, and its tree takes the place of the old one with the same inode numbers
-for the entries it kept (view.View.reload_tree); a writer directory that went away leaves
-the view. A writer whose changes fail to apply is read whole again in a second look at once.
+is read whole again, a piece at a time, its tree made in a worker thread as the commit
+groups are read (what the daemon holds of the index at once does not grow with its size),
+and the tree takes the place of the old one with the same inode numbers for the entries it
+kept (view.View.reload_tree); a writer directory that went away leaves the view. A writer
+whose changes fail to apply is read whole again in a second look at once.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import trio
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import FormatError, RetireRec, XExtentRec
-from ckptfs.replay import read_tail, read_writer
+from ckptfs.replay import bulk_load, read_tail, read_writer
 from ckptfs.view import ENTRY, INODE, View
 
 log = logging.getLogger("ckptfs")
@@ -196,15 +200,20 @@ class Refresher:
         try:
             view = self.view
             # (a writer whose changes could not be applied is read whole at once, in a
-            # second look: the request waiting for this one gets the view it asked for)
-            for _ in range(2):
+            # second look, and a tail read that stopped short is read on in the next: the
+            # request waiting for this one gets the view it asked for)
+            rereads = 0
+            while True:
                 known = {layer: (view.union.writer_dirs[layer], view.offsets.get(layer, 0),
                                  view.index_ids.get(layer))
                          for layer in view.trees}
                 names = set(view.union.layers)
                 unread = {layer: view.union.writer_dirs[layer] for layer in view.unloaded()}
                 found = await trio.to_thread.run_sync(self._look, known, names, unread)
-                if not await self._apply(found):
+                if await self._apply(found) and not rereads:
+                    rereads += 1
+                    continue
+                if not any(item[0] == "tail" and item[2].stopped for item in found):
                     break
             self.fresh = started
             self.took = trio.current_time() - started
@@ -286,10 +295,7 @@ class Refresher:
                 continue
             if ident not in ((0, 0), None) and (st.st_dev, st.st_ino) != ident[:2] or \
                     st.st_size < offset:
-                got = read_writer(wdir)
-                self.reads += 1
-                if not isinstance(got, str):
-                    out.append(("replaced", layer, wdir, *got))
+                out.append(("replaced", layer, wdir))
                 continue
             start = max(offset, records.INDEX_HEADER.size)
             if st.st_size <= start:
@@ -303,22 +309,14 @@ class Refresher:
             self.reads += 1
             self.bytes_read += st.st_size - start
             if got is None:  # (not the index read before, whatever its name and size say)
-                got = read_writer(wdir)
-                self.reads += 1
-                if not isinstance(got, str):
-                    out.append(("replaced", layer, wdir, *got))
+                out.append(("replaced", layer, wdir))
                 continue
             out.append(("tail", layer, *got))
         for layer, wdir in unread.items():  # writers whose index could not be read: again
             if os.path.basename(wdir) not in present:
                 out.append(("gone", layer))
                 continue
-            got = read_writer(wdir)
-            self.reads += 1
-            if isinstance(got, str):
-                self._warn(got)
-            else:
-                out.append(("read", layer, wdir, *got))
+            out.append(("read", layer, wdir))
         for wid in sorted(present - names):
             wdir = os.path.join(root, wid)
             try:
@@ -332,14 +330,17 @@ class Refresher:
             except FormatError as exc:
                 self._warn(f"writer {wid} is not read: {exc}")
                 continue
-            got = read_writer(wdir)
-            self.reads += 1
-            if isinstance(got, str):  # a layer without a tree: read again at every look
-                self._warn(got)
-                out.append(("unread", wdir))
-            else:
-                out.append(("new", wdir, *got))
+            out.append(("new", wdir))
         return out
+
+    def _read_whole(self, wdir: str, built) -> "tuple | str":
+        """A writer's index read whole (worker thread), its tree made as its commit groups
+        are read (view.TreeBuild): what this holds of the index at once is a piece of it
+        and one group, whatever its size."""
+        with bulk_load():
+            got = read_writer(wdir, built.group)
+        self.reads += 1
+        return got
 
     def _warn(self, msg: str) -> None:
         if msg not in self.warned:
@@ -404,33 +405,41 @@ class Refresher:
                     t0 = time.perf_counter()
             view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
             view.index_ids[layer] = ident
-        elif kind == "new":
-            _, wdir, scan, ident = item
-            if os.path.basename(wdir) in view.union.layers:
-                return t0
-            view.add_tree(wdir, scan, ident)
-            self.writers_added += 1
-            log.info("writer %s joined the view", os.path.basename(wdir))
-        elif kind == "unread":
-            wdir = item[1]
-            if os.path.basename(wdir) not in view.union.layers:
-                view.add_writer(wdir)
-                self.writers_added += 1
-        elif kind == "read":
-            _, layer, wdir, scan, ident = item
+        elif kind in ("new", "read", "replaced"):
+            # (read whole in a worker thread, its tree made there: requests are served
+            # meanwhile from the view as it is, which takes the tree in one step)
+            wdir = item[-1]
             wid = os.path.basename(wdir)
-            if layer in view.trees or view.union.layers.get(wid) != layer:
+            if kind == "new":
+                if wid in view.union.layers:
+                    return t0
+                layer = view.add_writer(wdir)  # (a layer without a tree if it is not read:
+                self.writers_added += 1  # read again at every look)
+            else:
+                layer = item[1]
+                if view.union.layers.get(wid) != layer or (kind == "read") == (
+                        layer in view.trees):
+                    return t0
+            built = view.tree_build(layer, wdir, threaded=True)
+            got = await trio.to_thread.run_sync(self._read_whole, wdir, built)
+            t0 = time.perf_counter()
+            if isinstance(got, str):
+                self._warn(got)
                 return t0
-            view.add_tree(wdir, scan, ident, layer)
-            log.info("writer %s: its index read, it joins the view", wid)
-        elif kind == "replaced":
-            _, layer, wdir, scan, ident = item
+            if view.union.layers.get(wid) != layer:
+                return t0
+            if kind != "replaced":
+                view.add_tree(wdir, *got, layer, built)
+                log.info("writer %s joined the view" if kind == "new" else
+                         "writer %s: its index read, it joins the view", wid)
+                return t0
             self._forget(layer, self.reader.logs_of(layer))
             # (the same layer, the view's numbers kept, unless a READ still uses a log of
             # the old tree: a log its writer removed and made again would then be read
             # from the chunks cached of the old one)
-            view.reload_tree(layer, wdir, scan, ident,
-                             same_layer=not any(lay == layer for lay, _ in self.held))
+            view.reload_tree(layer, wdir, *got,
+                             same_layer=not any(lay == layer for lay, _ in self.held),
+                             built=built)
             self.writers_reloaded += 1
             log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
         elif kind == "gone":
@@ -447,7 +456,7 @@ class Refresher:
         kind = item[0]
         if kind in ("tail", "gone"):
             wid = view.writer_of(item[1])
-        elif kind in ("new", "unread"):
+        elif kind == "new":
             wid = os.path.basename(item[1])
         else:
             wid = os.path.basename(item[2])
