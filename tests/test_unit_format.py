@@ -249,3 +249,55 @@ def test_data_log_header():
     assert json.loads(meta) == {"writer": "w1", "log": 7,
                                               "version": records.FORMAT_VERSION}
     assert head[len(records.DATA_MAGIC) + 8 + n:] == bytes(len(head) - n - 16)
+
+
+def _pieces(data: bytes, size: int):
+    """scan_index's `more` over `data` cut into pieces of `size` bytes."""
+    at = [0]
+
+    def more() -> bytes:
+        piece = data[at[0]:at[0] + size]
+        at[0] += len(piece)
+        return piece
+    return more
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_scan_in_pieces_finds_what_a_scan_of_the_whole_finds(seed):
+    """An index read a piece at a time (pieces of a few bytes up to a few records) gives the
+    groups, commit times, damage reports (with their byte offsets), end and last sequence
+    number a scan of all its bytes gives: clean, damaged in the middle (flipped or zeroed
+    bytes, garbage), torn at the end, as a whole index and as a tail; with `stop_at`, the
+    scan ends after the first group that ends there or later."""
+    import random
+
+    rng = random.Random(seed)
+    groups = [G1, G2, G3, (SetattrRec(3, 0o700, 1, 1, 4, 4, 4),)]
+    data = bytearray(b"".join(_group(i + 1, *rng.choice(groups)) for i in range(30)))
+    for _ in range(rng.randrange(4)):
+        at = rng.randrange(len(data))
+        kind = rng.randrange(3)
+        if kind == 0:
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            data[at:at + rng.randrange(1, 80)] = bytes(rng.randrange(1, 80))
+        else:
+            data[at:at] = os.urandom(rng.randrange(1, 300))
+    if rng.random() < 0.5:
+        del data[len(data) - rng.randrange(1, 40):]
+    whole = records.index_header() + bytes(data)
+    for tail in (False, True):
+        want = records.scan_index("i", whole, tail=tail)
+        for size in (1, 7, 25, 64, 1000):
+            more = _pieces(whole, size)
+            got = records.scan_index("i", more(), tail=tail, more=more)
+            assert (got.groups, got.group_times, got.group_seqs, got.group_after_damage,
+                    list(map(str, got.warnings)), got.valid_bytes, got.last_seq) == (
+                    want.groups, want.group_times, want.group_seqs, want.group_after_damage,
+                    list(map(str, want.warnings)), want.valid_bytes, want.last_seq), size
+    if want.groups:
+        stop_at = rng.randrange(INDEX_HEADER.size, want.valid_bytes + 1)
+        more = _pieces(whole, 9)
+        got = records.scan_index("i", more(), more=more, stop_at=stop_at)
+        assert got.stopped and got.valid_bytes >= stop_at
+        assert got.groups == want.groups[:len(got.groups)]
