@@ -248,7 +248,7 @@ PYSPY_CATEGORIES = (
     ("reply_error", "reply write(v)"),
     ("crc32c", "CRC32C"),
     ("get_events", "parked in epoll (or trio's zero-timeout poll)"),
-    ("FastPath.write", "Python: WRITE"),
+    ("InPlaceWrites.", "Python: WRITE"),
     ("FastPath.read", "Python: READ"),
     ("FastPath.entry_op", "Python: LOOKUP, GETATTR, OPEN, CREATE"),
     ("FastPath.simple", "Python: FLUSH, RELEASE"),

@@ -1,6 +1,6 @@
 """A write's bytes, once they sit in a staging segment, become runs, pieces of the file's
 extent map and extent entries of the journal: the one place that records them, for the
-handlers (fuse/ops.py) and the fast path's writes in place (fuse/fastpath.py). Trio thread."""
+handlers (fuse/ops.py) and the fast path's writes in place (fuse/inplace.py). Trio thread."""
 
 from __future__ import annotations
 

@@ -1,48 +1,44 @@
-"""In-place WRITEs: the request loop reads a write's payload straight into the open segment.
+"""The fast path: the request loop reads /dev/fuse itself and answers the common requests.
 
 Through pyfuse3 a 1 MiB WRITE costs the daemon the kernel's copy into libfuse's receive buffer,
 a copy into a Python `bytes` (pyfuse3), a copy into the segment (staging.append) and a Python
 coroutine per request. Here the daemon reads /dev/fuse itself, with one `readv` into
 [80-byte header | the rest of the open segment | the next free segment buffer | an overflow
-buffer]: a WRITE's payload lands where it will be flushed from (also when it runs past the
-end of a segment), and the kernel's copy is the only one. The request is answered here,
-without pyfuse3 or libfuse.
+buffer]: a WRITE's payload lands where it will be flushed from, and the kernel's copy is the
+only one (fuse/inplace.py). The request is answered here, without pyfuse3 or libfuse.
 
-The requests of a checkpoint's save and restore are answered here too, by calling the same
-handlers pyfuse3 would call and encoding the replies libfuse would send: READ (one `writev`
-from the read cache), FLUSH, RELEASE, LOOKUP, GETATTR, OPEN, CREATE. Two differences: a
-read-only open gets FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for
-it, and pyfuse3 cannot ask for it), and IOCTL is answered ENOTTY here (Python's open() asks
-isatty() of every file; libfuse would answer ENOSYS after a round through pyfuse3).
-INTERRUPT is read here too: the requests that can wait long (a WRITE waiting for staging
-space, a READ waiting for the disk, forwarded FSYNC, FSYNCDIR, GETXATTR) are answered at once
-when their caller is being killed (fuse/interrupts.py; docs/reliability.md); pyfuse3 cannot
-act on interrupts, so every other INTERRUPT is dropped here.
+The requests of a checkpoint's save and restore are answered here too, by one dispatch table
+(`handlers`) that calls the same handlers pyfuse3 would call and encodes the replies libfuse
+would send: READ (one `writev` from the read cache), FLUSH, RELEASE (its work held:
+fuse/releases.py), LOOKUP, GETATTR, OPEN, CREATE. Two differences: a read-only open gets
+FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for it, and pyfuse3 cannot
+ask for it), and IOCTL is answered ENOTTY here (Python's open() asks isatty() of every file;
+libfuse would answer ENOSYS after a round through pyfuse3). INTERRUPT is read here too: the
+requests that can wait long (a WRITE waiting for staging space, a READ waiting for the disk,
+forwarded FSYNC, FSYNCDIR, GETXATTR) are answered at once when their caller is being killed
+(fuse/interrupts.py; docs/reliability.md); pyfuse3 cannot act on interrupts, so every other
+INTERRUPT is dropped here.
 
 Every other request (INIT, MKDIR, RENAME, SETATTR, READDIR, xattrs, FSYNC, ...) still goes to
-pyfuse3, unchanged: libfuse's descriptor number is moved onto one end of a SOCK_SEQPACKET
-socket pair (the real /dev/fuse descriptor is kept under a new number; fuse/devfuse.py, the
-transport), the loop writes the request into the other end, and pyfuse3 reads it from there
-as if from /dev/fuse; libfuse's
-replies come back through the pair and are passed on to /dev/fuse by the task that forwarded
-the request (in its next call of the wait, right after pyfuse3 served it). The INIT reply is
-read on the way: the fast path starts once the protocol version (7.12 or later: header sizes)
+pyfuse3, unchanged: the loop writes it into the socket pair that stands in for /dev/fuse
+(fuse/devfuse.py, the transport), and pyfuse3 reads it from there as if from /dev/fuse;
+libfuse's replies come back through the pair and are passed on to /dev/fuse by the task that
+forwarded the request (in its next call of the wait, right after pyfuse3 served it). The INIT
+reply is read on the way (fuse/negotiation.py): the fast path starts once the protocol version
 and max_write are known. Before pyfuse3.close() unmounts, `detach()` gives libfuse its
 /dev/fuse descriptor back.
 
 Costs: a forwarded request takes three more system calls (send, recv, write; no extra sleep
-or wake-up: all on the daemon's one thread). Bounds: one request is read at a time (one
-thread); what does not fit in the two segment buffers (no free buffer: backpressure; or
-segments smaller than a request) is read into the overflow buffer and copied into staging once
-a buffer is free, as pyfuse3's path would (that buffer then stays with the waiting request;
-the next read gets a new one). libfuse's `debug` output does not
-show the requests answered here.
+or wake-up: all on the daemon's one thread). One request is read at a time (one thread).
+libfuse's `debug` output does not show the requests answered here.
 
 Once INIT is answered the queue threads (fuse/ring.py, ring*.c) take over the reading: C
 threads, one per CPU, on /dev/fuse (the default) or on FUSE's io_uring queues
 (`--fuse-uring`). They answer a small file's requests and land WRITE payloads themselves and
 hand every other request to this loop (`serve_ring`), which serves it with the handlers above;
-on /dev/fuse it then reads nothing itself. `--no-queue-threads` leaves the reading here.
+on /dev/fuse it then reads nothing itself. While they run, this module wires up what takes in
+their work (fuse/answers.py, fuse/landing.py, fuse/intake.py). `--no-queue-threads` leaves the
+reading here.
 
 `--no-fast-path` turns it off (pyfuse3 reads every request; docs/tuning.md).
 """
@@ -54,29 +50,28 @@ import logging
 import os
 import select
 import struct
-import time
-from collections import deque
 
 import pyfuse3
 import trio
 
 from ckptfs import failpoints
-from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
-from ckptfs.fuse.devfuse import REQUEST_MAX, DevFuse
+from ckptfs.fuse.devfuse import DevFuse
 from ckptfs.fuse.answers import AnswerCache
 from ckptfs.fuse.intake import Intake
 from ckptfs.fuse.landing import Landing
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import SETID_BITS, Context
+from ckptfs.fuse.ops import Context
+from ckptfs.fuse.releases import Releases
+from ckptfs.fuse.inplace import HEAD, InPlaceWrites
+from ckptfs.fuse.negotiation import Negotiation
 from ckptfs.fuse.replies import attr_out, entry_out, open_flags, valid
 from ckptfs.fuse.protocol import (
     CREATE_IN,
     FLUSH_IN,
     FUSE_BATCH_FORGET,
     FUSE_CREATE,
-    FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_FLUSH,
     FUSE_FORGET,
     FUSE_FSYNC,
@@ -84,21 +79,14 @@ from ckptfs.fuse.protocol import (
     FUSE_GETATTR,
     FUSE_GETXATTR,
     FUSE_INIT,
-    FUSE_INIT_EXT,
     FUSE_INTERRUPT,
     FUSE_IOCTL,
     FUSE_LOOKUP,
-    FUSE_MAX_PAGES,
     FUSE_OPEN,
-    FUSE_OVER_IO_URING,
     FUSE_READ,
     FUSE_RELEASE,
     FUSE_SETATTR,
     FUSE_WRITE,
-    FUSE_WRITE_CACHE,
-    FUSE_WRITE_KILL_SUIDGID,
-    INIT_IN,
-    INIT_OUT,
     INTERRUPT_IN,
     IN_HEADER,
     OPEN_IN,
@@ -106,28 +94,13 @@ from ckptfs.fuse.protocol import (
     OUT_HEADER,
     READ_IN,
     RELEASE_IN,
-    WRITE_IN,
-    WRITE_OUT,
 )
 
 log = logging.getLogger("ckptfs")
 
-# offsets in FUSE's wire protocol (fuse/protocol.h)
-INIT_OUT_FLAGS2 = protocol.layout("fuse_init_out").offset("flags2")  # (64-byte reply: 7.23+)
-INIT_OUT_MAX_PAGES = protocol.layout("fuse_init_out").offset("max_pages")  # (7.28+)
-HEAD = IN_HEADER.size + WRITE_IN.size  # a WRITE's or READ's header and op part: 80 bytes
-WRITE_REPLY = struct.Struct("<" + OUT_HEADER.format[1:] + WRITE_OUT.format[1:])  # header, body
-_U16 = struct.Struct("<H")  # a field of that size at an offset of the protocol's layouts
-_U32 = struct.Struct("<I")
+_U32 = struct.Struct("<I")  # a field of that size at an offset of the protocol's layouts
 # Requests that get no answer (the queue threads read them from /dev/fuse like any other)
 NO_REPLY = frozenset((FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT))
-# Requests that do not depend on a RELEASE before them (a lookup, a new file, attributes): a
-# RELEASE's work (its journal record) may wait until they are answered (FastPath.run_releases).
-PAST_RELEASES = frozenset((FUSE_LOOKUP, FUSE_GETATTR, FUSE_CREATE, FUSE_INTERRUPT))
-# How long no request comes before the releases' work is done while the loop spins: a small
-# file's RELEASE is followed within ~25-75 us by the next file's GETATTR/LOOKUP/CREATE, then the
-# caller serialises its tensor for ~100 us or more.
-RELEASE_GRACE_S = 60e-6
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
@@ -183,32 +156,21 @@ class FastPath(RequestWait):
         self.staging = ops.staging
         self.entry_valid = valid(ops.settings.entry_timeout)
         self.head = bytearray(HEAD)
-        self.overflow: bytearray | None = bytearray(REQUEST_MAX)
-        self.request_max = REQUEST_MAX
-        self.minor = 0  # negotiated protocol minor; 0 until the INIT reply went by
-        self.init_unique = -1
-        self.kernel_flags = 0  # what the kernel offered in INIT
+        self.init = Negotiation(ops, uring, queue_threads)  # INIT, as it goes by
         self.forwarders: set = set()  # tasks that returned True: pyfuse3 served a request
-        self.writes_in_place = 0
-        self.bytes_in_place = 0
-        self.bytes_copied = 0
         self.reads_direct = 0
         self.forwarded = 0
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.handed_ops: dict[int, int] = {}  # opcode -> requests the queue threads handed here
-        self.releases: deque[int] = deque()  # handles released (answered), work not yet run
-        self.released_at = 0.0  # when the first of them came (perf_counter)
+        self.releases = Releases(ops.release_now)  # RELEASEs answered, their work held
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
+        self.writes = InPlaceWrites(ops, interrupts, self.send, self.reply_error)
         # The queue threads (fuse/ring.py): on FUSE over io_uring (--fuse-uring) where the
-        # kernel offers it, else on /dev/fuse (--queue-threads); wanted, then running once INIT
-        # is answered (ring_payload: their payload buffers' size, ring_dev: on /dev/fuse)
-        self.uring_wanted = uring
-        self.threads_wanted = queue_threads
-        self.ring_payload = 0
-        self.ring_dev = False
+        # kernel offers it, else on /dev/fuse (--queue-threads); running once INIT is answered
+        # (as the negotiation settled)
         self.ring: fring.Ring | None = None
         self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
         self.ring_turn = 0
@@ -248,7 +210,7 @@ class FastPath(RequestWait):
         self.detached = True
         self.closed = True
         self.interrupts.stop()  # (the fd goes)
-        self.run_releases()
+        self.releases.run()
         stopped = self.stop_ring()
         if self.epoll is not None:
             self.epoll.close()
@@ -256,8 +218,9 @@ class FastPath(RequestWait):
 
     def counts(self) -> dict:
         c = super().counts()
-        c.update(writes_in_place=self.writes_in_place, bytes_in_place=self.bytes_in_place,
-                 bytes_copied_in=self.bytes_copied, reads_direct=self.reads_direct,
+        w = self.writes
+        c.update(writes_in_place=w.writes_in_place, bytes_in_place=w.bytes_in_place,
+                 bytes_copied_in=w.bytes_copied, reads_direct=self.reads_direct,
                  requests_forwarded=self.forwarded, requests_answered_here=self.answered,
                  requests_interrupted=self.interrupts.count, transport=self.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
@@ -317,13 +280,12 @@ class FastPath(RequestWait):
                 self.close()  # unmounted, or the connection was aborted
             return False
         head = self.head
-        if self.overflow is None:
-            self.overflow = bytearray(self.request_max)
+        overflow = self.writes.spare()
         # (with the ring, its queue threads land WRITEs in the tails; a /dev/fuse WRITE then
         # goes to the overflow buffer and is copied)
-        t1, t2 = self.staging.tails() if self.minor and ring is None else (None, None)
-        bufs = [head, t1, t2, self.overflow] if t2 is not None else (
-            [head, t1, self.overflow] if t1 is not None else [head, self.overflow])
+        t1, t2 = self.staging.tails() if self.init.minor and ring is None else (None, None)
+        bufs = [head, t1, t2, overflow] if t2 is not None else (
+            [head, t1, overflow] if t1 is not None else [head, overflow])
         n = self.dev.read(bufs)
         if n <= 0:  # withdrawn (its caller was interrupted), or unmounted, aborted
             if n < 0:
@@ -335,9 +297,8 @@ class FastPath(RequestWait):
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
         if ring is not None:  # (what the queue threads answered comes first, as in serve_ring)
             self.settle_ring()
-        if self.releases and opcode not in PAST_RELEASES:
-            self.run_releases()
-        if self.minor and not extlen:
+        self.releases.before(opcode)
+        if self.init.minor and not extlen:
             req = _Request(opcode, unique, nodeid, uid, gid, pid, head, IN_HEADER.size, n)
             req.bufs, req.t1, req.t2 = bufs, t1, t2
             if await self.dispatch(req):
@@ -360,8 +321,7 @@ class FastPath(RequestWait):
             failpoints.hit("handover")
             self.settle_ring()
             self.handed_ops[opcode] = self.handed_ops.get(opcode, 0) + 1
-            if self.releases and opcode not in PAST_RELEASES:
-                self.run_releases()
+            self.releases.before(opcode)
             pay = ring.payloads[i]
             # the op's fixed part (in the header buffer); the rest is in the payload buffer
             opsize = length - IN_HEADER.size - psz
@@ -403,24 +363,17 @@ class FastPath(RequestWait):
         return False
 
     async def write_req(self, req: _Request) -> bool:
-        """WRITE: on /dev/fuse its payload was read into staging's tails as far as they
-        reach (write); from a queue thread it landed in the landing zone, recorded by
-        Landing.claim (wholly: answered now; in part: the rest copied by write_landed)."""
+        """WRITE (fuse/inplace.py): on /dev/fuse its payload was read into staging's tails
+        as far as they reach; from a queue thread it landed in the landing zone, what of it
+        Landing.claim recorded is its outcome."""
         if req.length < HEAD:
             return False
         if req.entry < 0:
-            await self.write(req.unique, req.length, req.t1, req.t2, req.pid)
-            return True
-        fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(req.head, req.at)
-        done, err, whole = self.landing.outcome(req.entry)
-        if size != req.psz or err:
-            self.reply_error(req.unique, err or errno.EIO)
-        elif whole:
-            self.writes_in_place += 1
-            self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, req.unique, done, 0))
+            await self.writes.from_dev(req.unique, req.head, req.length, req.t1, req.t2,
+                                       req.pid)
         else:
-            await self.write_landed(req.unique, fh, off, size, write_flags, req.pid, None,
-                                    None, req.pay, done)
+            await self.writes.from_entry(req.unique, req.head, req.at, req.psz, req.pay,
+                                         req.pid, self.landing.outcome(req.entry))
         return True
 
     async def read_req(self, req: _Request) -> bool:
@@ -454,84 +407,6 @@ class FastPath(RequestWait):
         await self.entry_op(req.opcode, req.unique, req.nodeid,
                             Context(req.uid, req.gid, req.pid), req.body())
         return True
-
-    async def write(self, unique: int, n: int, t1, t2, pid: int = 0) -> None:
-        fh, off, size, write_flags, _, _, _ = WRITE_IN.unpack_from(self.head, IN_HEADER.size)
-        if n != HEAD + size:
-            self.reply_error(unique, errno.EIO)
-            return
-        await self.write_landed(unique, fh, off, size, write_flags, pid, t1, t2, None)
-
-    async def write_landed(self, unique: int, fh: int, off: int, size: int, write_flags: int,
-                           pid: int, t1, t2, payload, recorded: int = 0) -> None:
-        """A WRITE whose payload landed in t1 and t2 (the staging's tails) as far as they
-        reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer;
-        `recorded`: bytes at its start the queue threads landed (and Landing.claim recorded).
-        Only the bytes below the largest file are recorded, and the answer says how many."""
-        ops, staging = self.ops, self.staging
-        try:
-            h, x, size = ops.write_target(fh, off, size)
-            if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
-                ops.clear_setid(x)
-            record = ops.piece_recorder(x, off)
-            k = recorded
-            if t1 is not None:
-                k = min(size, len(t1))
-                if k:
-                    staging.landed(k, record)
-                if t2 is not None and size > k:  # ran past the segment's end into the next
-                    k2 = min(size - k, len(t2))
-                    staging.landed(k2, record, base=k)
-                    k += k2
-                self.bytes_in_place += k
-            if size > k:  # the rest went to the overflow buffer: copy it into staging
-                if payload is not None:
-                    rest = payload[k:size]
-                else:
-                    # append() may wait for free buffers: the buffer stays with this request
-                    # (other tasks read the next requests into a new one)
-                    rest = memoryview(self.overflow)[:size - k]
-                    self.overflow = None
-                done = [k]  # bytes of this write recorded so far
-
-                def counted(seg, dpos, soff, m):
-                    record(seg, dpos, soff, m)
-                    done[0] = dpos + m
-
-                # the one place a WRITE waits (for staging space, so for the backing store):
-                # held, so cancelled when its caller is being killed. Not the kernel's
-                # writeback of page-cache pages: their write(2) returned long ago, and the pid
-                # is whoever made the kernel write them back
-                token = (self.interrupts.serve(unique, pid) if not write_flags & FUSE_WRITE_CACHE
-                         else None)
-                try:
-                    with self.interrupts.waiting() as scope:
-                        await staging.append(rest, counted, base=k)
-                finally:
-                    if token is not None:
-                        self.interrupts.served(token)
-                if scope.cancelled_caught:
-                    self.bytes_copied += done[0] - k
-                    if done[0]:  # a short write: what is recorded stays written
-                        ops.wrote(h, x, off + done[0], done[0])
-                        self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, done[0], 0))
-                    else:
-                        self.reply_error(unique, errno.EINTR)
-                    return
-                self.bytes_copied += size - k
-            ops.wrote(h, x, off + size, size)
-        except pyfuse3.FUSEError as exc:
-            self.reply_error(unique, exc.errno)
-            return
-        except OSError as exc:
-            self.reply_error(unique, exc.errno or errno.EIO)
-            return
-        except Exception:
-            log.exception("internal error in write")
-            self.reply_error(unique, errno.EIO)
-            return
-        self.writes_in_place += 1
-        self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0))
 
     async def read(self, unique: int, pid: int, head, at: int) -> None:
         fh, off, size, _, _, _, _ = READ_IN.unpack_from(head, at)
@@ -626,42 +501,12 @@ class FastPath(RequestWait):
     def release(self, unique: int, fh: int) -> None:
         """RELEASE: answered at once (the closing process does not wait for it; the kernel
         sends it after close() returned; with the ring the queue threads answer it), its
-        work (ops.release_now: the file's times into the journal, the handle and maybe the
-        inode let go) run later by run_releases. A small file's save sends RELEASE and then,
-        for the next file, GETATTR of the directory, LOOKUP and CREATE, which the caller
-        waits for and which do not depend on it: they go first, and the release's work is
-        done while the caller serialises its next tensor."""
+        work held (fuse/releases.py: run after the requests that do not depend on it)."""
         if self.ring is not None:
             self.ring.writable(fh, False)
             self.answers.invalidate(fh=fh)
-        self.hold_releases((fh,))
+        self.releases.hold((fh,))
         self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
-
-    def hold_releases(self, fhs) -> None:
-        """Released handles whose work run_releases does later (the grace counts from the
-        first one held)."""
-        if not self.releases:
-            self.released_at = time.perf_counter()
-        self.releases.extend(fhs)
-
-    def run_releases(self, until=None) -> None:
-        """The work of the RELEASEs answered so far, in order: before any request but those
-        in PAST_RELEASES, once no request came for RELEASE_GRACE_S (`until`: stop when it
-        says a request waits), before the loop sleeps and before the fast path stops."""
-        releases = self.releases
-        while releases:
-            self.release_now(releases.popleft())
-            if until is not None and until(0):
-                break
-        self.released_at = time.perf_counter()
-
-    def release_now(self, fh: int) -> None:
-        """A released handle's work, now (ops.release_now); an error is logged, as
-        fs._guard does for pyfuse3's calls: the RELEASE was answered already."""
-        try:
-            self.ops.release_now(fh)
-        except Exception:
-            log.exception("internal error in release")
 
     def quiesce(self) -> None:
         """Before the unmount's last commit: the replies of requests pyfuse3 served last go
@@ -677,7 +522,7 @@ class FastPath(RequestWait):
             ring.stop_deferring()
             self.settle_ring()  # (their handles' landed writes recorded first)
             self.staging.claim()
-        self.run_releases()
+        self.releases.run()
 
     def settle(self) -> None:
         """What the queue threads answered is taken in, the releases run and prepared windows
@@ -687,24 +532,23 @@ class FastPath(RequestWait):
         unrecorded until the next request.)"""
         if self.ring is not None:
             self.settle_ring()
-            self.run_releases()
+            self.releases.run()
             self.answers.expire_prepared()
 
     def spin_work(self) -> None:
-        """While the loop spins: the releases, once no request came for RELEASE_GRACE_S
-        since the first of them (the caller is busy with its own work then)."""
-        if self.releases and time.perf_counter() - self.released_at >= RELEASE_GRACE_S:
-            self.run_releases(self.probe)
+        """While the loop spins: the releases held, once no request came for a while
+        (Releases.spin_work)."""
+        self.releases.spin_work(self.probe)
 
     def sleep_work(self) -> None:
         """Before a task sleeps: the releases held (until the next request they would keep
         their files open: an idle mount would go on looking at other writers, and hold
         their logs)."""
-        if self.releases:
-            self.run_releases()
+        if self.releases.held:
+            self.releases.run()
 
     def park(self, sleeping: bool) -> bool:
-        if sleeping and self.releases:  # (not left until the next request)
+        if sleeping and self.releases.held:  # (not left until the next request)
             self.sleep_work()
             return True
         ring = self.ring
@@ -745,8 +589,7 @@ class FastPath(RequestWait):
     def start_ring(self) -> None:
         """Start the queue threads (right after the INIT reply went to the kernel): register
         the per-CPU queues of FUSE over io_uring, or read /dev/fuse."""
-        payload, self.ring_payload = self.ring_payload, 0
-        dev = self.ring_dev
+        payload, dev = self.init.take_ring()
         try:
             ring = fring.Ring(self.fd, payload, self.spin_s, dev)
         except OSError as exc:
@@ -760,9 +603,9 @@ class FastPath(RequestWait):
         self.ring = ring
         ops = self.ops
         self.answers = AnswerCache(ring, ops, self.entry_valid, self.settle_ring)
-        self.landing = Landing(ring, ops, self.answers, self.count_landed)
-        self.intake = Intake(ring, ops, self.answers, self.landing, self.hold_releases,
-                             self.release_now, self.count_reads)
+        self.landing = Landing(ring, ops, self.answers, self.writes.count_landed)
+        self.intake = Intake(ring, ops, self.answers, self.landing, self.releases.hold,
+                             self.releases.now, self.count_reads)
         ops.reader.land_lazily(True)  # (chunk loads land at every settle)
         ops.ns.watch = self.answers
         self.landing.start(self.entry_valid)
@@ -781,12 +624,6 @@ class FastPath(RequestWait):
         """Take in what the queue threads answered (Intake.settle): before every request
         served here, at every wake-up by them, on the idle tick, before the status."""
         self.intake.settle()
-
-    def count_landed(self, writes: int, nbytes: int) -> None:
-        """WRITEs the queue threads answered and the bytes they landed (Landing.claim),
-        counted with those read in place here."""
-        self.writes_in_place += writes
-        self.bytes_in_place += nbytes
 
     def count_reads(self, reads: int) -> None:
         """READs the queue threads answered from read windows (Intake.reads_served), counted
@@ -816,10 +653,7 @@ class FastPath(RequestWait):
     def forward(self, parts: list, opcode: int, unique: int, pid: int) -> None:
         """Hand the request just read (its bytes: `parts`) to libfuse."""
         if opcode == FUSE_INIT:
-            self.init_unique = unique
-            if sum(map(len, parts)) >= IN_HEADER.size + INIT_IN.size:
-                _, _, _, flags, flags2 = INIT_IN.unpack_from(self.head, IN_HEADER.size)
-                self.kernel_flags = flags | (flags2 << 32 if flags & FUSE_INIT_EXT else 0)
+            self.init.offered(unique, self.head, sum(map(len, parts)))
         if opcode == FUSE_SETATTR and self.ring is not None:
             self.landing.setattr_seen(b"".join(map(bytes, parts)))
         self.forwarded += 1
@@ -836,11 +670,12 @@ class FastPath(RequestWait):
                 return
             if len(msg) >= OUT_HEADER.size:
                 _, err, unique = OUT_HEADER.unpack_from(msg)
-                if unique == self.init_unique:
-                    self.init_unique = -1
-                    self.negotiated(msg, err)
+                if unique == self.init.unique:
+                    max_write = self.init.settle(msg, err)
+                    if max_write is not None:
+                        self.writes.fit(max_write)
                     self.send(msg)
-                    if self.ring_payload:  # (the queues register once INIT is answered)
+                    if self.init.ring_payload:  # (the queues register once INIT is answered)
                         self.start_ring()
                     continue
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
@@ -848,56 +683,3 @@ class FastPath(RequestWait):
             if self.ring is not None:  # (pyfuse3's handlers may change a directory in steps)
                 self.ring.dirs_changed()
             self.send(msg)
-
-    def negotiated(self, msg, err: int) -> None:
-        """The INIT reply: the fast path starts if the protocol is one it knows."""
-        if err or len(msg) < OUT_HEADER.size + INIT_OUT.size:
-            return
-        major, minor, _, flags, _, _, max_write = INIT_OUT.unpack_from(msg, OUT_HEADER.size)
-        if major != 7 or minor < 12:
-            log.info("FUSE protocol %d.%d: every request goes through pyfuse3", major, minor)
-            return
-        # Flags libfuse 3.14 does not know, set in its reply:
-        # - FUSE_DIRECT_IO_ALLOW_MMAP: the READs of a mapping come here anyway. With it,
-        #   MAP_SHARED mmap of a --direct-reads file works (through the page cache) instead of
-        #   failing with ENODEV, so direct reads can be the default.
-        # - FUSE_OVER_IO_URING (--fuse-uring): requests on per-CPU rings (fuse/ring.py).
-        more = self.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP
-        if self.uring_wanted:
-            reason = fring.enabled()
-            if reason is None and not self.kernel_flags & FUSE_OVER_IO_URING:
-                reason = "the kernel did not offer it"
-            if reason is None:
-                more |= FUSE_OVER_IO_URING
-            else:
-                log.warning("--fuse-uring: requests stay on /dev/fuse: %s", reason)
-        # (the queue threads' payload buffers: the kernel's least read buffer, max_write,
-        # max_pages pages, FUSE_MIN_READ_BUFFER)
-        pages = (_U16.unpack_from(msg, OUT_HEADER.size + INIT_OUT_MAX_PAGES)[0]
-                 if flags & FUSE_MAX_PAGES else 32)
-        payload = (max(8192, max_write, pages * 4096) + 4095) & ~4095
-        if self.threads_wanted and not more & FUSE_OVER_IO_URING:
-            reason = fring.threads_unavailable()
-            if reason is None:
-                self.ring_payload, self.ring_dev = payload, True
-            else:
-                log.warning("queue threads: requests are served by the daemon's loop: %s",
-                            reason)
-        if more and len(msg) >= OUT_HEADER.size + INIT_OUT_FLAGS2 + 4:
-            at = OUT_HEADER.size + INIT_OUT_FLAGS2
-            flags2 = _U32.unpack_from(msg, at)[0] if flags & FUSE_INIT_EXT else 0
-            flags |= FUSE_INIT_EXT
-            _U32.pack_into(msg, OUT_HEADER.size + protocol.layout("fuse_init_out").offset("flags"),
-                           flags)
-            _U32.pack_into(msg, at, flags2 | more >> 32)
-            if more & FUSE_DIRECT_IO_ALLOW_MMAP:
-                self.ops.initialised(shared_mmap_direct=True)
-                log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
-                         "on" if self.ops.negotiated.direct_reads else "off")
-            if more & FUSE_OVER_IO_URING:
-                self.ring_payload, self.ring_dev = payload, False
-        self.request_max = max(REQUEST_MAX, HEAD + max_write + 4096)
-        if len(self.overflow or b"") < self.request_max:
-            self.overflow = bytearray(self.request_max)
-        self.minor = minor
-        log.info("FUSE protocol %d.%d, max_write %d: in-place writes on", major, minor, max_write)

@@ -33,8 +33,8 @@ class Intake:
                  tally: Callable[[int], None]) -> None:
         """`ring`: the queue threads; `ops`: the handlers; `answers`: what the queue threads
         answer from; `landing`: their WRITEs and CREATEs; `hold(fhs)`: released handles
-        whose work is held (FastPath.hold_releases), `release(fh)`: a released handle's work
-        now (FastPath.release_now); `tally(reads)`: counts READs the queue threads answered
+        whose work is held (Releases.hold), `release(fh)`: a released handle's work
+        now (Releases.now); `tally(reads)`: counts READs the queue threads answered
         with those the fast path answered (FastPath.count_reads)."""
         self.ring = ring
         self.ops = ops

@@ -5,9 +5,9 @@ process waiting in ckptfs for a backing store that stopped answering could not e
 The requests that can wait that long are *held* here while they wait, each under its unique,
 with what answering it early takes:
 
-- a WRITE waiting for staging space (fastpath.py; the flusher frees space, so the store): its
-  wait is cancelled and the fast path answers it with the bytes it had recorded (a short
-  write; EINTR if none); what was recorded stays written and lands.
+- a WRITE waiting for staging space (fuse/inplace.py; the flusher frees space, so the
+  store): its wait is cancelled and the fast path answers it with the bytes it had recorded
+  (a short write; EINTR if none); what was recorded stays written and lands.
 - a READ waiting for the disk (datapath/reader.py: chunk loads in its loader threads): its wait
   is cancelled and it is answered EINTR; the loader thread's disk read goes on, and a later read
   of the same bytes waits for it or finds them cached.

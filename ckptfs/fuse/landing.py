@@ -4,7 +4,7 @@ that landed there, the handles whose WRITEs they may answer, the files they crea
 thread only; one `Landing` exists while they run: FastPath.start_ring).
 
 A WRITE the queue threads landed is recorded here in the order it landed, as a WRITE read
-into the tails on /dev/fuse is recorded (FastPath.write_landed): `claim` takes the tails
+into the tails on /dev/fuse is recorded (InPlaceWrites.record): `claim` takes the tails
 back first (staging calls it before it changes, through `Staging.claim`), and `offer`
 offers them again. A WRITE they handed over after landing it waits for its outcome (`outcome`) in
 its entry's turn. docs/architecture.md, "What the queue threads answer", has the rules.
@@ -57,7 +57,7 @@ class Landing:
         """`ring`: the queue threads; `ops`: the handlers (their staging, handles, tree);
         `answers`: the answer cache (a handle that can write takes its file's answers back);
         `tally(writes, nbytes)`: counts landed WRITEs answered and bytes landed with those
-        the fast path read in place (FastPath.count_landed)."""
+        the fast path read in place (InPlaceWrites.count_landed)."""
         self.ring = ring
         self.ops = ops
         self.staging = ops.staging
@@ -113,7 +113,7 @@ class Landing:
         """Staging's claimer while the zone is offered (Staging.claim calls it, once; so does
         every settle and the fast path's quiesce, through it): take the tails back from the
         queue threads and record the writes they landed, in order, as a /dev/fuse WRITE read
-        into the tails is recorded (FastPath.write_landed); each one's outcome waits for its
+        into the tails is recorded (InPlaceWrites.record); each one's outcome waits for its
         entry's turn (`outcome`). A write that cannot be recorded (a stale handle, say)
         still takes its place in the segment, as dead bytes: the writes after it landed
         behind it; so do the bytes of a write past the largest file (ops.write_target: a

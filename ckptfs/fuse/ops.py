@@ -1033,7 +1033,7 @@ class CkptOperations(pyfuse3.Operations):
 
     def release_now(self, fh) -> None:
         """RELEASE's work (nothing in it waits): the fast path runs it after the requests
-        that do not depend on it (fastpath.FastPath.run_releases)."""
+        that do not depend on it (fuse/releases.py)."""
         h = self.handles.pop(fh, None)
         self.snapshots.pop(fh, None)
         if h is not None and h.wrote and h.inode.layer == 0 and not self.settings.readonly:
