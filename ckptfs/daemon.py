@@ -564,7 +564,7 @@ async def serve_status(ops, listener: socket.socket) -> None:
     Through the mount (the status xattr) they need a free request task, and when the backing
     store hangs all of them can be waiting for it (docs/reliability.md) - which is when an
     operator asks. Served on the trio thread, one client at a time, to those who may read
-    the status xattr (ops.controllers, checked with SO_PEERCRED)."""
+    the status xattr (Control.controllers, checked with SO_PEERCRED)."""
     with trio.socket.from_stdlib_socket(listener) as sock:
         while True:
             conn, _ = await sock.accept()
@@ -572,7 +572,7 @@ async def serve_status(ops, listener: socket.socket) -> None:
                 try:
                     cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
                     uid = int.from_bytes(cred[4:8], sys.byteorder)  # struct ucred
-                    if uid not in ops.controllers():
+                    if uid not in ops.control.controllers():
                         continue
                     data = memoryview(json.dumps(metrics.status(ops)).encode() + b"\n")
                     while data:

@@ -95,7 +95,7 @@ def status(ops) -> dict:
         "failed": 1 if ops.flusher.failed is not None else 0,
         "inodes": ninodes,
         "open_handles": len(ops.handles),
-        "listing_entries": ops.listing_entries,
+        "listing_entries": ops.listings.entries,
         "file_bytes": user_bytes,
         "read_disk_bytes": ops.reader.disk_bytes,
         "read_memory_bytes": ops.reader.memory_bytes,

@@ -188,7 +188,7 @@ def test_what_open_directory_handles_hold_is_bounded(mounts):
     """Handles of an unchanged directory share one listing; listings of a directory changed
     between opens add up to at most LISTING_ENTRIES_MAX entries, then opendir fails with
     ENFILE, and every entry comes back once the handles are closed."""
-    from ckptfs.fuse.ops import LISTING_ENTRIES_MAX
+    from ckptfs.fuse.listings import LISTING_ENTRIES_MAX
 
     m = mounts.mount()
     d = os.path.join(m.mountpoint, "d")

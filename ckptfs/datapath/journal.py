@@ -101,7 +101,7 @@ class Journal:
     def touched_seq(self, inos) -> int:
         """The sequence number of the newest change to any of `inos` still pending in some
         level (0: none): what says whether a file or a tree is staged, node- or
-        backing-durable (ops.level_of)."""
+        backing-durable (Control.level_of)."""
         touched = self.touched
         return max((touched.get(i, 0) for i in inos), default=0)
 

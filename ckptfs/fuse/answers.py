@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.fuse import ring as fring
-from ckptfs.fuse.ops import CONTROL_LAYER, CTL_NAME
+from ckptfs.fuse.control import CTL_NAME
 from ckptfs.fuse.replies import entry_out, open_flags
-from ckptfs.namespace import ROOT_INO
+from ckptfs.namespace import CONTROL_LAYER, ROOT_INO
 
 log = logging.getLogger("ckptfs")
 

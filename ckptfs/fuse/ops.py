@@ -4,14 +4,14 @@ Handlers run on the trio thread, check the request (POSIX errnos), then call int
 (namespace.py), the staging area (staging.py), the journal (journal.py), the flusher
 (flusher.py) or the reader (reader.py). They never block on disk I/O: writes only copy into
 staging (or wait for a free segment), reads of durable data go through the reader's loader
-threads.
+threads. Directory listings (fuse/listings.py) and the control files and xattrs
+(fuse/control.py) are kept by modules of their own, which these handlers call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import math
 import os
@@ -44,6 +44,8 @@ from ckptfs.format.records import (
 from ckptfs import metrics
 from ckptfs.datapath import writes
 from ckptfs.fuse import loop
+from ckptfs.fuse.control import CTL_DIR_INO, CTL_NAME, CTL_STATS_INO, Control
+from ckptfs.fuse.listings import Listings
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.refresh import ATTRS, IDLE_PERIOD_S
 from ckptfs.namespace import (
@@ -67,23 +69,9 @@ BLOCK_BYTES = 4096
 # page-aligned, and a direct read of a full 1 MiB there spans 257 pages, which the kernel
 # (256 pages per request) sends as two READs.
 IO_BLOCK_BYTES = 512 << 10
-XATTR_PREFIX = b"user.ckptfs."
-# user.ckptfs.sync: a barrier at the mount's --durability; .sync.node, .sync.backing at that
-# level. user.ckptfs.level on any file or directory: how durable it is (level_of)
-XATTR_SYNC_LEVELS = {XATTR_PREFIX + b"sync": None, XATTR_PREFIX + b"sync.node": "node",
-                     XATTR_PREFIX + b"sync.backing": "backing"}
-XATTR_LEVEL = XATTR_PREFIX + b"level"
 SEQUENTIAL_SLACK_BYTES = 4 << 20
 DIRECT_READ_MIN_BYTES = 1 << 20  # --direct-reads applies to files of at least one READ
-# Entries of directory listings held by open directory handles together: past it, a listing
-# that cannot be shared with one held already is refused (ENFILE) unless it is the only one
-LISTING_ENTRIES_MAX = 1 << 21
 SEEN_RANGES_MAX = 64  # a handle reading more separate ranges is a random reader: not counted
-# The control directory: reachable by name (cat /ckpt/.ckptfs/stats.json) but not listed, so
-# cp -r, du and find of the user's tree never see it.
-CTL_NAME = b".ckptfs"
-CTL_DIR_INO = (1 << 63) - 2
-CTL_STATS_INO = (1 << 63) - 1
 SETID_BITS = stat.S_ISUID | stat.S_ISGID
 MODE_BITS = 0o7777  # the bits of a requested mode a new entry keeps (those the umask leaves)
 
@@ -123,18 +111,6 @@ class _Handle:
         self.streak = 0  # bytes read sequentially since the last jump
         self.seen: list[list[int]] | None = []  # ranges served to this handle (reader recycling)
         self.plan: ReadPlan | None = None  # the order its reader reads the file in (readplan.py)
-
-
-class _Listing:
-    """A directory's sorted entries as its open handles list them (CkptOperations._listing);
-    a directory handle's `flags` holds it."""
-
-    __slots__ = ("entries", "handles", "key")
-
-    def __init__(self, entries: list, key) -> None:
-        self.entries = entries
-        self.handles = 1
-        self.key = key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,15 +183,9 @@ class CkptOperations(pyfuse3.Operations):
         self.maintainer = maintainer
         self.written_direct: set[int] = set()
         self.handles: dict[int, _Handle] = {}
-        self.snapshots: dict[int, bytes] = {}  # fh -> stats.json content of that open
-        now = time.time_ns()
-        ctl = Inode(CTL_DIR_INO, stat.S_IFDIR | 0o555, 0, 0, 0, now, now, now)
-        ctl.nlink, ctl.parent, ctl.layer = 2, ROOT_INO, CONTROL_LAYER
-        ctl.children[b"stats.json"] = CTL_STATS_INO
-        stats = Inode(CTL_STATS_INO, stat.S_IFREG | 0o444, 0, 0, 0, now, now, now)
-        stats.nlink, stats.layer = 1, CONTROL_LAYER
-        ns.inodes[CTL_DIR_INO] = ctl
-        ns.inodes[CTL_STATS_INO] = stats
+        # the control directory, its stats.json and the control xattrs (fuse/control.py)
+        self.control = Control(ns, journal, flusher, self.inode, self._barrier,
+                               lambda: metrics.status(self), refresher)
         self.next_fh = 1
         self.bytes_written = 0
         self.write_requests = 0
@@ -223,10 +193,8 @@ class CkptOperations(pyfuse3.Operations):
         self.bytes_read = 0  # served to READs (re-reads counted again)
         # the DCP read policy: which read-only opens get a read plan (datapath/dcpreads.py)
         self.dcp = DcpReads(ns, reader, IO_BLOCK_BYTES)
-        # the listings open directory handles hold (_Listing): by the directory's inode, or
-        # by ("old", id) for a version it no longer has
-        self.listings: dict = {}
-        self.listing_entries = 0
+        # the listings open directory handles hold (fuse/listings.py)
+        self.listings = Listings(ns, self._attr, self.dcp.saw_name)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
         self.request_wait: loop.RequestWait | None = None
@@ -795,7 +763,7 @@ class CkptOperations(pyfuse3.Operations):
             self._writable(x)
         if x.ino == CTL_STATS_INO:
             fh = self._open_handle(x, flags)
-            self.snapshots[fh] = json.dumps(metrics.status(self), indent=1).encode() + b"\n"
+            self.control.opened(fh)
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         if flags & os.O_TRUNC and x.size:
             now = time.time_ns()
@@ -872,7 +840,7 @@ class CkptOperations(pyfuse3.Operations):
         x = h.inode
         self.read_requests += 1
         if x.layer == CONTROL_LAYER:
-            out = self.snapshots.get(fh, b"")[off:off + size]
+            out = self.control.read(fh, off, size)
             return [out] if gather else out
         if x.emap is None:  # unlinked and forgotten while open cannot happen; be safe
             return [] if gather else b""
@@ -1035,7 +1003,7 @@ class CkptOperations(pyfuse3.Operations):
         """RELEASE's work (nothing in it waits): the fast path runs it after the requests
         that do not depend on it (fuse/releases.py)."""
         h = self.handles.pop(fh, None)
-        self.snapshots.pop(fh, None)
+        self.control.released(fh)
         if h is not None and h.wrote and h.inode.layer == 0 and not self.settings.readonly:
             # Writes move mtime/ctime; one SETATTR per written file at close makes them
             # durable (journaled after the file's extents).
@@ -1083,104 +1051,33 @@ class CkptOperations(pyfuse3.Operations):
         if self.refresher is not None and self.refresher.due():
             await self.refresher.refresh()
         x = self._dir(inode)
-        listing = self._listing(x)
-        fh = self.next_fh
-        self.next_fh += 1
+        listing = self.listings.open(x)
+        fh = self.reserve_handle()
         self.handles[fh] = _Handle(x, 0)
         self.handles[fh].flags = listing
         return fh
-
-    def _listing(self, x: Inode) -> "_Listing":
-        """The sorted entries of directory x for a new directory handle: readdir resumes by
-        index into them (POSIX allows entries added or removed during a listing to be missed
-        or shown). Handles of a directory that has not changed since share one listing; the
-        entries all held listings have together are bounded (LISTING_ENTRIES_MAX)."""
-        children = x.children
-        held = self.listings.get(x.ino)
-        if held is not None and len(held.entries) == len(children) \
-                and all(children.get(n) == i for n, i in held.entries):
-            held.handles += 1
-            return held
-        if self.listing_entries + len(children) > LISTING_ENTRIES_MAX and self.listings:
-            raise _err(errno.ENFILE)
-        if held is not None:  # (an older version, still held by handles: kept apart)
-            held.key = ("old", id(held))
-            self.listings[held.key] = held
-        listing = self.listings[x.ino] = _Listing(sorted(children.items()), x.ino)
-        self.listing_entries += len(listing.entries)
-        return listing
 
     async def readdir(self, fh, start_id, token):
         h = self.handles.get(fh)
         if h is None:
             raise _err(errno.EBADF)
-        entries = h.flags.entries
-        for i in range(start_id, len(entries)):
-            name, ino = entries[i]
-            x = self.ns.inodes.get(ino)
-            if x is None:
-                continue
-            if not pyfuse3.readdir_reply(token, name, self._attr(x), i + 1):
-                break
-            x.lookups += 1
-            self.dcp.saw_name(h.ino, name, ino)  # (READDIRPLUS: its open may ask no LOOKUP)
+        self.listings.fill(h.flags, h.ino, start_id, token)
 
     async def releasedir(self, fh):
         h = self.handles.pop(fh, None)
-        if h is None:
-            return
-        listing = h.flags
-        listing.handles -= 1
-        if listing.handles <= 0 and self.listings.get(listing.key) is listing:
-            del self.listings[listing.key]
-            self.listing_entries -= len(listing.entries)
+        if h is not None:
+            self.listings.close(h.flags)
 
     async def fsyncdir(self, fh, datasync):
         self.fsyncs += 1
         await self._barrier()
 
-    # ------------------------------------------------------------ status (xattrs on the root)
-    def controllers(self) -> set[int]:
-        """Who may use the control xattrs and the status socket: root, the daemon's user and
-        the owner of the mount's root (the job's user a root prolog handed it to); another
-        user of an --allow-other mount may not force barriers or read the figures."""
-        return {0, os.getuid(), self.ns.inodes[ROOT_INO].uid}
-
-    def level_of(self, ino: int) -> str:
-        """How durable a file is, or a directory with everything under it: "staged", "node"
-        (the node tier) or "backing" (the backing directory), by the newest change to any of
-        its inodes not yet known to be in the backing directory."""
-        x = self._inode(ino)
-        inos, todo, inodes = [x.ino], [x], self.ns.inodes
-        while todo:  # (iterative: trees of any depth)
-            d = todo.pop()
-            if d.children:
-                for i in d.children.values():
-                    inos.append(i)
-                    c = inodes.get(i)
-                    if c is not None and c.children:
-                        todo.append(c)
-        return self.flusher.level(self.journal.touched_seq(inos))
-
+    # ------------------------------------------------------------ xattrs (fuse/control.py)
     async def getxattr(self, inode, name, ctx):
-        if name == XATTR_LEVEL:  # (any user who reaches the file may ask)
-            return self.level_of(inode).encode()
-        if inode == ROOT_INO and name.startswith(XATTR_PREFIX) \
-                and ctx.uid not in self.controllers():
-            raise _err(errno.EACCES)
-        if inode == ROOT_INO and name == XATTR_PREFIX + b"status":
-            return json.dumps(metrics.status(self)).encode()
-        if inode == ROOT_INO and name in XATTR_SYNC_LEVELS:
-            await self._barrier(XATTR_SYNC_LEVELS[name])
-            if self.refresher is not None:  # and what the others made durable before it
-                await self.refresher.refresh()
-            return b"ok"
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return await self.control.getxattr(inode, name, ctx)
 
     async def listxattr(self, inode, ctx):
-        if inode == ROOT_INO:
-            return [XATTR_PREFIX + b"status"]
-        return []
+        return self.control.listxattr(inode)
 
     async def setxattr(self, inode, name, value, ctx):
         raise _err(errno.ENOTSUP)
