@@ -111,7 +111,7 @@ _DIR_CHANGES = frozenset((InodeRec, RenameRec, UnlinkRec, LinkRec, XUnlinkRec))
 
 class Watch(Protocol):
     """What is told of the tree's changes (fuse/ring.Ring: what its queue threads answer from
-    a copy of the Python side's answers goes when the tree changes under it)."""
+    a copy of the trio thread's answers goes when the tree changes under it)."""
 
     def dirs_changed(self) -> None:
         """A directory's attributes or entries changed."""

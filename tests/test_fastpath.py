@@ -229,8 +229,8 @@ def test_a_closed_files_times_are_durable_with_the_next_barrier(mounts):
 
 
 def test_writes_answered_without_the_daemon_become_durable_while_the_file_stays_open(mounts):
-    """The queue threads answer a WRITE that landed whole without waking the daemon's Python
-    side, which records it with the next request it serves or once a segment fills; a file
+    """The queue threads answer a WRITE that landed whole without waking the daemon's trio
+    thread, which records it with the next request it serves or once a segment fills; a file
     written and left open, with no request after, is recorded on the idle sealer's tick and
     made durable by the idle flush: a daemon killed then loses none of it."""
     m = mounts.mount(idle_flush=0.2)

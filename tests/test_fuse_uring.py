@@ -123,7 +123,7 @@ def on(transport: str):
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts, transport):
     """LOOKUP of a name that is not there is answered by the queue threads from the names of
-    the directory the Python side left with them (a new file's open asks for its name first);
+    the directory the trio thread left with them (a new file's open asks for its name first);
     every way a name comes into the directory reaches them before it is answered, so a name
     that exists is never answered absent."""
     switch, opts = on(transport)
@@ -169,9 +169,9 @@ def test_absent_names_answered_on_the_rings_follow_every_new_name(mounts, transp
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_files_created_on_the_rings_are_the_files_the_python_side_makes(mounts, transport):
     """CREATE answered by the queue threads: the file has the mode (umask applied), owner and
-    group (a set-group-ID directory's) a CREATE served by the Python side gives, its directory
+    group (a set-group-ID directory's) a CREATE served by the trio thread gives, its directory
     takes the change at once, and the files, their numbers and times are in the tree (the
-    Python side made them) as the kernel was told at the create: after a remount through
+    trio thread made them) as the kernel was told at the create: after a remount through
     /dev/fuse too."""
     key = ("st_ino", "st_mode", "st_uid", "st_gid", "st_nlink", "st_ctime_ns")
 
@@ -386,7 +386,7 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_directory_attributes_answered_on_the_rings_follow_every_change(mounts, transport):
-    """GETATTR of a directory is answered by the queue threads from what the Python side left
+    """GETATTR of a directory is answered by the queue threads from what the trio thread left
     with them (after a CREATE in it, after a GETATTR it answered); every change of a directory
     takes them back, so stat() of a directory shows each change, as through /dev/fuse."""
     switch, opts = on(transport)
@@ -587,11 +587,11 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])
 def test_a_lookup_served_by_the_python_side_takes_back_its_prepared_answer(mounts, transport):
-    """A LOOKUP that comes to the Python side while an answer prepared for its name stands
+    """A LOOKUP that comes to the trio thread while an answer prepared for its name stands
     (a reader quicker than the preparation, or, as here, a look at other writers due, when
     the queue threads answer none) takes that answer back: left standing, it would answer
     the name's next LOOKUP in C without the OPEN prepared with it, whose window went with
-    the file's OPEN, so that OPEN would come to the Python side."""
+    the file's OPEN, so that OPEN would come to the trio thread."""
     switch, opts = on(transport)
     with switch:
         names = [f"f{i}" for i in range(8)]

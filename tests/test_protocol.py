@@ -1,4 +1,4 @@
-"""fuse/protocol.h is one definition for both sides: the layouts and constants the Python side
+"""fuse/protocol.h is one definition for both sides: the layouts and constants Python code
 reads from it (fuse/protocol.py) are the C compiler's (the compiled module's), and the header
 reader refuses what it cannot lay out as C does."""
 

@@ -7,7 +7,7 @@ bit for bit), on the GPT-2-shaped state or ``--small N`` tensors. Per phase it r
 time, the daemon's user and system CPU (all threads, and per thread; the request thread's
 with how often it slept and was woken), how its request waits
 ended (found queued, caught spinning, slept in epoll), which requests the queue threads handed
-to the Python side (by opcode; the rest they answered in C), and what one profiler saw:
+to the trio thread (by opcode; the rest they answered in C), and what one profiler saw:
 
   perf      ``perf record -g -p PID``: every sample put in a category by its kernel call path
             (readv of /dev/fuse, its reply, poll, epoll, madvise, ...) or its user-space
@@ -106,7 +106,7 @@ OPCODES = {1: "LOOKUP", 2: "FORGET", 3: "GETATTR", 4: "SETATTR", 9: "MKDIR", 14:
 
 
 def python_side(st0: dict, st1: dict) -> dict:
-    """What of a phase's requests the queue threads handed to the daemon's Python side, by
+    """What of a phase's requests the queue threads handed to the daemon's trio thread, by
     opcode, and the WRITE bytes it copied into staging (the rest landed in place); {} on a
     mount without queue threads."""
     if "ring_handed_by_opcode" not in st1:
@@ -550,7 +550,7 @@ def main(argv: list[str]) -> int:
                           f"{rt['wakeups']} times", flush=True)
                     py = r["python_side"]
                     if py:
-                        print(f"  the Python side served {py['handed']} of the queue threads' "
+                        print(f"  the trio thread served {py['handed']} of the queue threads' "
                               f"{py['requests']} requests: {py['by_opcode']}; WRITE bytes "
                               f"copied there {py['bytes_copied_in']}", flush=True)
                     if "profile" in r:

@@ -175,7 +175,7 @@ class Reader:
         # `cond`; what they completed, handed to the trio thread by one call (_landed) for
         # all that completed before it runs (`posted` while that call is on its way). With
         # `lazy` (set by the fast path, which lands them at every settle of the ring: before
-        # every request the Python side serves and on the idle tick), only a load a READ
+        # every request the trio thread serves and on the idle tick), only a load a READ
         # waits for is handed over by a call of its own: each such call is a wake-up of the
         # trio thread (~60 us of its CPU on this VM), once per chunk of a restore.
         self.lazy = False

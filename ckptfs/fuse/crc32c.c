@@ -1,13 +1,13 @@
 /* CRC32C (Castagnoli) in C, for the bytes the queue threads land in staging (fuse/ring_landing.c,
- * ck_fring_sum_landed: summed before the Python side records them, with no Python per slice),
- * and the arithmetic the Python side needs to join such checksums into a run's
+ * ck_fring_sum_landed: summed before the trio thread records them, with no Python per slice),
+ * and the arithmetic the trio thread needs to join such checksums into a run's
  * (staging.Checksums). The values are those of the `crc32c` package: ck_crc32c(0, p, n) is
  * crc32c(p[:n]), ck_crc32c(c, p, n) continues c over p.
  *
  * With SSE4.2 (x86-64) the CPU's crc32 instruction does the work in three independent
  * streams (one stream waits for each instruction's result: a third of the speed), whose
  * registers are joined by shifting one over the other's length. Where there is no such
- * instruction ck_crc32c_hw() is 0 and nothing is summed here: the Python side sums the bytes
+ * instruction ck_crc32c_hw() is 0 and nothing is summed here: the trio thread sums the bytes
  * itself, as it does those of a WRITE it landed.
  *
  * A register is the CRC's raw state (no inversion), a polynomial over GF(2) in the reflected

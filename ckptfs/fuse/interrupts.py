@@ -7,7 +7,7 @@ with what answering it early takes:
 
 - a WRITE waiting for staging space (fuse/inplace.py; the flusher frees space, so the
   store): its wait is cancelled and the fast path answers it with the bytes it had recorded
-  (a short write; EINTR if none); what was recorded stays written and lands.
+  (a short write; EINTR if none); what was recorded stays written and is made durable.
 - a READ waiting for the disk (datapath/reader.py: chunk loads in its loader threads): its wait
   is cancelled and it is answered EINTR; the loader thread's disk read goes on, and a later read
   of the same bytes waits for it or finds them cached.
@@ -15,7 +15,7 @@ with what answering it early takes:
   pyfuse3: it is answered EINTR here at once and libfuse's later answer is dropped; the
   handler's wait for the barrier ends (one that has not started does not wait), so its request
   task serves requests again; the barrier itself goes on in the daemon, and what was written
-  before it lands once the store answers.
+  before it is made durable once the store answers.
 
 A held request is answered early only when its caller is being killed (dying()); other signals
 change nothing (reads and writes of regular files do not fail with EINTR). Two things find

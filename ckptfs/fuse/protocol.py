@@ -1,4 +1,4 @@
-"""FUSE's wire protocol for the Python side: the opcodes, flags and layouts of fuse/protocol.h.
+"""FUSE's wire protocol for Python code: the opcodes, flags and layouts of fuse/protocol.h.
 
 The header is the one definition: the queue threads' C (fuse/ring*.c) includes it, and this
 module reads it when it is imported (a few hundred lines, well under a millisecond), so the

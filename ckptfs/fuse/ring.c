@@ -1,26 +1,26 @@
 /* The queue threads of the daemon's request transport (fuse/ring.py): what both transports
  * share. One thread per CPU, pinned to it, takes requests off /dev/fuse (fuse/ring_dev.c, the
  * default) or off that CPU's FUSE io_uring queue (fuse/ring_uring.c, --fuse-uring) into its
- * entries, answers the few it can (fr_dispatch) and hands every other one to the Python side
+ * entries, answers the few it can (fr_dispatch) and hands every other one to the trio thread
  * (a FIFO it polls while requests flow, with an eventfd to wake it when it sleeps), which
  * serves it with the same handlers as a request it read itself and writes the answer into the
- * entry; the queue thread commits it (FUSE over io_uring) or the Python side writes it on
+ * entry; the queue thread commits it (FUSE over io_uring) or the trio thread writes it on
  * /dev/fuse.
  *
- * These threads decide nothing about files: the Python side hands them what they may
+ * These threads decide nothing about files: the trio thread hands them what they may
  * answer and with what (fuse/ring.h). They answer
- * - a WRITE that landed whole in the zone the Python side offered, on a handle it said takes
+ * - a WRITE that landed whole in the zone the trio thread offered, on a handle it said takes
  *   writes (fuse/ring_landing.c);
  * - GETATTR of a directory, LOOKUP of a name not in a directory, CREATE of such a name, from
- *   the attributes, names and policy the Python side left (fuse/ring_dirs.c);
+ *   the attributes, names and policy the trio thread left (fuse/ring_dirs.c);
  * - LOOKUP of a name whose answer it prepared, OPEN of a file it prepared a read window for,
  *   READ inside a handle's read window (fuse/ring_reads.c);
- * - RELEASE, noted for the Python side, which does its work later (its caller does not
+ * - RELEASE, noted for the trio thread, which does its work later (its caller does not
  *   wait); IOCTL (ENOTTY: ckptfs files have none; Python's open() asks isatty() of every
  *   file); FLUSH while the flusher has no error to report (ckptfs's close() does not wait
- *   for durability; with an error, FLUSH goes to the Python side, which reports it to
+ *   for durability; with an error, FLUSH goes to the trio thread, which reports it to
  *   handles that wrote).
- * What they answered they note in lists the Python side takes in before it serves any
+ * What they answered they note in lists the trio thread takes in before it serves any
  * request (its settle), in order.
  *
  * Why: a FUSE round trip on a VM is dominated by wake-ups between vCPUs (docs/benchmarks.md,
@@ -29,10 +29,10 @@
  * committed from the caller's own CPU, by a thread that polls for it while the caller waits
  * (so that CPU never halts), and the caller's wake-up is local.
  *
- * Bounds: a queue thread polls only while one of its requests is with the Python side and
- * only for `spin_s` (then it sleeps until the Python side wakes it); requests the caller does
+ * Bounds: a queue thread polls only while one of its requests is with the trio thread and
+ * only for `spin_s` (then it sleeps until the trio thread wakes it); requests the caller does
  * not wait for (RELEASE, page-cache writeback) are not polled for; the poll yields the CPU
- * (sched_yield) so that a caller or the Python side that wants this CPU gets it. Memory:
+ * (sched_yield) so that a caller or the trio thread that wants this CPU gets it. Memory:
  * `depth` entries per queue, each a 4 KiB header and a payload buffer of `payload` bytes.
  */
 #include <sys/eventfd.h>
@@ -40,7 +40,7 @@
 #include "ring_internal.h"
 
 /* Take up to max records, in order, of one of the lists the queue threads fill for the
- * Python side (cap records of `size` bytes at `list`; head and tail count up, the count of
+ * trio thread (cap records of `size` bytes at `list`; head and tail count up, the count of
  * records not taken is lowered here, under the lock, as it is raised). (under lock) */
 int fr_take_list(void *out, const void *list, size_t size, unsigned cap, unsigned *head, unsigned tail, _Atomic int *count, int max)
 {
@@ -86,12 +86,12 @@ int fr_hand_over(struct ck_fring *f, int idx, uint32_t write_size, int in_zone)
     if (!answered)
         atomic_fetch_add(&f->pending, 1);
     if (!in_zone && (!answered || atomic_load(&f->landed_due)))
-        fr_wake_python(f);  /* (in_zone: the caller does, once it let go of the lock) */
+        fr_wake_trio(f);  /* (in_zone: the caller does, once it let go of the lock) */
     return answered;
 }
 
-/* A RELEASE answered here: its handle leaves the writable set and is noted for the Python
- * side, which runs the release's work (the file's times into the journal) when it suits it.
+/* A RELEASE answered here: its handle leaves the writable set and is noted for the trio
+ * thread, which runs the release's work (the file's times into the journal) when it suits it.
  * 0 when the list is full (the request is then handed over). */
 static int fr_note_release(struct ck_fring *f, uint64_t fh)
 {
@@ -106,11 +106,11 @@ static int fr_note_release(struct ck_fring *f, uint64_t fh)
     }
     pthread_mutex_unlock(&f->lock);
     if (wake)
-        fr_wake_python(f);
+        fr_wake_trio(f);
     return ok;
 }
 
-/* Commit the answers the Python side left; returns how many. */
+/* Commit the answers the trio thread left; returns how many. */
 int fr_commit_answers(struct fr_queue *q)
 {
     struct ck_fring *f = q->f;
@@ -122,11 +122,11 @@ int fr_commit_answers(struct fr_queue *q)
         if (atomic_load_explicit(&s->state, memory_order_acquire) != ANSWERED)
             continue;
         atomic_fetch_sub(&q->answered, 1);
-        q->with_python--;
+        q->with_trio--;
         if (s->waited)
-            q->waited_with_python--;
+            q->waited_with_trio--;
         atomic_store(&s->state, AT_KERNEL);
-        if (f->dev)  /* (written on /dev/fuse by the Python side: the slot is free again) */
+        if (f->dev)  /* (written on /dev/fuse by the trio thread: the slot is free again) */
             n++;
         else if (fr_queue_cmd(q, i, FUSE_IO_URING_CMD_COMMIT_AND_FETCH,
                               s->hdr->ring_ent_in_out.commit_id) == 0)
@@ -136,7 +136,7 @@ int fr_commit_answers(struct fr_queue *q)
 }
 
 /* Serve the request in slot idx here (the answer written into the slot: 1) or hand it to the
- * Python side (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read). */
+ * trio thread (0). in_zone: a WRITE read into the zone, the lock held (fr_dev_read). */
 int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
 {
     struct ck_fring *f = q->f;
@@ -146,7 +146,7 @@ int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
     uint32_t size = h->opcode == FUSE_WRITE && w->size == s->hdr->ring_ent_in_out.payload_sz
         ? w->size : 0;
     atomic_fetch_add(&q->served, 1);
-    atomic_store_explicit(&s->state, AT_PYTHON, memory_order_release);
+    atomic_store_explicit(&s->state, AT_TRIO, memory_order_release);
     s->waited = !(h->opcode == FUSE_RELEASE || h->opcode == FUSE_RELEASEDIR
                   || h->opcode == FUSE_FORGET || h->opcode == FUSE_BATCH_FORGET
                   || h->opcode == FUSE_INTERRUPT
@@ -193,13 +193,13 @@ int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
         fr_answer(s, 0, NULL, 0);
         here = 1;
     } else {
-        q->with_python++;
+        q->with_trio++;
         if (s->waited)
-            q->waited_with_python++;
+            q->waited_with_trio++;
         if (fr_hand_over(f, idx, size, in_zone)) {
-            q->with_python--;
+            q->with_trio--;
             if (s->waited)
-                q->waited_with_python--;
+                q->waited_with_trio--;
             struct fuse_write_out out = { size, 0 };
             fr_answer(s, 0, &out, sizeof out);
             here = 1;
@@ -208,7 +208,7 @@ int fr_dispatch(struct fr_queue *q, int idx, int in_zone)
     return here;
 }
 
-/* Poll for up to spin_s, yielding the CPU, until the Python side answered something or
+/* Poll for up to spin_s, yielding the CPU, until the trio thread answered something or
  * `ready` says a request came: 1 if one of them did. */
 int fr_spin(struct fr_queue *q, int (*ready)(struct fr_queue *, void *), void *arg)
 {
@@ -250,7 +250,7 @@ void fr_wake(struct fr_queue *q)
 
 static void ck_fring_free(struct ck_fring *f);
 
-/* Start nqueues queue threads with depth entries each; the Python side's eventfd is wake_fd.
+/* Start nqueues queue threads with depth entries each; the trio thread's eventfd is wake_fd.
  * cpus NULL: on FUSE over io_uring, queue i on CPU i; waits until every queue has registered
  * its entries (or one failed: NULL, *err set). Else on /dev/fuse, thread i pinned to cpus[i];
  * they read nothing before ck_fring_go. */
@@ -342,7 +342,7 @@ fail:
     return NULL;
 }
 
-/* Take up to max slots handed to the Python side (FIFO); returns how many. */
+/* Take up to max slots handed to the trio thread (FIFO); returns how many. */
 int ck_fring_take(struct ck_fring *f, int *ids, int max)
 {
     if (!atomic_load(&f->pending))
@@ -367,22 +367,22 @@ int ck_fring_pending(struct ck_fring *f)
         + atomic_load(&f->looked_count);
 }
 
-/* The Python side is about to sleep on its eventfd (1) or is awake (0). Returns the requests
+/* The trio thread is about to sleep on its eventfd (1) or is awake (0). Returns the requests
  * waiting (with what it is to take: releases, creates, READs answered here that are due):
  * with 1, if not 0, it must not sleep (one may have come before the flag was set). */
 int ck_fring_sleep(struct ck_fring *f, int sleeping)
 {
-    atomic_store(&f->py_sleeping, sleeping);
+    atomic_store(&f->trio_sleeping, sleeping);
     int waiting = atomic_load(&f->pending) + atomic_load(&f->released_count)
         + atomic_load(&f->created_count) + atomic_load(&f->reads_due)
         + atomic_load(&f->landed_due) + atomic_load(&f->opened_count)
         + atomic_load(&f->looked_count);
     if (waiting)  /* (it does not sleep then) */
-        atomic_store(&f->py_sleeping, 0);
+        atomic_store(&f->trio_sleeping, 0);
     return waiting;
 }
 
-/* The Python side wrote slot id's answer (out header in the header's first 16 bytes, body in
+/* The trio thread wrote slot id's answer (out header in the header's first 16 bytes, body in
  * the payload buffer, its length in payload_sz): the queue thread commits it. (/dev/fuse:
  * it wrote the answer there itself, or the request needs none: the slot is free again.) */
 void ck_fring_answer(struct ck_fring *f, int id)
@@ -403,7 +403,7 @@ int ck_fring_error(struct ck_fring *f) { return atomic_load(&f->error); }
 
 int ck_fring_gone(struct ck_fring *f) { return atomic_load(&f->gone); }
 
-/* /dev/fuse: the threads start reading it (the Python side has set them up). */
+/* /dev/fuse: the threads start reading it (the trio thread has set them up). */
 void ck_fring_go(struct ck_fring *f)
 {
     atomic_store(&f->go, 1);
@@ -412,7 +412,7 @@ void ck_fring_go(struct ck_fring *f)
 }
 
 /* RELEASE and CREATE answered here (1, from the start) or handed over as any request (0: the
- * mount stops; the Python side takes what was noted before). */
+ * mount stops; the trio thread takes what was noted before). */
 void ck_fring_defer_here(struct ck_fring *f, int on)
 {
     pthread_mutex_lock(&f->lock);
@@ -420,10 +420,10 @@ void ck_fring_defer_here(struct ck_fring *f, int on)
     pthread_mutex_unlock(&f->lock);
 }
 
-/* The flusher has an error to report (1: FLUSH goes to the Python side) or not (0). */
+/* The flusher has an error to report (1: FLUSH goes to the trio thread) or not (0). */
 void ck_fring_flush_fails(struct ck_fring *f, int on) { atomic_store(&f->flush_fails, on); }
 
-/* Handles released here whose release the Python side has not taken yet. */
+/* Handles released here whose release the trio thread has not taken yet. */
 int ck_fring_released(struct ck_fring *f) { return atomic_load(&f->released_count); }
 
 /* Take up to max of them, in the order their RELEASEs came. */

@@ -1,9 +1,9 @@
-/* The queue threads' interface to the Python side (fuse/ring.py): the one declaration of the
- * records they exchange and of the calls the Python side makes. The cffi module's
+/* The queue threads' interface to the trio thread (fuse/ring.py): the one declaration of the
+ * records they exchange and of the calls the trio thread makes. The cffi module's
  * declarations are this file's text (io/_uring_build.py drops the preprocessor lines cffi does
  * not read), and the C (fuse/ring*.c) includes it, so the two cannot differ.
  *
- * The Python side decides; the queue threads carry out what it handed them: which requests
+ * The trio thread decides; the queue threads carry out what it handed them: which requests
  * may be answered in C at all (ck_fring_defer_here, flush_fails, absent_until, the writable
  * handles), the answers it prepared (directory attributes, names, LOOKUP answers, read
  * windows) and, for the files they create, what such a file is (struct ck_fring_policy). */
@@ -20,8 +20,8 @@
 
 struct ck_fring;
 
-/* What a file the queue threads create is, as the Python side decided it (fuse/ops.py:
- * new_file_mode, file_info, inherited_gid; fuse/fastpath.py hands it over): the queue threads
+/* What a file the queue threads create is, as the trio thread decided it (fuse/ops.py:
+ * new_file_mode, file_info, inherited_gid; fuse/landing.py hands it over): the queue threads
  * apply it to a CREATE and decide nothing of their own. */
 struct ck_fring_policy {
     uint64_t entry_valid;  /* the new file's entry timeout (s, ns) */
@@ -34,10 +34,10 @@ struct ck_fring_policy {
     uint32_t open_flags[4];  /* FOPEN_* of its handle, by the open's access mode (O_ACCMODE) */
     uint32_t writes_here[4];  /* 1: its handle takes writes (ck_fring_writable), by mode */
     uint32_t no_writes_mode;  /* ... unless its mode has one of these bits (set-user/group-ID:
-                               * a WRITE may have to clear them first, on the Python side) */
+                               * a WRITE may have to clear them first, on the trio thread) */
 };
 
-/* A landed WRITE, as the Python side records it (copied: an entry answered here goes back to
+/* A landed WRITE, as the trio thread records it (copied: an entry answered here goes back to
  * the kernel at once). */
 struct ck_fring_landed {
     int id, answered;
@@ -47,7 +47,7 @@ struct ck_fring_landed {
     int summed, pad2;
 };
 
-/* A file created here, as the Python side makes it in the tree (ops.create_open). */
+/* A file created here, as the trio thread makes it in the tree (ops.create_open). */
 struct ck_fring_created {
     uint64_t parent, ino, fh;
     int64_t now_ns;  /* CLOCK_REALTIME: the file's times and its directory's */
@@ -55,13 +55,13 @@ struct ck_fring_created {
     char name[256];
 };
 
-/* A READ answered here, as the Python side accounts for it (readahead, the read cache's use). */
+/* A READ answered here, as the trio thread accounts for it (readahead, the read cache's use). */
 struct ck_fring_read {
     uint64_t fh, off;
     uint32_t size, n;  /* asked for, answered */
 };
 
-/* An OPEN answered here from a prepared window, as the Python side makes the handle. */
+/* An OPEN answered here from a prepared window, as the trio thread makes the handle. */
 struct ck_fring_opened {
     uint64_t fh, nodeid;
     uint32_t flags, uid, gid, pid;

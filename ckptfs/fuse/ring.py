@@ -137,7 +137,7 @@ class RingError(OSError):
 
 
 class CreatePolicy(NamedTuple):
-    """What a file the queue threads create is (struct ck_fring_policy), as the Python side
+    """What a file the queue threads create is (struct ck_fring_policy), as the trio thread
     decided it (Landing.create_policy, from ops)."""
 
     entry_valid: tuple[int, int]  # its entry's timeout (s, ns)

@@ -2,12 +2,12 @@
  * A thread per CPU, pinned to it, each polling the (non-blocking) descriptor. A request
  * wakes every poller; the one on the caller's CPU, which the caller leaves as it waits, is
  * the first to read it, so the round trip stays on that CPU as on a ring ("What the FUSE
- * transport costs", dev-percpu). Not always: a thread on a CPU that was awake (the Python
- * side's) may take it, and its answer must then wake the caller's CPU; so a thread woken for
+ * transport costs", dev-percpu). Not always: a thread on a CPU that was awake (the trio
+ * thread's) may take it, and its answer must then wake the caller's CPU; so a thread woken for
  * a request another one took polls for up to spin_s, and that CPU does not halt meanwhile.
  * A request is read into a free entry laid out as a ring entry's (the op's fixed part in
  * op_in, the rest in the payload buffer), served by the same code (fr_dispatch), and its
- * answer written on /dev/fuse: by the queue thread for what it answers, by the Python side
+ * answer written on /dev/fuse: by the queue thread for what it answers, by the trio thread
  * (ck_fring_answer after it wrote) for what it was handed. A WRITE is read straight into the
  * landing zone when no other thread holds it, so that the kernel's copy is the only one.
  */
@@ -43,7 +43,7 @@ static int fr_dev_read(struct ck_fring *f, int idx)
     struct fr_slot *s = &f->slots[idx];
     /* A WRITE's payload is read straight into the zone when no one else holds it: [header |
      * op | the zone's two parts | the slot's payload buffer (what does not fit)], as the
-     * Python side's own loop reads into staging's tails; so the kernel's copy is the only
+     * trio thread's own loop reads into staging's tails; so the kernel's copy is the only
      * one. (Another thread holding it reads into its slot and lands the payload after: the
      * lock orders the landings; the read does not block, the descriptor being non-blocking.) */
     int zone = atomic_load_explicit(&f->zone_ready, memory_order_relaxed)
@@ -100,7 +100,7 @@ static int fr_dev_read(struct ck_fring *f, int idx)
     }
     /* The op's fixed part as a ring entry has it: LOOKUP has none (the name is the payload),
      * CREATE's is struct fuse_create_in; for the others OP_PART_MAX bytes at most (WRITE and
-     * READ: struct fuse_write_in / fuse_read_in), the split of a request the Python side
+     * READ: struct fuse_write_in / fuse_read_in), the split of a request the trio thread
      * hands to libfuse being of no matter (it is sent whole). */
     uint32_t all = (uint32_t)n - IN_HEADER_SIZE, k = all < OP_PART_MAX ? all : OP_PART_MAX;
     uint32_t psz = all - k, opsize = k;
@@ -137,7 +137,7 @@ static int fr_dev_reply(struct ck_fring *f, struct fr_slot *s)
         s->win = NULL;
         s->nbody = 0;
         if (s->wake)
-            fr_wake_python(f);
+            fr_wake_trio(f);
         s->wake = 0;
     }
     return -err;
@@ -158,7 +158,7 @@ void *fr_serve_dev(void *arg)
     fr_pin(q);
     atomic_fetch_add(&f->registered, 1);
     struct pollfd p[2] = { { f->fuse_fd, POLLIN, 0 }, { q->efd, POLLIN, 0 } };
-    /* (nothing is read before the Python side said go: until then a failed start loses
+    /* (nothing is read before the trio thread said go: until then a failed start loses
      * nothing, and it sets what answers depend on, e.g. flush_fails, first) */
     while (!atomic_load(&f->go) && !atomic_load(&f->stop)) {
         struct pollfd e = { q->efd, POLLIN, 0 };
@@ -169,14 +169,14 @@ void *fr_serve_dev(void *arg)
     }
     int gone = 0, woken = 0, lost = 0;
     /* Only the end of the connection or ck_fring_stop ends the loop: were the threads to stop
-     * on an error, nobody would read /dev/fuse any more (the Python side does not). */
+     * on an error, nobody would read /dev/fuse any more (the trio thread does not). */
     while (!atomic_load(&f->stop)) {
-        fr_commit_answers(q);  /* (the slots the Python side answered are free again) */
+        fr_commit_answers(q);  /* (the slots the trio thread answered are free again) */
         int idx = fr_dev_free_slot(q);
         if (idx >= 0) {
             int r = fr_dev_read(f, idx);
             /* (woken for a request another thread took: most likely this CPU's caller's,
-             * served from a CPU that was awake, the Python side's; its answer then wakes the
+             * served from a CPU that was awake, the trio thread's; its answer then wakes the
              * caller here, cheaply if this CPU did not halt meanwhile) */
             lost = woken && r == 0;
             woken = 0;
@@ -199,7 +199,7 @@ void *fr_serve_dev(void *arg)
                 if (r == 2) {
                     pthread_mutex_unlock(&f->lock);
                     if (!here || atomic_load(&f->landed_due))
-                        fr_wake_python(f);
+                        fr_wake_trio(f);
                     atomic_fetch_add(&q->read_in_place, 1);
                 }
                 if (here) {
@@ -218,9 +218,9 @@ void *fr_serve_dev(void *arg)
             }
         }
         p[0].fd = idx >= 0 ? f->fuse_fd : -1;  /* (no free slot: wait for an answer only) */
-        if ((q->waited_with_python > 0 || lost) && f->spin_s > 0) {
+        if ((q->waited_with_trio > 0 || lost) && f->spin_s > 0) {
             lost = 0;
-            /* A caller on this CPU waits for the Python side's answer (or, likely, another
+            /* A caller on this CPU waits for the trio thread's answer (or, likely, another
              * queue thread's): poll, so that this CPU does not halt (the answer's wake-up is
              * then cheap), and take the next request at once. */
             if (fr_spin(q, fr_dev_ready, p))
@@ -247,7 +247,7 @@ void *fr_serve_dev(void *arg)
         }
         woken = (p[0].revents & POLLIN) != 0;
     }
-    if (gone) {  /* (the Python side learns it even while it sleeps) */
+    if (gone) {  /* (the trio thread learns it even while it sleeps) */
         atomic_store(&f->gone, 1);
         uint64_t one = 1;
         if (write(f->wake_fd, &one, sizeof one) < 0) {}

@@ -1,25 +1,25 @@
-/* A small file's save without the Python side: what the queue threads answer of a directory
- * from what the Python side left with them.
- * - GETATTR of a directory whose answer the Python side left here (the attribute cache: it
+/* A small file's save without the trio thread: what the queue threads answer of a directory
+ * from what the trio thread left with them.
+ * - GETATTR of a directory whose answer the trio thread left here (the attribute cache: it
  *   leaves a directory's after a CREATE in it and after it answered a GETATTR of it, and
  *   clears them all whenever a directory changes): the kernel asks for the directory's
  *   attributes before every name created in it (its permission check, the attributes being
- *   invalid since the last CREATE), so a small file's save waits for the Python side once
+ *   invalid since the last CREATE), so a small file's save waits for the trio thread once
  *   less.
- * - LOOKUP of a name that is not there, in a directory whose names the Python side left here
+ * - LOOKUP of a name that is not there, in a directory whose names the trio thread left here
  *   (a Bloom filter of them: a name it does not hold is absent; one it holds goes to the
- *   Python side), while the Python side says no look at other writers is due (`--refresh`'s
+ *   trio thread), while the trio thread says no look at other writers is due (`--refresh`'s
  *   contract): a new file's open(O_CREAT) asks for its name first.
  * - CREATE of such a name in such a directory whose attributes it holds too: the new file's
- *   inode and handle numbers come from ranges the Python side reserved, the file is what the
- *   Python side's policy says (struct ck_fring_policy: its mode from the request's mode and
+ *   inode and handle numbers come from ranges the trio thread reserved, the file is what the
+ *   trio thread's policy says (struct ck_fring_policy: its mode from the request's mode and
  *   umask, its handle's open flags, whether the handle takes writes here) and its group the
- *   one the Python side left with the directory's attributes; the directory's cached
- *   attributes and names take the change at once, and the create is noted for the Python
- *   side, which makes it in the tree (its INODE record, its handle) before it serves any
+ *   one the trio thread left with the directory's attributes; the directory's cached
+ *   attributes and names take the change at once, and the create is noted for the trio
+ *   thread, which makes it in the tree (its INODE record, its handle) before it serves any
  *   request.
  * So a small file's save (GETATTR of the directory, LOOKUP, CREATE, WRITEs, FLUSH, RELEASE)
- * need not wait for the Python side at all.
+ * need not wait for the trio thread at all.
  */
 #include "ring_internal.h"
 
@@ -97,7 +97,8 @@ int ck_fring_attr_put(struct ck_fring *f, uint64_t nodeid, const void *out, uint
             break;
         }
     }
-    /* (no free slot within the probe: the home slot's directory is asked of Python again) */
+    /* (no free slot within the probe: the home slot's directory is asked of the trio thread
+     * again) */
     struct fr_attr *a = &f->attrs[at];
     a->nodeid = nodeid;
     a->gen = f->attr_gen;
@@ -215,7 +216,8 @@ int ck_fring_names_put(struct ck_fring *f, uint64_t nodeid, const char *names, u
     }
     if (free_at != NAME_DIRS)
         at = free_at;
-    /* (no free slot within the probe: the home slot's directory is asked of Python again) */
+    /* (no free slot within the probe: the home slot's directory is asked of the trio thread
+     * again) */
     uint64_t *old = f->names[at].bits;
     f->names[at] = d;
     for (unsigned i = f->chead; i != f->ctail; i++) {  /* (made here, not in `names` yet) */
@@ -285,7 +287,7 @@ void ck_fring_names_drop(struct ck_fring *f, uint64_t nodeid)
 }
 
 /* LOOKUP is answered absent here only before `until` (CLOCK_MONOTONIC seconds): then a look
- * at other writers is due, which the Python side makes first. */
+ * at other writers is due, which the trio thread makes first. */
 void ck_fring_absent_until(struct ck_fring *f, double until)
 {
     pthread_mutex_lock(&f->lock);
@@ -296,8 +298,8 @@ void ck_fring_absent_until(struct ck_fring *f, double until)
 /* CREATE of name (len bytes) in directory nodeid, answered here when the directory's names
  * and attributes are here, the name is not among them, no look at other writers is due, and
  * numbers are left: `out` gets the answer (fuse_entry_out, fuse_open_out). Returns 1 then.
- * The new file is what the Python side's policy says (ck_fring_create_setup), its group the
- * one the Python side left with the directory's attributes (ck_fring_attr_put). */
+ * The new file is what the trio thread's policy says (ck_fring_create_setup), its group the
+ * one the trio thread left with the directory's attributes (ck_fring_attr_put). */
 int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *name, uint32_t len,
               void *out)
 {
@@ -342,7 +344,7 @@ int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *name, uin
         memcpy(c->name, name, len);
         c->name[len] = 0;
         atomic_fetch_add(&f->created_count, 1);
-        /* (full: its WRITEs go to the Python side too) */
+        /* (full: its WRITEs go to the trio thread too) */
         if (p->writes_here[acc] && !(mode & p->no_writes_mode))
             fr_fh_set(f, fh, 1);
         memset(answer, 0, sizeof *answer);
@@ -367,7 +369,7 @@ int fr_create(struct ck_fring *f, const struct fr_slot *s, const char *name, uin
     pthread_mutex_unlock(&f->lock);
     free(drop);
     if (done)
-        fr_wake_python(f);
+        fr_wake_trio(f);
     return done;
 }
 
@@ -382,7 +384,7 @@ void ck_fring_create_setup(struct ck_fring *f, const struct ck_fring_policy *pol
 }
 
 /* Files created here take inode numbers ino .. ino + n - 1 and handles fh .. fh + n - 1 (the
- * Python side reserved them; what is left of the ranges before is not used). */
+ * trio thread reserved them; what is left of the ranges before is not used). */
 void ck_fring_reserve(struct ck_fring *f, uint64_t ino, uint64_t fh, uint32_t n)
 {
     pthread_mutex_lock(&f->lock);
@@ -402,7 +404,7 @@ int ck_fring_reserve_left(struct ck_fring *f)
     return (int)(a < b ? a : b);
 }
 
-/* Files created here that the Python side has not taken yet. */
+/* Files created here that the trio thread has not taken yet. */
 int ck_fring_created(struct ck_fring *f) { return atomic_load(&f->created_count); }
 
 /* Take up to max of them, in the order they were created. */

@@ -1,6 +1,6 @@
-/* The queue threads' shared state, for their C files only (fuse/ring*.c; the Python side's
- * view is fuse/ring.h): the entries, the queues, the lists of what they noted for the Python
- * side and the caches it left with them. Everything marked "(under lock)" is read and
+/* The queue threads' shared state, for their C files only (fuse/ring*.c; the trio thread's
+ * view is fuse/ring.h): the entries, the queues, the lists of what they noted for the trio
+ * thread and the caches it left with them. Everything marked "(under lock)" is read and
  * written with ck_fring.lock held. */
 #ifndef CKPTFS_FUSE_RING_INTERNAL_H
 #define CKPTFS_FUSE_RING_INTERNAL_H
@@ -26,12 +26,12 @@
 
 #define IN_HEADER_SIZE ((uint32_t)sizeof(struct fuse_in_header))
 #define OP_PART_MAX ((uint32_t)sizeof(struct fuse_write_in))  /* the largest op part read */
-#define CREATED_MAX 1024  /* files created here whose create the Python side has not made */
+#define CREATED_MAX 1024  /* files created here whose create the trio thread has not made */
 #define FH_SLOTS 4096  /* the writable-handle set: open addressing, at most half full */
 #define FH_EMPTY 0
 #define FH_GONE UINT64_MAX
-#define LANDED_MAX 4096  /* landed writes not yet recorded by the Python side */
-#define RELEASED_MAX 4096  /* handles released here whose release the Python side has not run */
+#define LANDED_MAX 4096  /* landed writes not yet recorded by the trio thread */
+#define RELEASED_MAX 4096  /* handles released here whose release the trio thread has not run */
 #define ATTR_SLOTS 256  /* the directory attribute cache: open addressing, short probes */
 #define ATTR_PROBE 8
 #define NAME_DIRS CK_FRING_NAME_DIRS  /* directories with a name filter: open addressing */
@@ -40,23 +40,23 @@
 #define NAME_HASHES 4  /* bits set per name */
 #define WINDOWS CK_FRING_WINDOWS
 #define WINDOW_PARTS CK_FRING_WINDOW_PARTS
-#define READS_MAX 4096  /* READs answered here not yet accounted for by the Python side */
-#define OPENED_MAX WINDOWS  /* opens answered here not yet made by the Python side */
-#define LOOKUPS 64  /* LOOKUP answers the Python side prepared (fastpath.LOOKUPS_MAX: 48) */
-#define LOOKED_MAX 1024  /* LOOKUPs answered here not yet counted by the Python side */
+#define READS_MAX 4096  /* READs answered here not yet accounted for by the trio thread */
+#define OPENED_MAX WINDOWS  /* opens answered here not yet made by the trio thread */
+#define LOOKUPS 64  /* LOOKUP answers the trio thread prepared (answers.LOOKUPS_MAX: 48) */
+#define LOOKED_MAX 1024  /* LOOKUPs answered here not yet counted by the trio thread */
 #define LOOKUPS_LEFT 2  /* a directory with at most this many prepared answers left wakes the
-                         * Python side (it prepares fastpath.LOOKUPS_AHEAD: 4) */
+                         * trio thread (it prepares answers.LOOKUPS_AHEAD: 4) */
 #define NAME_BITS_PER 16  /* per name at the most (one "maybe there" in ~400 absent names) */
 #define NAME_BITS_MIN (1u << 12)
 #define NAME_BITS_MAX (1u << 22)  /* 512 KiB: a directory of more than 128 Ki names has none
                                    * (a filter is made with room for twice its names) */
 
-enum { AT_KERNEL = 0, AT_PYTHON = 1, ANSWERED = 2 };
+enum { AT_KERNEL = 0, AT_TRIO = 1, ANSWERED = 2 };
 #define WAKE_TAG UINT64_MAX
 
 struct fr_queue;
 
-/* A directory's answer to GETATTR as the Python side gave it (valid while gen is current),
+/* A directory's answer to GETATTR as the trio thread gave it (valid while gen is current),
  * and the group a file created in it takes (new_gid; -1: its creator's). */
 struct fr_attr {
     uint64_t nodeid, gen;
@@ -64,7 +64,7 @@ struct fr_attr {
     struct fuse_attr_out out;
 };
 
-/* The names of a directory as the Python side gave them, and those added since: a Bloom
+/* The names of a directory as the trio thread gave them, and those added since: a Bloom
  * filter (bits NULL: a free slot; dropped when it holds more than cap names). */
 struct fr_names {
     uint64_t nodeid;
@@ -74,7 +74,7 @@ struct fr_names {
 };
 
 /* A read window: bytes [start, end) of the file open as handle fh - 1 (0: a free window), in
- * the Python side's buffers (parts, in file order, end to end), which it keeps unchanged while
+ * the trio thread's buffers (parts, in file order, end to end), which it keeps unchanged while
  * the window stands; eof: the file ends at `end`. busy: READs answered from it right now
  * (raised under the lock; a window is not reused, nor its buffers given back, before 0).
  * A prepared window (nodeid not 0) waits for the file's next read-only OPEN, which is
@@ -84,13 +84,13 @@ struct fr_window {
     uint64_t nodeid;
     uint32_t open_flags;
     int eof, nparts;
-    int woke;  /* a READ past its middle woke the Python side (once per window) */
+    int woke;  /* a READ past its middle woke the trio thread (once per window) */
     _Atomic int busy;
     char *part[WINDOW_PARTS];
     uint32_t len[WINDOW_PARTS];
 };
 
-/* A LOOKUP answer the Python side prepared (parent 0: a free slot): name in directory parent
+/* A LOOKUP answer the trio thread prepared (parent 0: a free slot): name in directory parent
  * is inode nodeid, `out` its answer; used once. */
 struct fr_lookup {
     uint64_t parent, nodeid;
@@ -114,7 +114,7 @@ struct fr_slot {
     struct fr_window *win;
     struct iovec body[WINDOW_PARTS];
     int nbody;
-    int wake;  /* wake the Python side once the answer is sent */
+    int wake;  /* wake the trio thread once the answer is sent */
 };
 
 /* Where a landed WRITE's bytes went in the zone's two parts (beside its landed record). */
@@ -130,11 +130,11 @@ struct fr_queue {
     int started, pinned;
     struct io_uring ring;
     int ring_ok;
-    int efd;  /* the Python side wakes a sleeping queue thread here */
+    int efd;  /* the trio thread wakes a sleeping queue thread here */
     uint64_t efd_buf;
     _Atomic int sleeping;
     _Atomic int answered;  /* answers not committed yet */
-    int with_python, waited_with_python;
+    int with_trio, waited_with_trio;
     int first_slot;
     _Atomic long served;
     _Atomic long answered_here;
@@ -155,12 +155,12 @@ struct ck_fring {
     double spin_s;
     struct fr_slot *slots;
     struct fr_queue *queues;
-    /* the FIFO of slots handed to the Python side */
+    /* the FIFO of slots handed to the trio thread */
     pthread_mutex_t lock;
     int *fifo;
     unsigned head, tail;  /* below nqueues * depth + 1: full is not empty (under lock) */
     _Atomic int pending;
-    int wake_fd;  /* the Python side's eventfd */
+    int wake_fd;  /* the trio thread's eventfd */
     /* the landing zone and the landed list (under lock) */
     char *zone[2];
     uint32_t room[2];
@@ -169,7 +169,7 @@ struct ck_fring {
     struct ck_fring_landed *landed;
     unsigned lhead, ltail;
     _Atomic int landed_count;  /* records not taken yet */
-    _Atomic int landed_due;  /* the Python side is to take them now (fr_hand_over) */
+    _Atomic int landed_due;  /* the trio thread is to take them now (fr_hand_over) */
     struct fr_land_at *land_at;  /* (as landed, under lock) */
     int sum_landed;  /* landed bytes are checksummed in C (ck_fring_sum_landed): ck_crc32c_hw() */
     unsigned lsum;  /* the landed records before it are summed, or taken (under lock) */
@@ -184,7 +184,7 @@ struct ck_fring {
     uint64_t ino_next, ino_end, fh_next, fh_end;  /* numbers reserved for creates (under lock) */
     int create_here;  /* CREATE is answered here at all (ck_fring_create_setup) */
     struct ck_fring_policy policy;  /* what a file created here is (under lock) */
-    uint64_t file_bytes_max;  /* a WRITE ending past it is the Python side's (short, EFBIG) */
+    uint64_t file_bytes_max;  /* a WRITE ending past it is the trio thread's (short, EFBIG) */
     uint64_t fhs[FH_SLOTS];  /* handles that take writes (fh + 1; under lock) */
     int nfhs;
     struct fr_attr attrs[ATTR_SLOTS];  /* (under lock) */
@@ -195,7 +195,7 @@ struct ck_fring {
     struct ck_fring_read *reads;  /* (under lock) */
     unsigned dhead, dtail;
     _Atomic int reads_count;  /* not taken yet */
-    _Atomic int reads_due;  /* the Python side is to take them now (ck_fring_pending) */
+    _Atomic int reads_due;  /* the trio thread is to take them now (ck_fring_pending) */
     struct ck_fring_opened *opened;  /* (under lock) */
     struct fr_lookup lookups[LOOKUPS];  /* (under lock) */
     _Atomic int nlookups;  /* prepared answers standing (read without the lock: none, no lock) */
@@ -205,12 +205,12 @@ struct ck_fring {
     unsigned ohead, otail;
     _Atomic int opened_count;  /* not taken yet */
     double absent_until;  /* LOOKUP is answered absent only before then (under lock) */
-    _Atomic int py_sleeping;
+    _Atomic int trio_sleeping;
     _Atomic int stop;
     _Atomic int error;  /* the first error a queue thread stopped on (errno) */
     _Atomic int gone;  /* /dev/fuse: the connection ended (unmounted or aborted) */
     _Atomic int go;  /* /dev/fuse: the threads may read it (ck_fring_go) */
-    _Atomic int flush_fails;  /* the flusher has an error: FLUSH goes to the Python side */
+    _Atomic int flush_fails;  /* the flusher has an error: FLUSH goes to the trio thread */
     _Atomic int registered;  /* queues whose entries are registered */
     _Atomic int failed;      /* queues that could not register */
 };
@@ -239,9 +239,9 @@ static inline void fr_note_error(struct ck_fring *f, int err)
     atomic_compare_exchange_strong(&f->error, &zero, err);
 }
 
-static inline void fr_wake_python(struct ck_fring *f)
+static inline void fr_wake_trio(struct ck_fring *f)
 {
-    if (atomic_exchange(&f->py_sleeping, 0)) {
+    if (atomic_exchange(&f->trio_sleeping, 0)) {
         uint64_t one = 1;
         if (write(f->wake_fd, &one, sizeof one) < 0) {}
     }

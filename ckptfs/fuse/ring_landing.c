@@ -1,21 +1,21 @@
 /* Landed writes: a WRITE's payload copied into staging by the queue thread that took it, on
- * the caller's CPU while its bytes are still in that CPU's cache, where the Python side said
- * the next bytes go (the landing zone: the staging's tails, as the Python side's own loop
+ * the caller's CPU while its bytes are still in that CPU's cache, where the trio thread said
+ * the next bytes go (the landing zone: the staging's tails, as the trio thread's own loop
  * reads a /dev/fuse request into them in place). The copy and the note of where it went
- * (the landed list) are made under one lock, so the Python side records landed writes in
+ * (the landed list) are made under one lock, so the trio thread records landed writes in
  * the order they took the zone. It takes the zone back (revoke) before it changes staging
  * itself, and records what landed first.
  *
- * A WRITE that landed whole, on a handle the Python side said takes writes (the writable
- * set), is answered here at once: its record carries what the Python side needs of it (the
- * entry goes back to the kernel), and the Python side records it before it serves any
+ * A WRITE that landed whole, on a handle the trio thread said takes writes (the writable
+ * set), is answered here at once: its record carries what the trio thread needs of it (the
+ * entry goes back to the kernel), and the trio thread records it before it serves any
  * request or changes staging, as it records a WRITE read into staging from /dev/fuse before
- * its answer. Such a WRITE does not wake the Python side: its record waits for the next
- * request served there (or the Python side's idle tick), unless the zone's first part (the
+ * its answer. Such a WRITE does not wake the trio thread: its record waits for the next
+ * request served there (or the trio thread's idle tick), unless the zone's first part (the
  * open segment's rest, or a whole free buffer) is full, a segment to seal and flush, or the
- * landed list is half full (landed_due); so a large file's WRITEs cost the Python side about
+ * landed list is half full (landed_due); so a large file's WRITEs cost the trio thread about
  * one turn per segment, not one each. The landed bytes' CRC32C is taken in C before the
- * Python side takes their records (ck_fring_sum_landed, fuse/crc32c.c), on its thread, not
+ * trio thread takes their records (ck_fring_sum_landed, fuse/crc32c.c), on its thread, not
  * on the writer's CPU where the queue thread that landed them runs.
  */
 #include "ring_internal.h"
@@ -69,7 +69,7 @@ int fr_note_landed(struct ck_fring *f, int idx, uint32_t write_size)
     r->answered = answered;
     atomic_fetch_add(&f->landed_count, 1);
     /* (a segment to seal and flush, or a list to empty before it fills: else the records
-     * wait for the next request the Python side serves, which takes them first) */
+     * wait for the next request the trio thread serves, which takes them first) */
     if (!f->room[0] || f->ltail - f->lhead >= LANDED_MAX / 2)
         atomic_store(&f->landed_due, 1);
     return answered;
@@ -121,8 +121,8 @@ int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 }
 
 /* A WRITE whose end lies past n bytes is not answered here (the largest file the index
- * records: format/records.py MAX_FILE_BYTES): the Python side records the bytes below it and
- * answers with their count, or EFBIG (ops.write_target); 0 until the Python side says. */
+ * records: format/records.py MAX_FILE_BYTES): the trio thread records the bytes below it and
+ * answers with their count, or EFBIG (ops.write_target); 0 until the trio thread says. */
 void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n)
 {
     pthread_mutex_lock(&f->lock);
@@ -143,7 +143,7 @@ void ck_fring_offer(struct ck_fring *f, void *p1, uint32_t n1, void *p2, uint32_
     pthread_mutex_unlock(&f->lock);
 }
 
-/* No more landing (the Python side changes staging); returns the landed writes to record. */
+/* No more landing (the trio thread changes staging); returns the landed writes to record. */
 int ck_fring_revoke(struct ck_fring *f)
 {
     pthread_mutex_lock(&f->lock);
@@ -154,7 +154,7 @@ int ck_fring_revoke(struct ck_fring *f)
     return n;
 }
 
-/* Landed writes the Python side has not taken yet. */
+/* Landed writes the trio thread has not taken yet. */
 int ck_fring_landed(struct ck_fring *f) { return atomic_load(&f->landed_count); }
 
 /* Take up to max landed writes, in the order they landed. */
@@ -169,11 +169,11 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
     return n;
 }
 
-/* The Python side, before it takes the landed writes (its claim): the CRC32C of the bytes of
+/* The trio thread, before it takes the landed writes (its claim): the CRC32C of the bytes of
  * each record not summed yet goes into it (crc1, crc2, summed), in C and with the GIL
  * released (cffi), while the queue threads go on landing: the bytes of a record not taken
- * cannot change (the Python side takes every record before it changes staging, and only
- * this side takes them). A record taken before is not summed: the Python side sums its
+ * cannot change (the trio thread takes every record before it changes staging, and only
+ * this side takes them). A record taken before is not summed: the trio thread sums its
  * bytes itself. Returns how many were summed. */
 int ck_fring_sum_landed(struct ck_fring *f)
 {
@@ -214,7 +214,7 @@ int ck_fring_sum_landed(struct ck_fring *f)
 
 /* Handle fh takes writes (on = 1: a WRITE on it that lands whole is answered here) or no
  * longer (0, at its release). Returns 0, or -ENOSPC when the set is full (then its WRITEs go
- * to the Python side, as any). */
+ * to the trio thread, as any). */
 int ck_fring_writable(struct ck_fring *f, uint64_t fh, int on)
 {
     pthread_mutex_lock(&f->lock);

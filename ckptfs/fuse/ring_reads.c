@@ -1,20 +1,20 @@
-/* A restore without the Python side: what the queue threads answer of a checkpoint's files
- * from the answers and the read cache's bytes the Python side left with them.
- * - READ of a handle that reads its file alone, from the read cache's buffers the Python side
+/* A restore without the trio thread: what the queue threads answer of a checkpoint's files
+ * from the answers and the read cache's bytes the trio thread left with them.
+ * - READ of a handle that reads its file alone, from the read cache's buffers the trio thread
  *   left with it (the handle's read window: checked bytes of pinned chunks; fr_read), noted
- *   for the Python side, which accounts for it (readahead, the cache's use) as for a READ it
+ *   for the trio thread, which accounts for it (readahead, the cache's use) as for a READ it
  *   served; a restore's READs then need not wait for it.
- * - OPEN, read-only, of a file the Python side prepared a window for when it answered the
+ * - OPEN, read-only, of a file the trio thread prepared a window for when it answered the
  *   file's LOOKUP (its first bytes were in the read cache; fr_open): answered with the handle
  *   number and open flags it left with the window, which is that handle's from then on, and
- *   noted for the Python side, which makes the handle before it serves any request.
- * - LOOKUP of a name whose answer the Python side prepared (fr_lookup: after it answered a
+ *   noted for the trio thread, which makes the handle before it serves any request.
+ * - LOOKUP of a name whose answer the trio thread prepared (fr_lookup: after it answered a
  *   LOOKUP of a file, for the names that follow in the directory's creation order, the order
- *   a checkpoint's files are usually loaded in), used once and noted, so that the Python side
+ *   a checkpoint's files are usually loaded in), used once and noted, so that the trio thread
  *   counts the kernel's lookup before it serves any request (a FORGET among them); every
  *   change of a directory or of a file's attributes takes them all back first.
- * So a restore's small file need not wait for the Python side. Nor does it wake it for every
- * file: a LOOKUP's note wakes the Python side once its directory has LOOKUPS_LEFT prepared
+ * So a restore's small file need not wait for the trio thread. Nor does it wake it for every
+ * file: a LOOKUP's note wakes the trio thread once its directory has LOOKUPS_LEFT prepared
  * answers or fewer left (it prepares the next names then), and a READ past the middle of a
  * window that ends before the file does (the next window is opened then); the others (an
  * OPEN, the READs of a window to the file's end) wait for the next wake, request or idle
@@ -36,10 +36,10 @@ static struct fr_lookup *fr_lookup_find(struct ck_fring *f, uint64_t parent, con
     return NULL;
 }
 
-/* LOOKUP of a name the Python side prepared the answer of, while the queue threads answer
+/* LOOKUP of a name the trio thread prepared the answer of, while the queue threads answer
  * RELEASE and CREATE and no look at other writers is due: answered with it (`out`), the answer
- * used up, the lookup noted for the Python side, which counts it (the kernel's lookup count
- * of the inode) before it serves any request, a FORGET among them. The Python side is woken
+ * used up, the lookup noted for the trio thread, which counts it (the kernel's lookup count
+ * of the inode) before it serves any request, a FORGET among them. The trio thread is woken
  * once the directory has LOOKUPS_LEFT prepared answers or fewer left, to prepare the next
  * names' (every second file of a restore, not every one: a wake-up costs its trio thread
  * ~40-60 us). 1 if answered here. */
@@ -68,7 +68,7 @@ int fr_lookup(struct ck_fring *f, const struct fr_slot *s, const char *name, uin
     }
     pthread_mutex_unlock(&f->lock);
     if (wake)
-        fr_wake_python(f);
+        fr_wake_trio(f);
     return l != NULL;
 }
 
@@ -98,7 +98,7 @@ int ck_fring_lookup_put(struct ck_fring *f, uint64_t parent, const char *name, u
 }
 
 /* The prepared answer of `name` in directory `parent` goes, if one stands (its LOOKUP came to
- * the Python side: it and the file's OPEN are prepared afresh there). */
+ * the trio thread: it and the file's OPEN are prepared afresh there). */
 void ck_fring_lookup_drop(struct ck_fring *f, uint64_t parent, const char *name, uint32_t len)
 {
     pthread_mutex_lock(&f->lock);
@@ -120,7 +120,7 @@ void ck_fring_lookups_clear(struct ck_fring *f)
     pthread_mutex_unlock(&f->lock);
 }
 
-/* LOOKUPs answered here the Python side has not counted yet. */
+/* LOOKUPs answered here the trio thread has not counted yet. */
 int ck_fring_looked(struct ck_fring *f) { return atomic_load(&f->looked_count); }
 
 /* Take up to max of their inodes, in the order they were answered. */
@@ -145,7 +145,7 @@ static struct fr_window *fr_window_of(struct ck_fring *f, uint64_t fh)
 /* READ from the handle's read window, when the window holds what it asks for (to the file's
  * end, where the window reaches it): the answer's body is the window's buffers, sent from
  * them on /dev/fuse (the window busy until fr_dev_reply), copied into the entry on a ring.
- * The READ is noted for the Python side, which accounts for it as for one it served. 1 if
+ * The READ is noted for the trio thread, which accounts for it as for one it served. 1 if
  * answered here. */
 int fr_read(struct ck_fring *f, struct fr_slot *s)
 {
@@ -155,7 +155,7 @@ int fr_read(struct ck_fring *f, struct fr_slot *s)
     struct fr_window *w = NULL;
     int wake = 0;
     if (hi < off || !atomic_load_explicit(&f->nwindows, memory_order_relaxed))
-        return 0;  /* (a range that wraps: the Python side answers it) */
+        return 0;  /* (a range that wraps: the trio thread answers it) */
     pthread_mutex_lock(&f->lock);
     if (f->dtail - f->dhead < READS_MAX && (w = fr_window_of(f, r->fh)) && !w->nodeid) {
         if (hi > w->end && w->eof)
@@ -173,7 +173,7 @@ int fr_read(struct ck_fring *f, struct fr_slot *s)
         d->size = size;
         d->n = (uint32_t)(hi - off);
         atomic_fetch_add(&f->reads_count, 1);
-        /* (the Python side accounts for them when it serves a request: readahead, and the
+        /* (the trio thread accounts for them when it serves a request: readahead, and the
          * window opened on; so they are due, and it is woken, once a READ passes the
          * window's middle, or the list fills) */
         uint64_t mid = w->start + (w->end - w->start) / 2;
@@ -214,8 +214,8 @@ int fr_read(struct ck_fring *f, struct fr_slot *s)
         }
         s->hdr->ring_ent_in_out.payload_sz = n;
         atomic_fetch_sub(&w->busy, 1);
-        if (wake)  /* (after: the Python side may replace the window at once) */
-            fr_wake_python(f);
+        if (wake)  /* (after: the trio thread may replace the window at once) */
+            fr_wake_trio(f);
     }
     return 1;
 }
@@ -223,7 +223,7 @@ int fr_read(struct ck_fring *f, struct fr_slot *s)
 /* OPEN of a file with a prepared window, read-only and without O_TRUNC, while the queue threads
  * answer RELEASE and CREATE and no look at other writers is due: answered with the window's
  * handle and open flags (`out`: fuse_open_out), the window now that handle's, the open noted
- * for the Python side, which makes the handle (ops) before it serves any request, as it makes
+ * for the trio thread, which makes the handle (ops) before it serves any request, as it makes
  * a file created here. 1 if answered here. */
 int fr_open(struct ck_fring *f, const struct fr_slot *s, struct fuse_open_out *out)
 {
@@ -256,7 +256,7 @@ int fr_open(struct ck_fring *f, const struct fr_slot *s, struct fuse_open_out *o
     }
     pthread_mutex_unlock(&f->lock);
     if (wake)
-        fr_wake_python(f);
+        fr_wake_trio(f);
     return w != NULL;
 }
 
@@ -302,7 +302,7 @@ int ck_fring_window(struct ck_fring *f, uint64_t fh, uint64_t nodeid, uint32_t o
     return w != NULL;
 }
 
-/* Drop handle fh's window; its buffers are the Python side's again on return. */
+/* Drop handle fh's window; its buffers are the trio thread's again on return. */
 void ck_fring_window_drop(struct ck_fring *f, uint64_t fh)
 {
     pthread_mutex_lock(&f->lock);
@@ -330,7 +330,7 @@ int ck_fring_take_reads(struct ck_fring *f, struct ck_fring_read *out, int max)
     return n;
 }
 
-/* OPENs answered here whose handle the Python side has not made yet. */
+/* OPENs answered here whose handle the trio thread has not made yet. */
 int ck_fring_opened(struct ck_fring *f) { return atomic_load(&f->opened_count); }
 
 /* Take up to max of them, in the order they were answered. */

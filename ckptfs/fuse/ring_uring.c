@@ -5,7 +5,7 @@
  * COMMIT_AND_FETCH (the answer of one request and the wait for the next in one command). A
  * request arrives in its entry's buffers (the header and the op's fixed part in the header
  * buffer, the rest in the payload buffer) and is served by fr_dispatch (fuse/ring.c); an
- * answer given here or by the Python side goes back in the same entry.
+ * answer given here or by the trio thread goes back in the same entry.
  */
 #include "ring_internal.h"
 
@@ -58,7 +58,7 @@ static int fr_arm_wake(struct fr_queue *q)
     return 0;
 }
 
-/* Requests the kernel delivered: to the Python side. Returns how many CQEs were seen, or
+/* Requests the kernel delivered: to the trio thread. Returns how many CQEs were seen, or
  * -errno when the connection is gone. */
 static int fr_reap(struct fr_queue *q)
 {
@@ -141,8 +141,8 @@ void *fr_serve_uring(void *arg)
         }
         if (work || r)
             continue;
-        if (q->waited_with_python > 0 && f->spin_s > 0) {
-            /* A caller on this CPU waits for the Python side's answer: poll for it, so that
+        if (q->waited_with_trio > 0 && f->spin_s > 0) {
+            /* A caller on this CPU waits for the trio thread's answer: poll for it, so that
              * this CPU does not halt and the answer does not pay a wake-up. */
             io_uring_submit(&q->ring);
             if (fr_spin(q, fr_cqe_ready, NULL))

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FUSE_DIR = os.path.join(HERE, "..", "fuse")
 # What the cffi module declares: the headers' text, as the C includes it. The io_uring
 # engine's (io/uring.h); FUSE's wire protocol (fuse/protocol.h, for its layouts to be checked
-# against the Python side's: tests/test_protocol.py); the queue threads' (fuse/ring.h), with
+# against protocol.py's: tests/test_protocol.py); the queue threads' (fuse/ring.h), with
 # their CRC32C.
 CDEF_HEADERS = [os.path.join(HERE, "uring.h"), os.path.join(FUSE_DIR, "protocol.h"),
                 os.path.join(FUSE_DIR, "ring.h")]

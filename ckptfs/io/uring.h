@@ -3,7 +3,7 @@
  * declarations (io/_uring_build.py) and included by the C. One call preps and submits a
  * batch of SQEs from an array of descriptors; one call waits (in the kernel, the GIL
  * released by cffi) and copies a batch of CQEs out. The liburing functions that are
- * `static inline` are used only in the C, so the Python side never touches the ring's
+ * `static inline` are used only in the C, so Python code never touches the ring's
  * layout. */
 #ifndef CKPTFS_IO_URING_H
 #define CKPTFS_IO_URING_H
