@@ -485,7 +485,7 @@ class FastPath(RequestWait):
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
-        except Exception:  # (what fs._guard does for pyfuse3's calls)
+        except Exception:  # (what ops._guard does for pyfuse3's calls)
             log.exception("internal error in request %d", opcode)
             self.reply_error(unique, errno.EIO)
             return
