@@ -47,8 +47,8 @@ PREPARED_TTL_S = 2.0
 # and how many may stand at most (more: all go, the next ones are prepared anew). A
 # checkpoint is often loaded from several directories in turn (a model's tensors and each
 # optimizer state's: one file of each in turn), each with its names prepared ahead: room for
-# twelve such directories (fuse/ring_reads.c holds 64, and wakes this side once a directory has
-# LOOKUPS_LEFT of them left: every second file, with four ahead).
+# twelve such directories (fuse/ring_reads.c holds 64, and wakes the trio thread once a
+# directory has LOOKUPS_LEFT of them left: every second file, with four ahead).
 LOOKUPS_AHEAD = 4
 LOOKUPS_MAX = 48
 NAME_ORDERS = 64  # directories whose names' order is kept (all go beyond)
@@ -172,7 +172,7 @@ class AnswerCache:
         """After a LOOKUP found `name` in directory `parent`: the answers to LOOKUPs of the
         names after it in the directory's creation order (LOOKUPS_AHEAD of them), each
         file's next OPEN prepared too where its bytes are cached (prepare_open), so that the
-        queue threads answer a restore's next files without this side (fuse/ring_reads.c,
+        queue threads answer a restore's next files without the trio thread (fuse/ring_reads.c,
         fr_lookup). Only files no one has open with one name, in one of this writer's own
         directories; every change of a directory or of a file's attributes, a handle that
         can write, a file's extent map changing and a look at other writers that brings
@@ -315,7 +315,7 @@ class AnswerCache:
         except Exception:
             log.exception("read window of handle %d", fh)
             self.drop_window(fh)
-            self.ring.window_drop(fh)  # (one the queue threads hold unknown to this side)
+            self.ring.window_drop(fh)  # (one the queue threads hold unknown to the trio thread)
 
     def _open_window(self, fh: int, off: int) -> None:
         ops = self.ops
@@ -383,7 +383,7 @@ class AnswerCache:
         when its first bytes are in the read cache, checked, and no one has it open, a
         window over them is prepared with a new handle number, and the queue threads answer
         the file's next read-only OPEN themselves (fuse/ring_reads.c, fr_open): a restore's small
-        file is then a LOOKUP here and an OPEN, READs and a RELEASE without this side. The
+        file is then a LOOKUP here and an OPEN, READs and a RELEASE without the trio thread. The
         window is dropped as any other when the file may change; at most PREPARED_MAX wait
         for their OPEN (past it, one of the files furthest ahead goes: those of several
         directories read in turn stand for their next files). Never raises (a failure: no

@@ -527,7 +527,7 @@ class FastPath(RequestWait):
     def settle(self) -> None:
         """What the queue threads answered is taken in, the releases run and prepared windows
         that waited too long go: on the idle sealer's tick and before the status is read. (A
-        WRITE they landed whole and answered wakes this side only once a segment fills or the
+        WRITE they landed whole and answered wakes the trio thread only once a segment fills or the
         landed list is half full, ring_landing.c: a file written and kept open would otherwise stay
         unrecorded until the next request.)"""
         if self.ring is not None:
@@ -598,7 +598,7 @@ class FastPath(RequestWait):
                         if dev else "--fuse-uring: requests stay on /dev/fuse", exc.strerror)
             return
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
-        if dev:  # (a request wakes the queue threads, not this side)
+        if dev:  # (a request wakes the queue threads, not the trio thread)
             self.epoll.unregister(self.fd)
         self.ring = ring
         ops = self.ops

@@ -175,7 +175,7 @@ class RequestWait:
         for later is done now (FastPath's releases); none here."""
 
     def settle(self) -> None:
-        """Take in what was answered without this side (see FastPath.settle): the idle
+        """Take in what was answered without the trio thread (see FastPath.settle): the idle
         sealer's tick and the status call it; none here."""
 
     def spin_work(self) -> None:

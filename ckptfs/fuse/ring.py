@@ -8,27 +8,27 @@ request spin saves the daemon's side of it, not the caller's: docs/benchmarks.md
 FUSE transport costs"). With FUSE_OVER_IO_URING negotiated (Linux 6.14+, the module switch
 /sys/module/fuse/parameters/enable_uring = Y) the kernel keeps a queue per CPU and puts a
 request on its caller's CPU's queue. One C thread per queue (fuse/ring*.c), pinned to that CPU,
-holds the queue's ring entries, hands each request to this side through a FIFO and, while its
+holds the queue's ring entries, hands each request to the trio thread through a FIFO and, while its
 caller waits, polls for the answer on that CPU, so the CPU does not halt and the caller's
 wake-up is local. Some requests are answered by the queue thread itself, from what this
 side handed it (fuse/ring.c lists them; fuse/ring.h declares what passes between the two
 sides, struct ck_fring_policy what a file they create is): a WRITE that landed whole on a
 handle open for writing, FLUSH while the flusher has no error to report, IOCTL, GETATTR of a
-directory whose attributes this side left with it, LOOKUP of a name not in a directory whose
-names this side left with it or of a name whose answer it prepared, CREATE of a new name,
+directory whose attributes the trio thread left with it, LOOKUP of a name not in a directory whose
+names the trio thread left with it or of a name whose answer it prepared, CREATE of a new name,
 OPEN of a file it prepared a read window for, READ inside a handle's read window (bytes of
-the read cache), and RELEASE, whose work this side does later, as it makes the created files
+the read cache), and RELEASE, whose work the trio thread does later, as it makes the created files
 and opened handles and accounts for the READs. Every other one is served here, by the fast
 path's handlers (fuse/fastpath.py), as one read from /dev/fuse; only where its bytes are
 read from and where its answer goes differ:
 
 - a request sits in its ring entry: the 40-byte header and the op's fixed part in the entry's
   header buffer, the rest (names, a WRITE's payload) in its payload buffer. A WRITE's payload
-  is copied from there into staging by the queue thread, on the caller's CPU, where this side
-  offered (the staging's tails, as the /dev/fuse loop reads a request into them); this side
+  is copied from there into staging by the queue thread, on the caller's CPU, where the trio
+  thread offered (the staging's tails, as the /dev/fuse loop reads a request into them); it
   records the landed writes in the order they landed, before it serves any request and
   before anything else changes staging (Staging.claim). A WRITE answered by its queue thread
-  does not wake this side: its record waits for the next request, a full segment (the
+  does not wake the trio thread: its record waits for the next request, a full segment (the
   zone's first part filled: a segment to seal and flush), a half-full landed list or the
   idle sealer's tick (FastPath.settle); pending() counts landed writes only then. What did
   not fit is copied here.
@@ -48,9 +48,9 @@ queue threads, one per CPU (DEV_QUEUES at most), each pinned to its CPU, poll th
 a request wakes all of them, and the one on the caller's CPU, which the caller leaves as it
 waits, reads it first, so its round trip stays on that CPU as on a ring ("What the FUSE
 transport costs", dev-percpu). A request read there sits in an entry laid out as a ring
-entry's and is served by the same code; an answer this side gives is written on /dev/fuse
-right away (answered() then frees the entry), and every request comes to this side through
-the queue threads (FORGET and INTERRUPT too: this side does not read /dev/fuse then; gone()
+entry's and is served by the same code; an answer the trio thread gives is written on /dev/fuse
+right away (answered() then frees the entry), and every request comes to the trio thread through
+the queue threads (FORGET and INTERRUPT too: the trio thread does not read /dev/fuse then; gone()
 says when the connection ended). A WRITE is read there straight into staging's tails when no
 other queue thread holds them (the kernel's copy then the only one).
 """
@@ -205,7 +205,7 @@ class Ring:
         return lib.ck_fring_landed(self.handle)
 
     def sleep(self, sleeping: bool) -> bool:
-        """Tell the queue threads this side sleeps on wake_fd (True) or is awake again;
+        """Tell the queue threads the trio thread sleeps on wake_fd (True) or is awake again;
         returns whether a request waits, or what they left to take (releases, creates, READs
         answered from windows and landed writes that are due): then do not sleep."""
         waiting = lib.ck_fring_sleep(self.handle, 1 if sleeping else 0)
@@ -256,7 +256,7 @@ class Ring:
         return lib.ck_fring_released(self.handle)
 
     def take_released(self) -> list[int]:
-        """The handles of those RELEASEs, in the order they came (their work is this side's:
+        """The handles of those RELEASEs, in the order they came (their work is the trio thread's:
         ops.release_now)."""
         return self._take_numbers(lib.ck_fring_take_released)
 
@@ -303,7 +303,7 @@ class Ring:
 
     def take_created(self) -> list[tuple]:
         """Those files, in the order they were created: (parent, name, ino, fh, mode, uid,
-        gid, open flags, pid, time in ns); each is for this side to make (ops.create_open)."""
+        gid, open flags, pid, time in ns); each is for the trio thread to make (ops.create_open)."""
         out: list[tuple] = []
         buf = self._created
         while True:
@@ -384,7 +384,7 @@ class Ring:
 
     def take_opened(self) -> list[tuple[int, int, int, int, int, int]]:
         """Those OPENs, in order: (fh, nodeid, open flags, uid, gid, pid); each handle is for
-        this side to make (ops.open_prepared)."""
+        the trio thread to make (ops.open_prepared)."""
         rec, out = self._opened, []
         while True:
             n = lib.ck_fring_take_opened(self.handle, rec, TAKE)
@@ -473,14 +473,14 @@ class Ring:
 
     def absent_until(self, t: float) -> None:
         """The queue threads answer a LOOKUP absent only before `t` (time.monotonic()): a
-        look at other writers is due then (ops.fresh_until), which this side makes first."""
+        look at other writers is due then (ops.fresh_until), which the trio thread makes first."""
         if self.handle is not None:
             lib.ck_fring_absent_until(self.handle, t)
 
     # what the queue threads answer from goes when the tree changes (FastPath, the
     # namespace's watch, calls these)
     def dirs_changed(self) -> None:
-        """Every GETATTR of a directory goes to this side again until attr_put."""
+        """Every GETATTR of a directory goes to the trio thread again until attr_put."""
         if self.handle is not None:
             lib.ck_fring_attr_clear(self.handle)
 
@@ -492,7 +492,7 @@ class Ring:
     def view_changed(self, keeps) -> None:
         """Other writers' changes come in: no LOOKUP is answered absent (and no CREATE) until
         absent_until says so again; the attributes the queue threads hold go, and so do the
-        names of every directory `keeps(nodeid)` does not keep (this side gives them again as
+        names of every directory `keeps(nodeid)` does not keep (the trio thread gives them again as
         it answers)."""
         if self.handle is None:
             return
@@ -504,7 +504,8 @@ class Ring:
                 lib.ck_fring_names_drop(self.handle, held[i])
 
     def flush_fails(self, failing: bool) -> None:
-        """The flusher has an error to report at close (FLUSH then goes to this side) or not."""
+        """The flusher has an error to report at close (FLUSH then goes to the trio thread) or
+        not."""
         lib.ck_fring_flush_fails(self.handle, 1 if failing else 0)
 
     def error(self) -> int:

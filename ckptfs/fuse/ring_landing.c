@@ -173,7 +173,7 @@ int ck_fring_take_landed(struct ck_fring *f, struct ck_fring_landed *out, int ma
  * each record not summed yet goes into it (crc1, crc2, summed), in C and with the GIL
  * released (cffi), while the queue threads go on landing: the bytes of a record not taken
  * cannot change (the trio thread takes every record before it changes staging, and only
- * this side takes them). A record taken before is not summed: the trio thread sums its
+ * the trio thread takes them). A record taken before is not summed: the trio thread sums its
  * bytes itself. Returns how many were summed. */
 int ck_fring_sum_landed(struct ck_fring *f)
 {
