@@ -935,7 +935,7 @@ class CkptOperations(pyfuse3.Operations):
         return n
 
     # The three steps of a write, shared with the request loop's in-place writes
-    # (fastpath.py), which read the payload straight into the open segment.
+    # (fuse/inplace.py), which read the payload straight into the open segment.
     def write_target(self, fh: int, off: int = 0,
                      size: int = 0) -> tuple[_Handle, Inode, int]:
         """The handle and file a WRITE of `size` bytes at `off` goes to, and how many of its
@@ -958,7 +958,7 @@ class CkptOperations(pyfuse3.Operations):
         """A write by a process without CAP_FSETID clears S_ISUID, and S_ISGID where group
         execution is on (set-group-ID without it marks mandatory locking), as on ext4. The
         kernel does it itself (a SETATTR) before a write through the page cache; a direct
-        write it leaves to the file system (FUSE_WRITE_KILL_SUIDGID, fastpath.py)."""
+        write it leaves to the file system (FUSE_WRITE_KILL_SUIDGID, fuse/inplace.py)."""
         mode = x.mode & ~stat.S_ISUID
         if mode & stat.S_IXGRP:
             mode &= ~stat.S_ISGID
