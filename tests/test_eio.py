@@ -136,16 +136,7 @@ def test_a_disk_that_fails_writes(failing_disk, mounts, io):
     try:
         write_fsync(os.path.join(mnt, "a"), content("a", sizes["a"]))
         failing_disk.fail()
-        fd = os.open(os.path.join(mnt, "b"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        data = content("b", sizes["b"])
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off:off + MiB])
-        with pytest.raises(OSError) as ei:
-            os.fsync(fd)
-        assert ei.value.errno == errno.EIO, ei.value
-        with pytest.raises(OSError) as ei:
-            os.close(fd)
-        assert ei.value.errno == errno.EIO, ei.value
+        fsync_fails(os.path.join(mnt, "b"), content("b", sizes["b"]))
         with pytest.raises(OSError) as ei:
             m.sync()
         assert ei.value.errno == errno.EIO

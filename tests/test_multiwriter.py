@@ -348,14 +348,25 @@ def deep_make(root: str, levels: int, data: bytes) -> None:
         os.close(fd)
 
 
-def deep_remove(root: str, levels: int) -> None:
-    """rm -r of d/d/.../f below `root`, from the bottom up, one descriptor at a time."""
+def _descend(root: str, levels: int) -> int:
+    """A descriptor of d/d/... `levels` deep below `root`, one level at a time (paths past
+    PATH_MAX); the caller closes it."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(levels):
             nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def deep_remove(root: str, levels: int) -> None:
+    """rm -r of d/d/.../f below `root`, from the bottom up, one descriptor at a time."""
+    fd = _descend(root, levels)
+    try:
         os.unlink("f", dir_fd=fd)
         for _ in range(levels):
             up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
@@ -444,12 +455,8 @@ def test_another_writers_deep_tree_is_adopted_and_moved(mounts):
 
 def _bottom(root: str) -> tuple[list[str], bytes]:
     """The names in the deepest directory of d/d/... below `root`, and the bytes of its g."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    fd = _descend(root, DEEP)
     try:
-        for _ in range(DEEP):
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
         g = os.open("g", os.O_RDONLY, dir_fd=fd)
         try:
             return sorted(os.listdir(fd)), os.read(g, 100)

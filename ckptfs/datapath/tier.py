@@ -665,26 +665,30 @@ class Tier:
                 if created:
                     self.drained_index = INDEX_HEADER.size
                     self.backing.sync()
-            copied = 0
             if os.fstat(bfd).st_size > self.drained_index:  # a group torn by a crash: cut
                 os.ftruncate(bfd, self.drained_index)
-            off = self.drained_index
-            while off < end:
-                chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
-                if not chunk:
-                    raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
-                                  f"ends at {off}, before {end}")
-                view = memoryview(chunk)
-                while view:
-                    k = os.pwrite(bfd, view, off)
-                    off += k
-                    copied += k
-                    view = view[k:]
+            copied = self._copy_index_range(bfd, self.drained_index, end)
             os.fdatasync(bfd)
             self.drained_index = max(self.drained_index, end)
             return copied
         finally:
             os.close(bfd)
+
+    def _copy_index_range(self, bfd: int, start: int, end: int) -> int:
+        """Bytes [start, end) of the local index to the same place in `bfd`, 8 MiB at a time
+        (an index can be large; the memory held stays small). Returns the bytes copied."""
+        off = start
+        while off < end:
+            chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
+            if not chunk:
+                raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
+                              f"ends at {off}, before {end}")
+            view = memoryview(chunk)
+            while view:
+                k = os.pwrite(bfd, view, off)
+                off += k
+                view = view[k:]
+        return off - start
 
     def _replace_index(self, end: int) -> int:
         """After an index snapshot: the backing index replaced whole by the local index's
@@ -692,17 +696,7 @@ class Tier:
         the local PRE_SWAP is not needed any more then."""
         bfd = self.backing.open(FRESH_COPY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            off = 0
-            while off < end:
-                chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
-                if not chunk:
-                    raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
-                                  f"ends at {off}, before {end}")
-                view = memoryview(chunk)
-                while view:
-                    k = os.pwrite(bfd, view, off)
-                    off += k
-                    view = view[k:]
+            self._copy_index_range(bfd, 0, end)
             os.fdatasync(bfd)
         finally:
             os.close(bfd)
