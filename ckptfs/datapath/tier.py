@@ -157,13 +157,6 @@ def _begins(fd: int, size: int, records_part: bytes) -> bool:
     return end <= size and _read_all(fd, INDEX_HEADER.size, end) == records_part
 
 
-def _discard(where: Dir, name: str) -> None:
-    try:
-        where.unlink(name)
-    except FileNotFoundError:
-        pass
-
-
 def reconcile(local: Dir, backing: Dir) -> int:
     """Before replay: make the local index the one to replay, and return how many bytes of it
     the backing index already holds (where the drain goes on); -1 when the backing index is
@@ -201,13 +194,13 @@ def reconcile(local: Dir, backing: Dir) -> int:
         try:
             lsize = os.fstat(lfd).st_size
             if bfd < 0 or bsize < INDEX_HEADER.size:
-                _discard(local, PRE_SWAP)
+                local.unlink(PRE_SWAP, missing_ok=True)
                 return 0
             bdata = _read_all(bfd, 0, bsize)
             valid = records.scan_index(backing.join(INDEX_NAME), bdata).valid_bytes
-            _discard(backing, FRESH_COPY)
+            backing.unlink(FRESH_COPY, missing_ok=True)
             if _begins(lfd, lsize, bdata[INDEX_HEADER.size:valid]):
-                _discard(local, PRE_SWAP)  # (a snapshot's replacement got there)
+                local.unlink(PRE_SWAP, missing_ok=True)  # (a snapshot's replacement got there)
                 return valid
             try:
                 pfd = local.open(PRE_SWAP, os.O_RDONLY)
@@ -703,7 +696,7 @@ class Tier:
         self.backing.rename(FRESH_COPY, INDEX_NAME)
         self.backing.sync()
         self.drained_index, self.replace_index = end, False
-        _discard(self.local.dir, PRE_SWAP)
+        self.local.dir.unlink(PRE_SWAP, missing_ok=True)
         log.info("node tier: the backing index replaced by the index snapshot (%d bytes)", end)
         return end
 

@@ -94,8 +94,12 @@ class Dir:
     def stat(self, name: str) -> os.stat_result:
         return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
 
-    def unlink(self, name: str) -> None:
-        os.unlink(name, dir_fd=self.fd)
+    def unlink(self, name: str, missing_ok: bool = False) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
 
     def rename(self, old: str, new: str) -> None:
         os.rename(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)

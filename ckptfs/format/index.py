@@ -31,10 +31,7 @@ FRESH_SUFFIX = ".fresh"
 def discard_fresh(where: Dir, name: str) -> None:
     """Remove the fresh index beside index `name` of `where`, if there is one: what a crash,
     or a snapshot that did not end in its swap, left."""
-    try:
-        where.unlink(name + FRESH_SUFFIX)
-    except FileNotFoundError:
-        pass
+    where.unlink(name + FRESH_SUFFIX, missing_ok=True)
 
 
 DAMAGED_SUFFIX = ".damaged-"  # index.log.damaged-<crc32c>: a damaged index, kept for fsck
