@@ -381,10 +381,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                               open_log_bytes=facts["log_bytes"] * cfg.data_logs,
                               engine=cfg.engine,
                               depth=cfg.queue_depth, direct=facts["backing_direct"],
-                              io_chunk_bytes=cfg.io_chunk_bytes, local_direct=facts["direct"])
-        node_tier.on_fatal = flusher.fail
-        node_tier.open_logs = flusher.open_logs
-        node_tier.reader = reader
+                              io_chunk_bytes=cfg.io_chunk_bytes, local_direct=facts["direct"],
+                              on_fatal=flusher.fail, open_logs=flusher.open_logs, reader=reader)
         flusher.tier = node_tier
         flusher.durability = cfg.durability
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)

@@ -3,10 +3,11 @@
 With `--local-dir LOCAL`, the flusher writes its data logs and commits its index in
 LOCAL/writers/<id>/ (the same aligned writes, the same format) instead of in the backing
 directory: a change committed there is *node-durable* (it survives a killed daemon and a reboot
-of the node). The drain thread then copies that directory into BACKING/writers/<id>/, commit
-by commit and byte for byte: first the data logs up to where they were written when the commit
-was made (large aligned writes, fdatasync), then the index up to that commit (fdatasync). So
-the backing copy is always the local one as it was at some commit: an ordinary writer
+of the node). The drain thread (datapath/drain.py) then copies that directory into
+BACKING/writers/<id>/ byte for byte: the data logs as soon as the flusher has written them
+(large aligned writes), and at each commit, once what it covers is copied and synced, the index
+up to that commit (fdatasync). So the backing index is always the local one as it was at some
+commit, and never names a byte the backing logs lack: an ordinary writer
 directory that other mounts, the offline tools and a mount without the tier read as today, and
 every offset the index names is the same in both copies. A change is *backing-durable* once
 the drain has passed its commit.
@@ -32,8 +33,8 @@ space is full of undrained data the flusher waits, and so do writers once stagin
 nothing fails. What the cleaner does to files (removing a retired log, punching dead bytes)
 waits until the drain has passed the commit that made it safe, and is done to both copies.
 
-Threads: `reserve`/`wait_room`/`committed` are called by the flusher thread; the drain thread
-owns the copying; everything else runs on the trio thread.
+Threads: `reserve`/`wait_room`/`written`/`committed`/`swap` are called by the flusher thread;
+the drain thread owns the copying; everything else runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import errno
 import json
 import logging
 import os
-import queue
 import shutil
 import socket
 import threading
@@ -50,8 +50,7 @@ import time
 
 import trio
 
-from ckptfs import failpoints
-from ckptfs.datapath.flusher import take_queued
+from ckptfs.datapath.drain import FRESH_COPY, PRE_SWAP, Drain, DrainStats, Note, Written
 from ckptfs.format import records
 from ckptfs.format.backingdir import (
     BACKING_MARKER,
@@ -63,25 +62,13 @@ from ckptfs.format.backingdir import (
     data_logs,
     write_atomic,
 )
-from ckptfs.format.logs import punch_hole
 from ckptfs.format.records import INDEX_HEADER, FormatError
-from ckptfs.io import alloc_aligned, open_engine
 
 log = logging.getLogger("ckptfs.tier")
 
 TIER_MARKER = "ckptfs-tier.json"
-DRAIN_STATE = "drain.json"
-PRE_SWAP = "index.pre-swap"
-FRESH_COPY = INDEX_NAME + ".drain"  # (the backing index's replacement, written beside it)
-RETRY_S = 1.0  # a failing backing store is tried again this often
-# Read from the local log (O_DIRECT where the local file system allows: the bytes were written
-# past the page cache and are not read again here, so they do not go through it) into one
-# half of this buffer while the other half is written to the backing copy in --io-chunk
-# requests, all in flight at once
-DRAIN_CHUNK_BYTES = 64 << 20
 EVICT_AT = 0.9  # drained logs are removed once the local logs take up this share of the space
 LEVELS = ("staged", "node", "backing")
-_STOP = "stop"
 
 
 class TierError(FormatError):
@@ -226,63 +213,33 @@ def reconcile(local: Dir, backing: Dir) -> int:
             os.close(bfd)
 
 
-# ---------------------------------------------------------------- the drain
-class _Note:
-    """The flusher committed: the local index ends at `index_end`, covering changes up to
-    `seq`; the data logs this mount made are written up to `ends` (log -> offset; None: closed,
-    its size is final)."""
-
-    __slots__ = ("seq", "index_end", "ends", "when", "swapped")
-
-    def __init__(self, seq: int, index_end: int, ends: dict[int, int],
-                 swapped: bool = False) -> None:
-        self.seq, self.index_end, self.ends, self.when = seq, index_end, ends, time.monotonic()
-        self.swapped = swapped  # (an index snapshot took the local index's place)
-
-
-class DrainStats:
-    def __init__(self) -> None:
-        self.bytes = 0  # data log and index bytes copied to the backing directory
-        self.seconds = 0.0  # spent copying them
-        self.cycles = 0
-        self.rate = 0.0  # bytes/s of the last cycle that copied at least 8 MiB
-        self.errors = 0
-        self.last_error = ""
-        self.evicted_logs = 0
-        self.evicted_bytes = 0
-
-
 class Tier:
-    """The node tier of a mount: the drain thread, local space, and the levels (trio side)."""
+    """The node tier of a mount: local space and the levels (trio side); the copying is the
+    drain thread's (datapath/drain.py). `on_fatal(exc, where)`: a defect in the drain thread;
+    `open_logs()`: the logs segments still go to (the flusher's: never removed); `reader`:
+    the mount's Reader (a log it holds is not removed)."""
 
     def __init__(self, local: WriterDir, backing: Dir, *, drained_index: int, limit_bytes: int,
                  open_log_bytes: int, engine: str, depth: int, direct: bool,
-                 io_chunk_bytes: int, local_direct: bool = False) -> None:
+                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, reader) -> None:
         self.local = local  # (LOCAL/writers/<id>/, locked)
         self.backing = backing  # (BACKING/writers/<id>/, held open)
         self.limit = limit_bytes
         # Segments are given room up to this: a data log started takes its preallocation
         # (up to a log's size) at once, so the logs being written keep that much headroom
         self.segment_limit = limit_bytes - open_log_bytes
-        self.engine_kind, self.depth, self.direct = engine, depth, direct
-        self.local_direct = local_direct
-        self.io_chunk = io_chunk_bytes
         self.stats = DrainStats()
-        # drain thread
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        # An index snapshot's swap and its note are one step for the drain: it looks at the
-        # local index by name only holding this, after taking every note queued
-        self.swap_lock = threading.Lock()
-        self.replace_index = drained_index < 0  # (the backing index is replaced whole next)
-        self.drained_index = max(drained_index, 0)
-        self.lfd_index = -1
-        self.drained = self._load_state()  # log -> bytes of it in the backing copy
-        self.lost: dict[int, int] = {}  # log -> where a range whose writeback failed starts
-        self.ends: dict[int, int | None] = {n: None for n in data_logs(local.path)}
-        self.final: set[int] = set()  # closed logs wholly in the backing copy, or gone
-        self.bfds: dict[int, int] = {}
-        self.thread: threading.Thread | None = None
+        self.drain = Drain(local, backing, self.stats, drained_index=drained_index,
+                           logs=data_logs(local.path), engine=engine, depth=depth,
+                           direct=direct, io_chunk_bytes=io_chunk_bytes,
+                           local_direct=local_direct, call_soon=self._call_soon,
+                           on_drained=self._on_drained, on_error=self._on_error,
+                           on_fatal=self._fatal)
+        self.on_fatal = on_fatal
+        self.open_logs = open_logs
+        self.reader = reader
         self.token: trio.lowlevel.TrioToken | None = None
+        self.started = False
         # flusher thread and evictions: local space
         self.cv = threading.Condition()
         self.usage = self._local_usage()
@@ -293,9 +250,7 @@ class Tier:
         self.backing_seq = 0
         self.backlog_since = 0.0  # when the oldest commit not drained was made (0: none)
         self.error: OSError | None = None
-        self.on_fatal = None  # (exception, where): a defect in the drain thread
-        self.open_logs = lambda: set()  # (the flusher's: a log segments still go to stays)
-        self.reader = None  # (the mount's Reader: a log it holds is not removed)
+        self.failed: OSError | None = None
         self.drained_event = trio.Event()
         self.room_event = trio.Event()
 
@@ -304,45 +259,21 @@ class Tier:
         """Trio thread, after replay: changes up to `committed_seq` are in the local index;
         the drain starts with everything the backing copy lacks."""
         self.node_seq = committed_seq
-        self.backing_seq = committed_seq if self.drained_index >= self._local_index_size() \
-            else 0
+        self.backing_seq = committed_seq \
+            if self.drain.drained_index >= self._local_index_size() else 0
         self.token = trio.lowlevel.current_trio_token()
-        with self.swap_lock:
-            self._open_local_index()
-        self.thread = threading.Thread(target=self._main, name="ckptfs-drain")
-        self.thread.start()
+        self.drain.start()
+        self.started = True
         if self.backing_seq < committed_seq:
             self.backlog_since = time.monotonic()
-            self.q.put(_Note(committed_seq, self._local_index_size(), {}))
-
-    def _open_local_index(self) -> None:
-        """(holding swap_lock) The local index the notes taken so far speak of."""
-        if self.lfd_index >= 0:
-            os.close(self.lfd_index)
-            self.lfd_index = -1
-        try:
-            self.lfd_index = self.local.dir.open(INDEX_NAME, os.O_RDONLY)
-        except FileNotFoundError:
-            pass
+            self.drain.put(Note(committed_seq, self._local_index_size(),
+                                dict.fromkeys(data_logs(self.local.path))))
 
     def _local_index_size(self) -> int:
         try:
             return self.local.dir.stat(INDEX_NAME).st_size
         except FileNotFoundError:
             return 0
-
-    def _load_state(self) -> dict[int, int]:
-        try:
-            fd = self.local.dir.open(DRAIN_STATE, os.O_RDONLY)
-        except FileNotFoundError:
-            return {}
-        try:
-            with open(fd) as f:
-                return {int(k): int(v) for k, v in json.load(f)["logs"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            log.warning("%s unreadable: every local data log is copied again",
-                        self.local.dir.join(DRAIN_STATE))
-            return {}
 
     def _local_usage(self) -> int:
         used = 0
@@ -355,22 +286,27 @@ class Tier:
         return used
 
     # ------------------------------------------------------------ flusher thread
+    def written(self, ranges: dict[int, tuple[int, int]]) -> None:
+        """A flusher batch wrote `ranges` (log -> (start, end)) of the local logs: the drain
+        may copy them before their commit."""
+        self.drain.put(Written(ranges))
+
     def committed(self, seq: int, index_end: int, ends: dict[int, int | None]) -> None:
         """The flusher committed changes up to `seq` to the local index (now `index_end`
         bytes); `ends`: how far the logs it made are written (LogWriter.ends)."""
-        self.q.put(_Note(seq, index_end, ends))
+        self.drain.put(Note(seq, index_end, ends))
         self.noted_ends = ends
 
     def swap(self, replace, seq: int, ends: dict[int, int | None]) -> None:
         """Flusher thread: an index snapshot takes the local index's place: `replace()` does
         it and returns the new index's size. The index it replaces stays (PRE_SWAP) until the
         drain has replaced the backing index, which is a prefix of that one meanwhile."""
-        with self.swap_lock:
+        with self.drain.swap_lock:
             if not self.local.dir.exists(PRE_SWAP):
                 self.local.dir.link(INDEX_NAME, PRE_SWAP)
                 self.local.dir.sync()
             size = replace()
-            self.q.put(_Note(seq, size, ends, swapped=True))
+            self.drain.put(Note(seq, size, ends, swapped=True))
             self.noted_ends = ends
 
     def reserve(self, sizes: list[int]) -> int:
@@ -404,302 +340,6 @@ class Tier:
         except trio.RunFinishedError:
             pass
 
-    # ------------------------------------------------------------ drain thread
-    def _main(self) -> None:
-        try:
-            self.engine = open_engine(self.engine_kind, depth=self.depth)
-            self.buf = alloc_aligned(DRAIN_CHUNK_BYTES, populate=False)
-            self._loop()
-        except BaseException as exc:  # a defect: the mount fails, said to every waiter
-            log.critical("the drain thread failed; nothing more reaches the backing directory",
-                         exc_info=True)
-            if self.on_fatal is not None:
-                self._call_soon(self.on_fatal, exc, "the drain thread")
-            self._call_soon(self._failed, OSError(errno.EIO, f"the drain thread failed: {exc!r}"))
-        finally:
-            for fd in self.bfds.values():
-                os.close(fd)
-            self.bfds.clear()
-            if getattr(self, "lfd_index", -1) >= 0:
-                os.close(self.lfd_index)
-            if hasattr(self, "engine"):
-                self.engine.close()
-            if hasattr(self, "buf"):
-                self.buf.close()
-
-    def _loop(self) -> None:
-        note: _Note | None = None
-        stopping = False
-        attempts = 0
-        while True:
-            items = take_queued(self.q, RETRY_S if note is not None else None)
-            with self.swap_lock:  # (a swap's note is queued with the swap: none is half seen)
-                items += take_queued(self.q, 0)
-                if any(it is not _STOP and it.swapped for it in items):
-                    self.replace_index = True
-                    self._open_local_index()
-            for it in items:
-                if it is _STOP:
-                    stopping = True
-                else:  # (the newest note covers the older ones)
-                    self.ends.update(it.ends)
-                    note = it if note is None or it.seq >= note.seq else note
-            if note is None:
-                if stopping:
-                    return
-                continue
-            while failpoints.held("drain"):
-                time.sleep(0.05)
-            try:
-                self._drain(note)
-            except OSError as exc:
-                log.error("draining to the backing directory failed: %s (will retry)", exc)
-                self._call_soon(self._on_error, exc)
-                attempts += 1
-                if stopping and attempts > 3:
-                    return
-                time.sleep(RETRY_S)
-                continue
-            attempts = 0
-            self._call_soon(self._on_drained, note.seq)
-            note = None
-            if stopping and self.q.empty():
-                return
-
-    def _drain(self, note: _Note) -> None:
-        """Copy what `note` covers: the data logs first (synced, drain.json written), then
-        the index up to the note's commit (synced)."""
-        failpoints.hit("drain")
-        t0 = time.perf_counter()
-        copied = 0
-        synced: dict[int, tuple[int, int]] = {}  # log -> the range copied now
-        for lg in sorted(self.ends):
-            end = self.ends[lg]
-            if lg in self.final:
-                continue
-            if end is None:  # a closed log: its size is final
-                try:
-                    end = self.local.dir.stat(data_log_name(lg)).st_size
-                except FileNotFoundError:  # removed (retired and removed from both)
-                    self.final.add(lg)
-                    self._close_backing(lg)
-                    continue
-            start = self.drained.get(lg, 0)
-            if end <= start:
-                if self.ends[lg] is None:
-                    self.final.add(lg)
-                    self._close_backing(lg)
-                continue
-            copied += self._copy_log(lg, start, end)
-            synced[lg] = (start, end)
-        for lg, (start, end) in synced.items():
-            try:
-                self.engine.fsync(self.bfds[lg], datasync=True)
-            except OSError:
-                if not self.direct:
-                    # Buffered: the pages whose writeback failed are dropped and the error
-                    # is reported once, so the range is copied again, punched first
-                    # (ext4 keeps a failed range unwritten under a rewrite that succeeds)
-                    for lg2, (start2, _) in synced.items():
-                        self.lost[lg2] = min(start2, self.lost.get(lg2, start2))
-                raise
-        for lg, (_, end) in synced.items():
-            self.drained[lg] = end
-        if synced:
-            write_atomic(self.local.dir, DRAIN_STATE, json.dumps(
-                {"logs": {str(k): v for k, v in self.drained.items()}}).encode())
-            for lg in synced:
-                if self.ends.get(lg, 0) is None:
-                    self._close_backing(lg)
-        copied += self._copy_index(note.index_end)
-        self.stats.cycles += 1
-        self.stats.bytes += copied
-        dt = time.perf_counter() - t0
-        self.stats.seconds += dt
-        if copied >= 8 << 20 and dt > 0:
-            self.stats.rate = copied / dt
-
-    def _backing_fd(self, lg: int) -> int:
-        fd = self.bfds.get(lg)
-        if fd is None:
-            name = data_log_name(lg)
-            flags = os.O_WRONLY | os.O_CREAT
-            try:
-                fd = self.backing.open(name, flags | (os.O_DIRECT if self.direct else 0))
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise
-                fd = self.backing.open(name, flags)
-            self.bfds[lg] = fd
-            self.backing.sync()  # (the name is durable before the index names the log)
-        return fd
-
-    def _close_backing(self, lg: int) -> None:
-        fd = self.bfds.pop(lg, None)
-        if fd is not None:
-            os.close(fd)
-
-    def _copy_log(self, lg: int, start: int, end: int) -> int:
-        """Bytes [start, end) of local log `lg` to the same place in its backing copy, in
-        DRAIN_CHUNK_BYTES pieces (all aligned: segments and copy blocks end on the alignment,
-        and so does `start`). The buffer's two halves take turns: the next piece is read
-        from the node while the writes of this one are in flight to the backing store, so
-        the copy takes about as long as the slower of the two, not their sum."""
-        src = self.local.dir.open(data_log_name(lg),
-                                  os.O_RDONLY | (os.O_DIRECT if self.local_direct else 0))
-        dst = self._backing_fd(lg)
-        lost = self.lost.pop(lg, None)
-        if lost is not None:
-            try:
-                punch_hole(dst, lost, max(0, end - lost))
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    self.lost[lg] = lost
-                    raise
-        half = DRAIN_CHUNK_BYTES // 2
-        whole = memoryview(self.buf)
-        halves = [whole[:half], whole[half:]]
-        ahead = None  # (offset, length, half) of the read in flight
-        try:
-            off, turn = start, 0
-            n = self._read_piece(src, lg, halves[turn], off, min(half, end - off))
-            while off < end:
-                buf = halves[turn]
-                nxt = off + n
-                if nxt < end:  # the next piece into the other half, while this one is written
-                    want = min(half, end - nxt)
-                    self.engine.submit_read(src, halves[turn ^ 1][:want], nxt, ("drain", nxt))
-                    ahead = (nxt, want)
-                if n % 4096:  # (a log's end is aligned; the write must be too)
-                    up = -(-n // 4096) * 4096
-                    buf[n:up] = bytes(up - n)
-                    n = up
-                reqs = [(dst, buf[o:min(n, o + self.io_chunk)], off + o)
-                        for o in range(0, n, self.io_chunk)]
-                try:
-                    self._write(dst, reqs)
-                finally:
-                    for _, v, _ in reqs:
-                        v.release()
-                off, turn = nxt, turn ^ 1
-                if ahead is not None:
-                    res = self._reap_ahead()
-                    got, want = ahead
-                    ahead = None
-                    if res < want:  # an error or a short read: again, the plain way
-                        res = self._read_piece(src, lg, halves[turn], got, want)
-                    n = res
-        finally:
-            if ahead is not None:  # never let the buffer go while the kernel may fill it
-                self._reap_ahead()
-            os.close(src)
-            for v in halves:
-                v.release()
-            whole.release()
-        return end - start
-
-    def _reap_ahead(self) -> int:
-        """The result of the one read submitted ahead (negative: an errno)."""
-        while True:
-            for tag, res in self.engine.reap(1):
-                if isinstance(tag, tuple) and tag[0] == "drain":
-                    return res
-                log.warning("drain: an unexpected completion %r (%d)", tag, res)
-
-    def _read_piece(self, src: int, lg: int, buf: memoryview, off: int, want: int) -> int:
-        """`want` bytes of local log `lg` at `off` into `buf`, synchronously (O_DIRECT given
-        up where the local file system refuses it after all)."""
-        try:
-            n = os.preadv(src, [buf[:want]], off)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.local_direct:
-                raise
-            self.local_direct = False  # (O_DIRECT refused after all: buffered reads)
-            fd = self.local.dir.open(data_log_name(lg), os.O_RDONLY)
-            try:
-                os.dup2(fd, src)  # (the same descriptor number, now without O_DIRECT)
-            finally:
-                os.close(fd)
-            n = os.preadv(src, [buf[:want]], off)
-        if n <= 0:
-            raise OSError(errno.EIO, f"node tier: {self.local.dir.join(data_log_name(lg))}"
-                          f" ends at {off}, before {off + want}")
-        return n
-
-    def _write(self, fd: int, reqs) -> None:
-        try:
-            self.engine.write_all(reqs)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.direct:
-                raise
-            # O_DIRECT refused after all (a file system that accepts the flag, not the I/O):
-            # buffered from now on
-            self.direct = False
-            for lg in list(self.bfds):
-                self._close_backing(lg)
-            raise OSError(errno.EAGAIN, "O_DIRECT writes refused by the backing directory; "
-                          "buffered from now on") from None
-
-    def _copy_index(self, end: int) -> int:
-        """The local index's bytes from where the backing copy ends to `end` (a commit's end),
-        appended to the backing index and synced; the header first when it changed (an index
-        version raised)."""
-        if self.lfd_index < 0:
-            with self.swap_lock:
-                self._open_local_index()
-        if self.replace_index:
-            return self._replace_index(end)
-        head = os.pread(self.lfd_index, INDEX_HEADER.size, 0)
-        bfd = self.backing.open(INDEX_NAME, os.O_RDWR | os.O_CREAT)
-        try:
-            created = os.fstat(bfd).st_size == 0
-            if os.pread(bfd, INDEX_HEADER.size, 0) != head:
-                os.pwrite(bfd, head, 0)
-                if created:
-                    self.drained_index = INDEX_HEADER.size
-                    self.backing.sync()
-            if os.fstat(bfd).st_size > self.drained_index:  # a group torn by a crash: cut
-                os.ftruncate(bfd, self.drained_index)
-            copied = self._copy_index_range(bfd, self.drained_index, end)
-            os.fdatasync(bfd)
-            self.drained_index = max(self.drained_index, end)
-            return copied
-        finally:
-            os.close(bfd)
-
-    def _copy_index_range(self, bfd: int, start: int, end: int) -> int:
-        """Bytes [start, end) of the local index to the same place in `bfd`, 8 MiB at a time
-        (an index can be large; the memory held stays small). Returns the bytes copied."""
-        off = start
-        while off < end:
-            chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
-            if not chunk:
-                raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
-                              f"ends at {off}, before {end}")
-            view = memoryview(chunk)
-            while view:
-                k = os.pwrite(bfd, view, off)
-                off += k
-                view = view[k:]
-        return off - start
-
-    def _replace_index(self, end: int) -> int:
-        """After an index snapshot: the backing index replaced whole by the local index's
-        first `end` bytes (written beside it, synced, renamed into place, the name synced);
-        the local PRE_SWAP is not needed any more then."""
-        bfd = self.backing.open(FRESH_COPY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            self._copy_index_range(bfd, 0, end)
-            os.fdatasync(bfd)
-        finally:
-            os.close(bfd)
-        self.backing.rename(FRESH_COPY, INDEX_NAME)
-        self.backing.sync()
-        self.drained_index, self.replace_index = end, False
-        self.local.dir.unlink(PRE_SWAP, missing_ok=True)
-        log.info("node tier: the backing index replaced by the index snapshot (%d bytes)", end)
-        return end
-
     # ------------------------------------------------------------ trio side
     def note_committed(self, seq: int) -> None:
         """Trio thread: the flusher's commit up to `seq` is durable in the local index."""
@@ -723,11 +363,11 @@ class Tier:
         ev, self.drained_event = self.drained_event, trio.Event()
         ev.set()
 
-    def _failed(self, exc: OSError) -> None:
-        self.failed = exc
-        self._on_error(exc)
-
-    failed: OSError | None = None
+    def _fatal(self, exc: BaseException, where: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(exc, where)
+        self.failed = OSError(errno.EIO, f"the drain thread failed: {exc!r}")
+        self._on_error(self.failed)
 
     async def wait_backing(self, seq: int) -> None:
         """Return once changes up to `seq` are in the backing directory; raise the drain's
@@ -749,11 +389,10 @@ class Tier:
         """Unmount: drain everything committed, then end the thread. Raises OSError when the
         backing directory did not take it (the local copy holds it; the next mount with the
         same --local-dir drains it)."""
-        if self.thread is None:
+        if not self.started:
             return
-        self.q.put(_STOP)
-        await trio.to_thread.run_sync(self.thread.join)
-        self.thread = None
+        self.started = False
+        await trio.to_thread.run_sync(self.drain.join)
         if self.backing_seq < self.node_seq:
             raise OSError(errno.EIO, f"the node tier holds changes the backing directory did "
                           f"not take ({self.error or 'drain stopped'}); they are node-durable "
@@ -783,14 +422,14 @@ class Tier:
         """Drained data logs no segment goes to any more, oldest first, that no read holds."""
         busy = self.open_logs()
         out = []
-        for lg, end in sorted(list(self.ends.items())):
+        for lg, end in sorted(list(self.drain.ends.items())):
             if lg in busy or end is not None:
                 continue
             try:
                 size = self.local.dir.stat(data_log_name(lg)).st_size
             except FileNotFoundError:
                 continue
-            if self.drained.get(lg, -1) < size:
+            if self.drain.drained.get(lg, -1) < size:
                 continue
             if self.reader is not None and self.reader.log_in_use(0, lg):
                 continue
@@ -822,7 +461,7 @@ class Tier:
         return freed
 
     def status(self) -> dict:
-        backlog, ends, drained = 0, dict(self.noted_ends), dict(self.drained)
+        backlog, ends, drained = 0, dict(self.noted_ends), dict(self.drain.drained)
         for lg in data_logs(self.local.path):
             end = ends.get(lg)
             if end is None:  # (closed: its size is final)
