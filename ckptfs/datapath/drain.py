@@ -52,6 +52,7 @@ RETRY_S = 1.0  # a failing backing store is tried again this often
 DRAIN_CHUNK_BYTES = 64 << 20
 STOP = "stop"
 _SYNCED = "synced"  # (wakes the loop: the sync in flight is done)
+STEP_ASIDE_S = 0.05  # how often a drain stepping aside for the writers looks again
 MAX_NOTES = 256  # commits waiting for the drain (older ones are merged: memory stays bounded)
 
 
@@ -91,6 +92,7 @@ class DrainStats:
     def __init__(self) -> None:
         self.bytes = 0  # data log and index bytes copied to the backing directory
         self.seconds = 0.0  # spent copying them (a sync overlapped with copying counts once)
+        self.yielded_seconds = 0.0  # copying waited for writers waiting for staging room
         self.cycles = 0  # commits drained
         self.rate = 0.0  # bytes/s between the last two commits drained, when >= 8 MiB
         self.errors = 0
@@ -117,13 +119,16 @@ class Drain:
 
     def __init__(self, local: WriterDir, backing: Dir, stats: DrainStats, *, drained_index: int,
                  logs: list[int], engine: str, depth: int, direct: bool, io_chunk_bytes: int,
-                 local_direct: bool, call_soon, on_drained, on_error, on_fatal) -> None:
+                 local_direct: bool, call_soon, on_drained, on_error, on_fatal,
+                 step_aside=lambda: False) -> None:
         self.local, self.backing, self.stats = local, backing, stats
         self.engine_kind, self.depth, self.direct = engine, depth, direct
         self.local_direct = local_direct
         self.io_chunk = io_chunk_bytes
         self.call_soon = call_soon
         self.on_drained, self.on_error, self.on_fatal = on_drained, on_error, on_fatal
+        self.step_aside = step_aside  # (any thread: whether the copying waits now)
+        self.aside_since = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         # An index snapshot's swap and its note are one step for the drain: it looks at the
         # local index by name only holding this, after taking every note queued
@@ -214,8 +219,10 @@ class Drain:
             now = time.monotonic()
             if now < retry_at:
                 timeout = retry_at - now
-            elif self._next_piece() is not None or (syncing is None and self._due(take=False)):
+            elif syncing is None and self._due(take=False):
                 timeout = 0.0
+            elif self._next_piece() is not None:
+                timeout = STEP_ASIDE_S if self._stepping_aside() else 0.0
             else:
                 timeout = None  # (a commit, a written batch, the sync's end or the stop)
             items = take_queued(self.q, timeout)
@@ -257,7 +264,7 @@ class Drain:
                     failpoints.hit("drain")
                     syncing = self._sync(note, syncer)
                     continue
-                piece = self._next_piece()
+                piece = None if self._stepping_aside() else self._next_piece()
                 if piece is not None:
                     self._copy_piece(*piece)
                     continue
@@ -272,6 +279,19 @@ class Drain:
                 self._idle()
             if stopping and not self.notes and syncing is None and self.q.empty():
                 return
+
+    def _stepping_aside(self) -> bool:
+        """Whether the copying waits for the writers: while they wait for staging room, the
+        node's CPU and disk go to the flusher (training is blocked on it), unless the flusher
+        itself waits for local room (then only the drain can give it some)."""
+        if not self.step_aside():
+            if self.aside_since:
+                self.stats.yielded_seconds += time.perf_counter() - self.aside_since
+                self.aside_since = 0.0
+            return False
+        if not self.aside_since:
+            self.aside_since = time.perf_counter()
+        return True
 
     def _add_note(self, note: Note, first: bool = False) -> None:
         """A commit to drain, in order. An index snapshot's note takes the place of every

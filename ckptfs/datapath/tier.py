@@ -217,11 +217,13 @@ class Tier:
     """The node tier of a mount: local space and the levels (trio side); the copying is the
     drain thread's (datapath/drain.py). `on_fatal(exc, where)`: a defect in the drain thread;
     `open_logs()`: the logs segments still go to (the flusher's: never removed); `reader`:
-    the mount's Reader (a log it holds is not removed)."""
+    the mount's Reader (a log it holds is not removed); `writers_wait()`: whether writers
+    wait for staging room (the drain's copying steps aside meanwhile)."""
 
     def __init__(self, local: WriterDir, backing: Dir, *, drained_index: int, limit_bytes: int,
                  open_log_bytes: int, engine: str, depth: int, direct: bool,
-                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, reader) -> None:
+                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, reader,
+                 writers_wait=lambda: False) -> None:
         self.local = local  # (LOCAL/writers/<id>/, locked)
         self.backing = backing  # (BACKING/writers/<id>/, held open)
         self.limit = limit_bytes
@@ -234,7 +236,8 @@ class Tier:
                            direct=direct, io_chunk_bytes=io_chunk_bytes,
                            local_direct=local_direct, call_soon=self._call_soon,
                            on_drained=self._on_drained, on_error=self._on_error,
-                           on_fatal=self._fatal)
+                           on_fatal=self._fatal,
+                           step_aside=lambda: writers_wait() and not self.waiting)
         self.on_fatal = on_fatal
         self.open_logs = open_logs
         self.reader = reader
@@ -478,6 +481,7 @@ class Tier:
             if self.backlog_since else 0.0,
             "tier_drained_bytes": self.stats.bytes,
             "tier_drain_seconds": round(self.stats.seconds, 3),
+            "tier_drain_yielded_s": round(self.stats.yielded_seconds, 3),
             "tier_drain_rate": round(self.stats.rate), "tier_drain_errors": self.stats.errors,
             "tier_drain_last_error": self.stats.last_error,
             "tier_evicted_logs": self.stats.evicted_logs,
