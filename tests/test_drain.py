@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
-from helpers import content
+from helpers import content, wait_for
 
 from ckptfs.datapath.drain import Drain, DrainStats, Note, Written
-from ckptfs.format.backingdir import INDEX_NAME, Dir, WriterDir, data_log_name
+from ckptfs.format.backingdir import INDEX_NAME, WriterDir, data_log_name
 from ckptfs.format.records import INDEX_HEADER
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,20 +104,13 @@ def _backing(backing: WriterDir, name: str) -> bytes:
         return b""
 
 
-def _wait(cond, what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_written_ranges_are_copied_before_their_commit_and_the_index_after(tier):
     local, backing, make = tier
     d, side = make()
     a = content("a", 3 * MiB)
     _write_log(local, 1, 0, a)
     d.put(Written({1: (0, len(a))}))
-    _wait(lambda: _backing(backing, data_log_name(1))[:len(a)] == a,
+    wait_for(lambda: _backing(backing, data_log_name(1))[:len(a)] == a,
           "written bytes never reached the backing log")
     assert _backing(backing, INDEX_NAME) == b"", "no commit yet: no index"
     end = _append_index(local, b"commit-1")
@@ -141,7 +134,7 @@ def test_a_range_written_again_is_copied_again(tier):
     first, second = content("x", 2 * MiB), content("y", 2 * MiB)
     _write_log(local, 1, 0, first)
     d.put(Written({1: (0, len(first))}))
-    _wait(lambda: _backing(backing, data_log_name(1))[:len(first)] == first, "not copied")
+    wait_for(lambda: _backing(backing, data_log_name(1))[:len(first)] == first, "not copied")
     _write_log(local, 1, 0, second)  # (a segment written again at its place)
     d.put(Written({1: (0, len(second))}))
     end = _append_index(local, b"c")
@@ -165,7 +158,7 @@ def test_the_copying_steps_aside_while_writers_wait_for_staging(tier):
         return d.stats.yielded_seconds + (time.perf_counter() - d.aside_since
                                           if d.aside_since else 0.0)
 
-    _wait(lambda: yielded() >= 0.5, "the drain never looked at the writers")
+    wait_for(lambda: yielded() >= 0.5, "the drain never looked at the writers")
     assert _backing(backing, data_log_name(1)) == b"" and not side.drained
     waiting.clear()
     side.wait_drained(1)
