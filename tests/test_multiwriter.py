@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers import (
-    DAEMONS, FUSE_URING, RANKS, RANK_SPECS, bits, check_rank, daemon_of, finish, four_writers,
+    DAEMONS, FUSE_URING, RANKS, RANK_SPECS, bits, check_rank, cli, daemon_of, finish, four_writers,
     listed, proc_status, rank_dir, rank_paths, read_tree, save_ranks, start_rank, verify_ok,
     writer_files_digest,
 )
@@ -27,11 +27,6 @@ from ckptfs.format.records import CommitRec, InodeRec, UnlinkRec
 from ckptfs.namespace import ROOT_INO
 
 torch = pytest.importorskip("torch")
-
-
-def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True,
-                          text=True, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- tests
