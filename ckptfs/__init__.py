@@ -6,7 +6,8 @@ The data path, one package a step:
   -> datapath/journal.py (changes in order) -> datapath/flusher.py (background thread driving the
   io engine, group commit) -> io/ (io_uring, POSIX)
   -> format/ (data logs + index in the backing directory)
-  -> replay.py on mount (records -> namespace.py; view.py: other writers' trees merged in)
+  -> replay.py on mount (records -> namespace.py; peers.py, view.py: other writers' trees
+  merged in)
   -> datapath/reader.py (the read path)
 Around it: daemon.py wires a mount, api.py and cli.py are the user's side, tools/ the offline
 commands, bench/ the study and the comparisons.

@@ -44,7 +44,8 @@ from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import Namespace
 from ckptfs.options import format_size
 from ckptfs.replay import replay, validate_extents
-from ckptfs.view import Union, View
+from ckptfs.peers import Peers
+from ckptfs.view import Union
 
 log = logging.getLogger("ckptfs")
 
@@ -300,8 +301,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
     union = Union()
     # (layers for every writer before the own index is replayed: it may name their logs)
-    view = View(ns, union, cfg.backing, cfg.writer_id if wd else None)
-    view.assign()
+    peers = Peers(ns, union, cfg.backing, cfg.writer_id if wd else None)
+    view = peers.view
+    peers.assign()
     gc.disable()  # (until the trees are built: replay.bulk_load)
     index, next_log = None, 1
     # the writer's own directory: the node tier's when there is one (the backing directory
@@ -332,10 +334,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                        max(backingdir.data_logs(wd.path), default=0), ns.last_log) + 1
         union.writer_dirs[0] = own.path
         union.writer_ids[0] = cfg.writer_id
-    view.load()
+    peers.load()
     union.conflicts = view.conflict_list()
     # The own COMMIT stamps follow every stamp seen (a hybrid logical clock: flusher.py)
-    journal.seen_ns = view.max_stamp
+    journal.seen_ns = peers.max_stamp
     journal.last_stamp = max((x.commit_ns for x in ns.inodes.values() if x.layer == 0),
                              default=0)
     journal.stamp_hook = view.stamped
@@ -397,9 +399,9 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         if node_tier is not None:
             maintainer.tier, maintainer.mirror = node_tier, mirror.dir
         maintainer.configure(staging, cfg)
-        maintainer.others_use = lambda: cleaner.logs_named_by_others(view, space.live)
+        maintainer.others_use = lambda: cleaner.logs_named_by_others(peers, space.live)
         maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)
-        maintainer.settled = lambda: view.settled_whiteouts(ns.xunlinks)
+        maintainer.settled = lambda: peers.whiteouts.settled(ns.xunlinks)
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",
@@ -413,7 +415,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         log.info("this VM's idle CPUs halt without polling (cpuidle haltpoll, "
                  "guest_halt_poll_ns 0): each FUSE round trip pays a wake-up through the "
                  "hypervisor; docs/tuning.md says what polling is worth here")
-    refresher = Refresher(view, journal, reader, cfg.backing, cfg.refresh_s)
+    refresher = Refresher(peers, journal, reader, cfg.backing, cfg.refresh_s)
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
                          view=view, refresher=refresher, maintainer=maintainer)

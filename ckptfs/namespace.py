@@ -156,7 +156,7 @@ class Namespace:
         # entries it removed there (XUNLINK records) ...
         self.xunlinks: list[XUnlinkRec] = []
         # ... and, for XEXTENT records (bytes in another writer's data logs), the layer of a
-        # writer id in this mount or tool (view.View.layer_of); None: not known here
+        # writer id in this mount or tool (view.Union.layer_of); None: not known here
         self.layer_of: Callable[[str], int | None] = lambda writer: None
         # The files an XEXTENT record gave bytes of another writer's data logs (some may have
         # none left): where to look for the logs this tree keeps in use in other writers'

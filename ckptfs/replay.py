@@ -1,12 +1,12 @@
 """Replay: a writer's index into a namespace.
 
 `replay` applies the own writer's index to the live namespace at mount (and the offline tools'
-trees); `apply_group` applies one commit group, the function the view (view.py) and the index
+trees); `apply_group` applies one commit group, the function the view (peers.py) and the index
 snapshot (datapath/mover.py) use too, and records go through `Namespace.apply`, the function
 the live handlers use. Replay distrusts its input: a record that does not fit the tree is
 skipped with a warning, and `validate_extents` drops extents past their data log's end.
 `read_writer` and `read_tail` read a writer's index whole or the commit groups appended
-since a byte offset (the view reads other writers' indexes so, fuse/refresh.py their tails).
+since a byte offset (peers.py reads other writers' indexes so, fuse/refresh.py their tails).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The helpers every test module shares (test modules import this, never each other): the CLI,
 deterministic file contents, waits on the daemon's figures, tree snapshots and checks, other
-users, daemon memory figures; the crash writer and its journal (test_crash, test_lifecycle and
-the GlusterFS tests); the many-writer and torch checkpoint layouts and the live-writer
-scenarios run over a local disk and over GlusterFS; the mount scripts' environment."""
+users, daemon memory figures; the view of many writers without a mount; the crash writer and
+its journal (test_crash, test_lifecycle and the GlusterFS tests); the many-writer and torch
+checkpoint layouts and the live-writer scenarios run over a local disk and over GlusterFS;
+the mount scripts' environment."""
 
 from __future__ import annotations
 
@@ -382,6 +383,41 @@ def md5_tree(root):
                 with open(p, "rb") as f:
                     out[os.path.relpath(p, root)] = hashlib.md5(f.read()).hexdigest()
     return out
+
+
+# ---------------------------------------------------------------- the view, without a mount
+def view_shape(view) -> dict:
+    """A view (view.View) as nested dicts: a file is (its writer, its number there), a
+    directory the dict of what is in it."""
+    from ckptfs.namespace import ROOT_INO
+    from ckptfs.view import MASK
+
+    ns = view.ns
+
+    def walk(d) -> dict:
+        out = {}
+        for name, ino in d.children.items():
+            x = ns.inodes[ino]
+            out[name] = walk(x) if x.is_dir else (view.union.writer_of(x.layer), x.ino & MASK)
+        return out
+    return walk(ns.inodes[ROOT_INO])
+
+
+def two_writers(tmp_path):
+    """Two empty writers w1, w2 of a fresh backing directory, read by a mount of neither:
+    (peers.Peers, layer of w1, layer of w2)."""
+    from ckptfs.format import backingdir, records
+    from ckptfs.namespace import Namespace
+    from ckptfs.peers import Peers
+    from ckptfs.view import Union
+
+    backing = str(tmp_path / "backing")
+    dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
+    for d in dirs.values():
+        os.makedirs(d)
+    peers = Peers(Namespace(now_ns=0), Union(), backing, None)
+    l1, l2 = (peers.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    return peers, l1, l2
 
 
 # ---------------------------------------------------------------- the crash writer

@@ -335,32 +335,33 @@ def test_every_own_log_is_named_while_another_writers_index_cannot_be_read(tmp_p
     from ckptfs.format import backingdir
     from ckptfs.format.records import XExtentRec
     from ckptfs.replay import read_writer
-    from ckptfs.view import Union, load_foreign
+    from ckptfs.peers import load_foreign
+    from ckptfs.view import Union
 
     backingdir.check_backing(str(tmp_path), create=True)
     wdir = tmp_path / "writers" / "w1"
     wdir.mkdir(parents=True)
     (wdir / "index.log").mkdir()  # cannot be read as a file
     union = Union(writer_dirs={0: str(tmp_path / "writers" / "w0")})
-    view = load_foreign(Namespace(now_ns=0), str(tmp_path), "w0", union)
-    layer = view.layer_of("w1")
-    assert layer is not None and view.unloaded() == [layer]
+    peers = load_foreign(Namespace(now_ns=0), str(tmp_path), "w0", union)
+    layer = union.layer_of("w1")
+    assert layer is not None and peers.unloaded() == [layer]
     own = {1: 0, 2: 100, 3: 0}  # (the cleaner's LogSpace.live: log -> live bytes)
-    assert cleaner.logs_named_by_others(view, own) == {1, 2, 3}
+    assert cleaner.logs_named_by_others(peers, own) == {1, 2, 3}
     (wdir / "index.log").rmdir()
     recs = [InodeRec(2, 1, b"f", stat.S_IFREG | 0o644, 0, 0, 0, 1, 1, 1),
             XExtentRec(2, 0, 100, "w0", 3, 4096, 100, 0, 0)]
     (wdir / "index.log").write_bytes(
         records.index_header(records.CROSS_INDEX_VERSION) + b"".join(map(records.encode, recs))
         + records.encode(CommitRec(len(recs), 1)))
-    view.add_tree(str(wdir), *read_writer(str(wdir)), layer)
-    assert view.unloaded() == []
-    assert view.trees[layer].inodes[2].size == 100
-    assert cleaner.logs_named_by_others(view, own) == {3}
+    peers.add_tree(str(wdir), *read_writer(str(wdir)), layer)
+    assert peers.unloaded() == []
+    assert peers.trees[layer].inodes[2].size == 100
+    assert cleaner.logs_named_by_others(peers, own) == {3}
     # the other writer overwrites the file with bytes of its own: nothing of w0 is named
-    view.apply_group(layer, [ExtentRec(2, 0, 100, 1, 4096, 0)], 2)
-    assert cleaner.logs_named_by_others(view, own) == set()
-    assert view.trees[layer].cross_files == set()
+    peers.apply_group(layer, [ExtentRec(2, 0, 100, 1, 4096, 0)], 2)
+    assert cleaner.logs_named_by_others(peers, own) == set()
+    assert peers.trees[layer].cross_files == set()
 
 
 def test_a_snapshot_leaves_out_the_whiteouts_it_is_told_are_settled(tmp_path):

@@ -1,9 +1,9 @@
 """The view of many writers (view.View) is a function of their records, not of the order a
-mount reads them in: random histories of three writers (mkdir, create, unlink, rename in
-their own trees at a few shared names, and whiteouts of each other's entries), read whole by
-a fresh view and, by another, one commit group at a time in a random interleaving of the
-writers (as a mount reads their index tails), give the same tree. No mount: the indexes are
-written by hand into a backing directory."""
+mount reads them in (peers.Peers): random histories of three writers (mkdir, create, unlink,
+rename in their own trees at a few shared names, and whiteouts of each other's entries), read
+whole by a fresh view and, by another, one commit group at a time in a random interleaving of
+the writers (as a mount reads their index tails), give the same tree. No mount: the indexes
+are written by hand into a backing directory."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import random
 
 import pytest
+from helpers import view_shape
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import (
@@ -22,8 +23,9 @@ from ckptfs.format.records import (
     XUnlinkRec,
 )
 from ckptfs.namespace import ROOT_INO, Namespace
+from ckptfs.peers import Peers, load_foreign
 from ckptfs.replay import replay
-from ckptfs.view import LAYER_SHIFT, Union, View, load_foreign
+from ckptfs.view import Union, View
 
 WRITERS = ("w0", "w1", "w2")
 NAMES = [b"a", b"b", b"c", b"d"]
@@ -106,21 +108,6 @@ class History:
                 f.write(b"".join(blob))
 
 
-def shape(view: View) -> dict:
-    """The view as nested dicts: a file is (its writer, its number there), a directory the
-    dict of what is in it."""
-    ns = view.ns
-
-    def walk(d) -> dict:
-        out = {}
-        for name, ino in d.children.items():
-            x = ns.inodes[ino]
-            out[name] = walk(x) if x.is_dir else (view.writer_of(x.layer),
-                                                  x.ino & ((1 << LAYER_SHIFT) - 1))
-        return out
-    return walk(ns.inodes[ROOT_INO])
-
-
 def written_history(rng: random.Random, tmp_path) -> tuple[History, str]:
     """A random history of 20-70 steps, its indexes written into a backing directory."""
     h = History(rng)
@@ -137,7 +124,7 @@ def test_the_view_does_not_depend_on_the_order_it_reads_the_writers_in(tmp_path,
     h, backing = written_history(rng, tmp_path)
     fresh = load_foreign(Namespace(now_ns=0), backing, None, Union())
     # one group at a time, the writers interleaved at random (each in its own order)
-    live = View(Namespace(now_ns=0), Union(), backing, None)
+    live = Peers(Namespace(now_ns=0), Union(), backing, None)
     layers = {}
     for w in WRITERS:
         wdir = os.path.join(backing, backingdir.WRITERS_DIR, w)
@@ -147,10 +134,10 @@ def test_the_view_does_not_depend_on_the_order_it_reads_the_writers_in(tmp_path,
         w = rng.choice([w for w in WRITERS if pending[w]])
         recs, stamp = pending[w].pop(0)
         live.apply_group(layers[w], recs, stamp)
-    assert shape(live) == shape(fresh), seed
-    assert sorted(c.path for c in live.conflict_list()) == \
-        sorted(c.path for c in fresh.conflict_list()), (live.conflict_list(),
-                                                        fresh.conflict_list())
+    assert view_shape(live.view) == view_shape(fresh.view), seed
+    assert sorted(c.path for c in live.view.conflict_list()) == \
+        sorted(c.path for c in fresh.view.conflict_list()), (live.view.conflict_list(),
+                                                             fresh.view.conflict_list())
     assert not [w for w in fresh.union.warnings if "skipped" in w]
 
 
@@ -163,26 +150,26 @@ def test_the_own_writer_carries_out_the_same_whiteouts_in_any_order(tmp_path, se
     h, backing = written_history(rng, tmp_path)
     own_index = os.path.join(backing, backingdir.WRITERS_DIR, "w0", backingdir.INDEX_NAME)
 
-    def own_view() -> View:
+    def own_view() -> Peers:
         ns = Namespace(now_ns=0)
-        view = View(ns, Union(), backing, "w0")
-        view.union.writer_dirs[0] = os.path.dirname(own_index)
+        peers = Peers(ns, Union(), backing, "w0")
+        peers.union.writer_dirs[0] = os.path.dirname(own_index)
         replay(ns, own_index)
-        return view
+        return peers
     fresh = own_view()
     fresh.load()
-    fresh.adopt_pending()
+    fresh.view.adopt_pending()
     live = own_view()
     live.load(only="-")  # (no other writer yet: the own tree and its whiteouts, as a mount)
     layers = {w: live.add_tree(os.path.join(backing, backingdir.WRITERS_DIR, w),
                                records.IndexScan(), (0, 0)) for w in WRITERS[1:]}
-    live.adopt_pending()
+    live.view.adopt_pending()
     pending = {w: list(h.groups[w]) for w in WRITERS[1:]}
     while any(pending.values()):
         w = rng.choice([w for w in WRITERS[1:] if pending[w]])
         recs, stamp = pending[w].pop(0)
         live.apply_group(layers[w], recs, stamp)
-    assert shape(live) == shape(fresh), seed
+    assert view_shape(live.view) == view_shape(fresh.view), seed
 
 
 def test_what_the_view_keeps_of_a_removed_entry_goes_once_the_kernel_forgot_it(tmp_path):
@@ -192,50 +179,21 @@ def test_what_the_view_keeps_of_a_removed_entry_goes_once_the_kernel_forgot_it(t
     backing = str(tmp_path / "backing")
     wdir = os.path.join(backing, backingdir.WRITERS_DIR, "w1")
     os.makedirs(wdir)
-    view = View(Namespace(now_ns=0), Union(), backing, "w0")
-    layer = view.add_tree(wdir, records.IndexScan(), (0, 0))
-    view.apply_group(layer, [InodeRec(2, 1, b"seen", 0o100644, 0, 0, 0, 1, 1, 1),
-                             InodeRec(3, 1, b"unseen", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
+    peers = Peers(Namespace(now_ns=0), Union(), backing, "w0")
+    view = peers.view
+    layer = peers.add_tree(wdir, records.IndexScan(), (0, 0))
+    peers.apply_group(layer, [InodeRec(2, 1, b"seen", 0o100644, 0, 0, 0, 1, 1, 1),
+                              InodeRec(3, 1, b"unseen", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
     ns = view.ns
     seen = ns.inodes[ns.inodes[ROOT_INO].children[b"seen"]]
     seen.lookups = 1  # (the kernel looked it up)
-    view.apply_group(layer, [UnlinkRec(1, b"seen"), UnlinkRec(1, b"unseen")], 11)
+    peers.apply_group(layer, [UnlinkRec(1, b"seen"), UnlinkRec(1, b"unseen")], 11)
     assert ns.inodes[ROOT_INO].children == {}
     assert view.gone == {seen.ino}  # an open of it is stale; of the other nothing is kept
     seen.lookups = 0
     ns.maybe_forget(seen)
     view.forgotten(seen.ino)
     assert view.gone == set() and seen.ino not in ns.inodes
-
-
-def _two_writers(tmp_path):
-    """A view of two empty writers w1, w2 of a fresh backing directory: (view, layers)."""
-    backing = str(tmp_path / "backing")
-    dirs = {w: os.path.join(backing, backingdir.WRITERS_DIR, w) for w in ("w1", "w2")}
-    for d in dirs.values():
-        os.makedirs(d)
-    view = View(Namespace(now_ns=0), Union(), backing, None)
-    l1, l2 = (view.add_tree(dirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
-    return view, l1, l2
-
-
-def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
-    """A whiteout hides another writer's entry until that writer removes it; then the view
-    keeps nothing of it (the writer never uses the inode number again), while a whiteout of
-    an entry that is still there, or not read yet, stays."""
-    view, l1, l2 = _two_writers(tmp_path)
-    view.apply_group(l1, [InodeRec(2, 1, b"f", 0o100644, 0, 0, 0, 1, 1, 1),
-                          InodeRec(3, 1, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
-    view.apply_group(l2, [XUnlinkRec("w1", 1, 2, b"f"), XUnlinkRec("w1", 1, 3, b"g"),
-                          XUnlinkRec("w1", 1, 9, b"later")], 11)
-    assert sorted(view.ns.inodes[ROOT_INO].children) == []  # all hidden
-    view.apply_group(l1, [UnlinkRec(1, b"f")], 12)  # w1 carries one out
-    assert view.wo == {"w1": {(1, 3, b"g"), (1, 9, b"later")}}
-    assert ("w1", 2) not in view.wo_dirs
-    # w2's index snapshot may leave out that one only (9: w1's entry not read yet)
-    assert view.settled_whiteouts(view.trees[l2].xunlinks) == {("w1", 2)}
-    view.apply_group(l1, [InodeRec(9, 1, b"later", 0o100644, 0, 0, 0, 1, 1, 1)], 13)
-    assert sorted(view.ns.inodes[ROOT_INO].children) == []  # (still hidden)
 
 
 def numbers_of(view: View, w: str) -> set[int]:
@@ -255,7 +213,7 @@ def test_a_rewritten_index_read_again_gives_the_same_view_and_numbers(tmp_path, 
     rng = random.Random(seed)
     h, backing = written_history(rng, tmp_path)
     fresh = load_foreign(Namespace(now_ns=0), backing, None, Union())
-    live = View(Namespace(now_ns=0), Union(), backing, None)
+    live = Peers(Namespace(now_ns=0), Union(), backing, None)
     layers = {w: live.add_tree(os.path.join(backing, backingdir.WRITERS_DIR, w),
                                records.IndexScan(), (0, 0)) for w in WRITERS}
     pending = {w: list(h.groups[w]) for w in WRITERS}
@@ -273,33 +231,17 @@ def test_a_rewritten_index_read_again_gives_the_same_view_and_numbers(tmp_path, 
             del pending[w][:k]
             for x in live.ns.inodes.values():
                 x.lookups = 1  # (the kernel knows every entry)
-            before = numbers_of(live, w)
+            before = numbers_of(live.view, w)
             scan = records.IndexScan(groups=[g for g, _ in applied[w]],
                                      group_times=[t for _, t in applied[w]])
             wdir = os.path.join(backing, backingdir.WRITERS_DIR, w)
             assert live.reload_tree(layers[w], wdir, scan, (0, 0)) == layers[w]
-            after = numbers_of(live, w)
-            assert not after & live.gone, seed  # (kept or new: the kernel's are valid)
-            assert before - after <= live.gone, seed  # (those it lost are stale)
-    assert shape(live) == shape(fresh), seed
-    assert sorted(c.path for c in live.conflict_list()) == \
-        sorted(c.path for c in fresh.conflict_list())
-
-
-def test_a_writer_that_leaves_takes_its_directories_at_every_depth(tmp_path):
-    """A writer whose directory goes (or whose index is read again) leaves the view with
-    every directory of it, however deep, and nothing else."""
-    view, l1, l2 = _two_writers(tmp_path)
-    view.apply_group(l1, [InodeRec(2, 1, b"a", 0o40755, 0, 0, 0, 1, 1, 1),
-                          InodeRec(3, 2, b"b", 0o40755, 0, 0, 0, 1, 1, 1),
-                          InodeRec(4, 3, b"f", 0o100644, 0, 0, 0, 1, 1, 1),
-                          InodeRec(5, 1, b"c", 0o40755, 0, 0, 0, 1, 1, 1)], 10)
-    view.apply_group(l2, [InodeRec(2, 1, b"a", 0o40755, 0, 0, 0, 1, 1, 1),
-                          InodeRec(3, 2, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 11)
-    assert shape(view) == {b"a": {b"b": {b"f": ("w1", 4)}, b"g": ("w2", 3)}, b"c": {}}
-    view.drop_tree(l1)
-    assert shape(view) == {b"a": {b"g": ("w2", 3)}}
-    assert all(x.layer != l1 for x in view.ns.inodes.values())
+            after = numbers_of(live.view, w)
+            assert not after & live.view.gone, seed  # (kept or new: the kernel's are valid)
+            assert before - after <= live.view.gone, seed  # (those it lost are stale)
+    assert view_shape(live.view) == view_shape(fresh.view), seed
+    assert sorted(c.path for c in live.view.conflict_list()) == \
+        sorted(c.path for c in fresh.view.conflict_list())
 
 
 DEEP = 2000
@@ -335,25 +277,25 @@ def test_a_tree_thousands_of_levels_deep_comes_and_goes(tmp_path):
     removal = [XUnlinkRec("w1", DEEP + 1, bottom, b"f")] + \
         [XUnlinkRec("w1", 1 + i, 2 + i, b"d") for i in reversed(range(DEEP))]
     # one commit group at a time, as a mount's looks read them
-    view = View(Namespace(now_ns=0), Union(), backing, None)
-    l1, l2 = (view.add_tree(wdirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
-    view.apply_group(l1, recs, 10)
-    assert depth_of(view) == (DEEP, True)
-    view.apply_group(l2, removal[:DEEP // 2], 11)  # (f and the lowest directories)
-    assert depth_of(view) == (DEEP - DEEP // 2 + 1, False)
-    view.apply_group(l2, removal[DEEP // 2:], 12)
-    assert view.ns.inodes[ROOT_INO].children == {}
+    peers = Peers(Namespace(now_ns=0), Union(), backing, None)
+    l1, l2 = (peers.add_tree(wdirs[w], records.IndexScan(), (0, 0)) for w in ("w1", "w2"))
+    peers.apply_group(l1, recs, 10)
+    assert depth_of(peers.view) == (DEEP, True)
+    peers.apply_group(l2, removal[:DEEP // 2], 11)  # (f and the lowest directories)
+    assert depth_of(peers.view) == (DEEP - DEEP // 2 + 1, False)
+    peers.apply_group(l2, removal[DEEP // 2:], 12)
+    assert peers.ns.inodes[ROOT_INO].children == {}
     # a deep tree that leaves the view (its writer's directory gone), or is read again
-    view = View(Namespace(now_ns=0), Union(), backing, None)
-    l1 = view.add_tree(wdirs["w1"], records.IndexScan(), (0, 0))
-    view.apply_group(l1, recs, 10)
-    for x in view.ns.inodes.values():
+    peers = Peers(Namespace(now_ns=0), Union(), backing, None)
+    l1 = peers.add_tree(wdirs["w1"], records.IndexScan(), (0, 0))
+    peers.apply_group(l1, recs, 10)
+    for x in peers.ns.inodes.values():
         x.lookups = 1
-    assert view.reload_tree(l1, wdirs["w1"], records.IndexScan(groups=[recs],
-                                                                 group_times=[10]), (0, 0)) == l1
-    assert depth_of(view) == (DEEP, True) and not view.gone
-    view.drop_tree(l1)
-    assert view.ns.inodes[ROOT_INO].children == {} and len(view.gone) == DEEP + 1
+    assert peers.reload_tree(l1, wdirs["w1"], records.IndexScan(groups=[recs],
+                                                                  group_times=[10]), (0, 0)) == l1
+    assert depth_of(peers.view) == (DEEP, True) and not peers.view.gone
+    peers.drop_tree(l1)
+    assert peers.ns.inodes[ROOT_INO].children == {} and len(peers.view.gone) == DEEP + 1
     # read whole, as a mount does, and by its own writer, which carries the removal out
     h = {"w1": [(recs, 10)], "w2": [(removal, 11)]}
     for w, groups in h.items():
@@ -364,83 +306,13 @@ def test_a_tree_thousands_of_levels_deep_comes_and_goes(tmp_path):
             f.write(b"".join(blob))
     whole = load_foreign(Namespace(now_ns=0), backing, None, Union())
     assert whole.ns.inodes[ROOT_INO].children == {}
-    assert whole.carry_out(whole.union.layers["w1"]) == 1  # (the top one, with all below it)
+    # (the top one, with all below it)
+    assert whole.whiteouts.carry_out(whole.union.layers["w1"]) == 1
     assert whole.trees[whole.union.layers["w1"]].inodes.keys() == {ROOT_INO}
     ns = Namespace(now_ns=0)
-    own = View(ns, Union(), backing, "w1")
+    own = Peers(ns, Union(), backing, "w1")
     own.union.writer_dirs[0] = wdirs["w1"]
     replay(ns, os.path.join(wdirs["w1"], backingdir.INDEX_NAME))
     own.load()
-    own.adopt_pending()
+    own.view.adopt_pending()
     assert ns.inodes[ROOT_INO].children == {} and len(ns.inodes) == 1
-
-
-def _churn(first_ino: int, n: int) -> bytes:
-    """`n` commit groups that each create a file with a 255-byte name and remove it again
-    (about 600 bytes of index each; the tree they leave is the one before them)."""
-    name = b"n" * 255
-    out = []
-    for i in range(n):
-        ino = first_ino + i
-        out += [records.encode(InodeRec(ino, ROOT_INO, name, 0o100644, 0, 0, 0, 1, 1, 1)),
-                records.encode(UnlinkRec(ROOT_INO, name)),
-                records.encode(CommitRec(ino, 10**18 + ino))]
-    return b"".join(out)
-
-
-def _peak_growth(fn):
-    """fn's result and how far the memory Python allocated rose above where it was while
-    fn ran (tracemalloc)."""
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        got = fn()
-        return got, tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-
-
-def test_a_large_index_of_another_writer_is_read_in_bounded_memory(tmp_path):
-    """Another writer's index of 13 MiB is read a piece at a time, read whole (a mount, a
-    rewritten index) and as a tail (what it appended since the last look): the memory the
-    reader holds meanwhile rises by far less than the index's size, and the view is the
-    writer's tree."""
-    from ckptfs.replay import read_tail
-
-    backing = str(tmp_path)
-    wdir = os.path.join(backing, backingdir.WRITERS_DIR, "w1")
-    os.makedirs(wdir)
-    index = os.path.join(wdir, backingdir.INDEX_NAME)
-    head = records.index_header(records.CROSS_INDEX_VERSION)
-    first = (records.encode(InodeRec(2, ROOT_INO, b"kept", 0o40755, 0, 0, 0, 1, 1, 1))
-             + records.encode(CommitRec(1, 10**18)))
-    with open(index, "wb") as f:
-        f.write(head + first)
-    view = load_foreign(Namespace(now_ns=0), backing, None, Union())
-    layer = view.union.layers["w1"]
-    n = 22_000
-    churn = _churn(10, n)
-    assert len(churn) > 12 << 20
-    with open(index, "ab") as f:
-        f.write(churn)
-    # the tail: read on from where the last read stopped, in pieces, until caught up
-    peaks = []
-    while view.offsets[layer] < len(head + first + churn):
-        got, peak = _peak_growth(lambda: read_tail(index, view.offsets[layer],
-                                                   view.index_ids[layer]))
-        peaks.append(peak)
-        scan, ident = got
-        for recs, when in zip(scan.groups, scan.group_times):
-            view.apply_group(layer, recs, when)
-        view.offsets[layer], view.index_ids[layer] = scan.valid_bytes, ident
-    assert len(peaks) > 10 and max(peaks) < 8 << 20, (len(peaks), max(peaks))
-    assert sorted(view.ns.inodes[ROOT_INO].children) == [b"kept"]
-    # read whole
-    fresh, peak = _peak_growth(lambda: load_foreign(Namespace(now_ns=0), backing, None,
-                                                    Union()))
-    assert peak < 8 << 20, peak
-    assert sorted(fresh.ns.inodes[ROOT_INO].children) == [b"kept"]
-    assert fresh.union.warnings == [] and fresh.max_stamp == 10**18 + 10 + n - 1

@@ -261,7 +261,8 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
     trio = pytest.importorskip("trio")
     from ckptfs.fuse.refresh import Refresher
     from ckptfs.namespace import Namespace
-    from ckptfs.view import Union, View
+    from ckptfs.peers import Peers
+    from ckptfs.view import Union
 
     class Journal:
         seen_ns = 0
@@ -274,7 +275,7 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
         return []
 
     async def main() -> None:
-        r = Refresher(View(Namespace(now_ns=0), Union(), str(tmp_path), "w0"), Journal(), None,
+        r = Refresher(Peers(Namespace(now_ns=0), Union(), str(tmp_path), "w0"), Journal(), None,
                       str(tmp_path), REFRESH)
         r._look = slow_look
         r.last = r.fresh = trio.current_time() - REFRESH  # (the view is --refresh old)

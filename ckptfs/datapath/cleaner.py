@@ -828,16 +828,16 @@ def _subtract(ranges: list[tuple[int, int]], minus: list[tuple[int, int]]
     return out
 
 
-def logs_named_by_others(view, own_logs=()) -> set[int]:
-    """The own data logs that other writers' trees (view.View) point into; all of
+def logs_named_by_others(peers, own_logs=()) -> set[int]:
+    """The own data logs that other writers' trees (peers.Peers) point into; all of
     `own_logs` while another writer's tree could not be read (it may point into any)."""
-    if view.unloaded():
+    if peers.unloaded():
         return set(own_logs)
-    alias = getattr(view, "own_alias", None)
+    alias = peers.own_alias
     if alias is None:
         return set()
     out = set()
-    for tree in view.trees.values():
+    for tree in peers.trees.values():
         for ino in list(tree.cross_files):
             x = tree.inodes.get(ino)
             foreign = [p.run for p in x.emap.pieces if p.run.layer != tree.layer] \

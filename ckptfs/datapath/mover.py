@@ -191,7 +191,7 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     commit boundary), written and fsynced beside it (format/index.py: FRESH_SUFFIX). Returns
     (its path, its size, its index version). The root starts as at a mount (`uid`, `gid`,
     `root_time_ns`); the XUNLINK records of (writer, ino) in `settled` are left out (their
-    writers removed those entries: View.settled_whiteouts). Raises OSError when a piece's
+    writers removed those entries: whiteouts.Whiteouts.settled). Raises OSError when a piece's
     bytes fail their checksum (no snapshot: the damage stays where it is, for reads and
     `ckptfs verify` to report)."""
     with open(index_path, "rb") as f:

@@ -10,7 +10,7 @@ its index. Only an index that grew is read, from where the last read stopped to 
 only its complete commit groups are taken (a group being appended is read the next time);
 a tail of more than replay.TAIL_BYTES is taken that much at a time, each piece applied
 before the next is read, in the same look.
-The trio thread then applies them to the view (view.View), one commit group at a time,
+The trio thread then applies them to the view (peers.Peers), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
 it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py; then a path walk
 asks again with a LOOKUP, which looks first when a look is due), so changed names, and the
@@ -23,7 +23,7 @@ file, or bytes other than those read before where the last read stopped: replay.
 is read whole again, a piece at a time, its tree made in a worker thread as the commit
 groups are read (what the daemon holds of the index at once does not grow with its size),
 and the tree takes the place of the old one with the same inode numbers for the entries it
-kept (view.View.reload_tree); a writer directory that went away leaves the view. A writer
+kept (peers.Peers.reload_tree); a writer directory that went away leaves the view. A writer
 whose changes fail to apply is read whole again in a second look at once.
 """
 
@@ -40,7 +40,8 @@ import trio
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import FormatError, RetireRec, XExtentRec
 from ckptfs.replay import bulk_load, read_tail, read_writer
-from ckptfs.view import ENTRY, INODE, View
+from ckptfs.peers import Peers
+from ckptfs.view import ENTRY, INODE
 
 log = logging.getLogger("ckptfs")
 
@@ -76,8 +77,9 @@ def notification(kind: int, a: int, name: bytes = b"") -> bytes:
 class Refresher:
     """Brings other writers' commits into the view (see the module's docstring)."""
 
-    def __init__(self, view: View, journal, reader, backing: str, delay_s: float) -> None:
-        self.view = view
+    def __init__(self, peers: Peers, journal, reader, backing: str, delay_s: float) -> None:
+        self.peers = peers
+        self.view = peers.view
         self.journal = journal
         self.reader = reader
         self.backing = backing
@@ -89,8 +91,8 @@ class Refresher:
         # some of it). At mount both are when the view's load began, which read every
         # writer's index before the mount served.
         self.last = trio.current_time()
-        if view.read_at is not None:
-            self.last -= max(0.0, time.monotonic() - view.read_at)
+        if peers.read_at is not None:
+            self.last -= max(0.0, time.monotonic() - peers.read_at)
         self.fresh = self.last
         self.took = 0.0  # how long the last look took, from its start to its changes in view
         self.running: trio.Event | None = None
@@ -126,8 +128,8 @@ class Refresher:
         # an entry in that directory waits for).
         self.outbox: list[tuple] = []
         # (a problem is logged once, not at every look; those of the mount's replay were)
-        self.warned: set[str] = set(view.union.warnings)
-        self._warned = len(view.union.warnings)
+        self.warned: set[str] = set(peers.union.warnings)
+        self._warned = len(peers.union.warnings)
         self.wake = trio.Event()
         # (layer, log) of other writers the reader is to let go of once no READ uses them: a
         # retired log, or every log of a tree that left the view (a new tree, a new layer)
@@ -198,17 +200,17 @@ class Refresher:
         self.running = trio.Event()
         self.last = started = trio.current_time()
         try:
-            view = self.view
+            peers = self.peers
             # (a writer whose changes could not be applied is read whole at once, in a
             # second look, and a tail read that stopped short is read on in the next: the
             # request waiting for this one gets the view it asked for)
             rereads = 0
             while True:
-                known = {layer: (view.union.writer_dirs[layer], view.offsets.get(layer, 0),
-                                 view.index_ids.get(layer))
-                         for layer in view.trees}
-                names = set(view.union.layers)
-                unread = {layer: view.union.writer_dirs[layer] for layer in view.unloaded()}
+                known = {layer: (peers.union.writer_dirs[layer], peers.offsets.get(layer, 0),
+                                 peers.index_ids.get(layer))
+                         for layer in peers.trees}
+                names = set(peers.union.layers)
+                unread = {layer: peers.union.writer_dirs[layer] for layer in peers.unloaded()}
                 found = await trio.to_thread.run_sync(self._look, known, names, unread)
                 if await self._apply(found) and not rereads:
                     rereads += 1
@@ -228,7 +230,7 @@ class Refresher:
         held open keeps its space on the backing store. (Opened again by the next READ; the
         cached chunks stay.)"""
         reader = self.reader
-        for layer in list(self.view.trees):
+        for layer in list(self.peers.trees):
             for lg in reader.logs.logs_of(layer):
                 if not reader.log_in_use(layer, lg):
                     reader.logs.forget(layer, lg)
@@ -335,7 +337,7 @@ class Refresher:
 
     def _read_whole(self, wdir: str, built) -> "tuple | str":
         """A writer's index read whole (worker thread), its tree made as its commit groups
-        are read (view.TreeBuild): what this holds of the index at once is a piece of it
+        are read (peers.TreeBuild): what this holds of the index at once is a piece of it
         and one group, whatever its size."""
         with bulk_load():
             got = read_writer(wdir, built.group)
@@ -350,7 +352,7 @@ class Refresher:
     # ------------------------------------------------------------ trio thread
     async def _apply(self, found: list[tuple]) -> bool:
         """Whether a writer is to be read again whole (its changes failed to apply)."""
-        view = self.view
+        peers = self.peers
         self._release()
         again = False
         if found:  # (a look that found nothing changes nothing: answers prepared stand)
@@ -361,11 +363,11 @@ class Refresher:
             finally:
                 self.applying = False
                 self._view_changed()  # (and what was answered while it paused)
-        for w in view.union.warnings[self._warned:]:
+        for w in peers.union.warnings[self._warned:]:
             log.warning("%s", w)
-        self._warned = len(view.union.warnings)
-        if view.max_stamp > self.journal.seen_ns:
-            self.journal.seen_ns = view.max_stamp
+        self._warned = len(peers.union.warnings)
+        if peers.max_stamp > self.journal.seen_ns:
+            self.journal.seen_ns = peers.max_stamp
         return again
 
     async def _apply_found(self, found: list[tuple]) -> bool:
@@ -388,14 +390,14 @@ class Refresher:
     async def _apply_item(self, item: tuple, t0: float) -> float:
         """One thing a look found, into the view; returns when the trio thread last served
         requests (it does between commit groups, every PAUSE_S)."""
-        view = self.view
+        peers = self.peers
         kind = item[0]
         if kind == "tail":
             _, layer, scan, ident = item
-            if layer not in view.trees:
+            if layer not in peers.trees:
                 return t0
             for group, when in zip(scan.groups, scan.group_times):
-                runs = view.apply_group(layer, group, when)
+                runs = peers.apply_group(layer, group, when)
                 self._drop_cached(layer, runs)
                 self.groups += 1
                 self.records += len(group)
@@ -403,33 +405,33 @@ class Refresher:
                     self._account(t0)
                     await trio.lowlevel.checkpoint()
                     t0 = time.perf_counter()
-            view.offsets[layer] = max(view.offsets.get(layer, 0), scan.valid_bytes)
-            view.index_ids[layer] = ident
+            peers.offsets[layer] = max(peers.offsets.get(layer, 0), scan.valid_bytes)
+            peers.index_ids[layer] = ident
         elif kind in ("new", "read", "replaced"):
             # (read whole in a worker thread, its tree made there: requests are served
             # meanwhile from the view as it is, which takes the tree in one step)
             wdir = item[-1]
             wid = os.path.basename(wdir)
             if kind == "new":
-                if wid in view.union.layers:
+                if wid in peers.union.layers:
                     return t0
-                layer = view.add_writer(wdir)  # (a layer without a tree if it is not read:
+                layer = peers.add_writer(wdir)  # (a layer without a tree if it is not read:
                 self.writers_added += 1  # read again at every look)
             else:
                 layer = item[1]
-                if view.union.layers.get(wid) != layer or (kind == "read") == (
-                        layer in view.trees):
+                if peers.union.layers.get(wid) != layer or (kind == "read") == (
+                        layer in peers.trees):
                     return t0
-            built = view.tree_build(layer, wdir, threaded=True)
+            built = peers.tree_build(layer, wdir, threaded=True)
             got = await trio.to_thread.run_sync(self._read_whole, wdir, built)
             t0 = time.perf_counter()
             if isinstance(got, str):
                 self._warn(got)
                 return t0
-            if view.union.layers.get(wid) != layer:
+            if peers.union.layers.get(wid) != layer:
                 return t0
             if kind != "replaced":
-                view.add_tree(wdir, *got, layer, built)
+                peers.add_tree(wdir, *got, layer, built)
                 log.info("writer %s joined the view" if kind == "new" else
                          "writer %s: its index read, it joins the view", wid)
                 return t0
@@ -437,32 +439,32 @@ class Refresher:
             # (the same layer, the view's numbers kept, unless a READ still uses a log of
             # the old tree: a log its writer removed and made again would then be read
             # from the chunks cached of the old one)
-            view.reload_tree(layer, wdir, *got,
+            peers.reload_tree(layer, wdir, *got,
                              same_layer=not any(lay == layer for lay, _ in self.held),
                              built=built)
             self.writers_reloaded += 1
             log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
         elif kind == "gone":
-            view.drop_tree(item[1])
+            peers.drop_tree(item[1])
             self._forget(item[1], self.reader.logs_of(item[1]))
             log.info("writer %s left the backing directory",
-                     view.union.writer_ids.get(item[1]))
+                     peers.union.writer_ids.get(item[1]))
         return t0
 
     def _reread(self, item: tuple) -> str | None:
         """The writer of a look's `item` is read whole at the next look (as an index that
         was rewritten); returns its id."""
-        view = self.view
+        peers = self.peers
         kind = item[0]
         if kind in ("tail", "gone"):
-            wid = view.writer_of(item[1])
+            wid = peers.union.writer_of(item[1])
         elif kind == "new":
             wid = os.path.basename(item[1])
         else:
             wid = os.path.basename(item[2])
-        layer = view.union.layers.get(wid)
-        if layer in view.trees:
-            view.index_ids[layer] = REREAD
+        layer = peers.union.layers.get(wid)
+        if layer in peers.trees:
+            peers.index_ids[layer] = REREAD
         return wid
 
     def _view_changed(self) -> None:
@@ -479,12 +481,11 @@ class Refresher:
 
     def _drop_cached(self, layer: int, runs: list) -> None:
         """The reader may hold a chunk of a log read before these bytes were in it."""
-        view = self.view
         for rec in runs:
             if type(rec) is RetireRec:
                 self._forget(layer, (rec.log,))
             elif type(rec) is XExtentRec:
-                lay = view._tree_layer_of(rec.writer)
+                lay = self.peers.tree_layer_of(rec.writer)
                 if lay is not None:
                     self.reader.invalidate(lay, rec.log, rec.loff, rec.run_length)
             else:
@@ -551,4 +552,4 @@ class Refresher:
                 "refresh_idle_pauses": self.idle_pauses,
                 "writers_joined": self.writers_added,
                 "writers_reread": self.writers_reloaded,
-                "writers_unread": len(self.view.unloaded())}
+                "writers_unread": len(self.peers.unloaded())}

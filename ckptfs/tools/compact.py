@@ -36,7 +36,8 @@ from ckptfs.format.records import ExtentRec
 from ckptfs.io import open_engine, probe_direct
 from ckptfs.namespace import Namespace
 from ckptfs.options import BY_NAME
-from ckptfs.view import Union, load_foreign
+from ckptfs.peers import load_foreign
+from ckptfs.view import Union
 from ckptfs.tools.snapshot import Progress
 
 SEGMENT_BYTES = BY_NAME["segment-size"].default  # the unit of a write, as a mount's
@@ -130,18 +131,18 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
         # Every writer's index: the writer's entries other writers removed (their XUNLINK
         # records) leave its tree here, and its inode numbers stay (other writers' records
         # name them), so nothing another writer deleted comes back.
-        view = load_foreign(ns, backing, None, union)
+        peers = load_foreign(ns, backing, None, union)
         layer = union.layers.get(writer)
-        tree = view.trees.get(layer)
+        tree = peers.trees.get(layer)
         if tree is None:  # its index could not be read: compacting would lose its tree
             why = [w for w in union.warnings if writer in w]
             raise records.FormatError(f"writer {writer}: its index cannot be read "
                                       f"({'; '.join(why) or 'no tree'}); not compacted")
         named: set[int] = set()  # its logs that other writers' XEXTENT records point into
         if tree is not None:
-            view.carry_out(layer)
+            peers.whiteouts.carry_out(layer)
             ns = tree
-            named = {p.run.log for other, t in view.trees.items() if other != layer
+            named = {p.run.log for other, t in peers.trees.items() if other != layer
                      for x in t.inodes.values() if x.emap is not None
                      for p in x.emap.pieces if p.run.layer == layer}
         before = _sizes(wd.path)
@@ -191,7 +192,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             locks.append(w)
         ns = Namespace(now_ns=0)
         union = Union()
-        view = load_foreign(ns, backing, None, union)
+        peers = load_foreign(ns, backing, None, union)
         before = sum(_sizes(d) for d in dirs)
         root = os.path.join(backing, backingdir.WRITERS_DIR)
         tmp_dir = os.path.join(root, f".compact-{into}-{os.getpid()}")
@@ -209,7 +210,7 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
         try:
             out.copy(ns, logs, prog)
             out.finish()
-            blob, version = _index_blob(ns, out, 1, view.max_stamp)
+            blob, version = _index_blob(ns, out, 1, peers.max_stamp)
             write_fresh(os.path.join(tmp_dir, backingdir.INDEX_NAME), blob, version)
             fsync_dir(tmp_dir)  # its index and logs are named before the old writers go
         except BaseException:

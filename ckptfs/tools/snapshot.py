@@ -13,7 +13,8 @@ import time
 from ckptfs.format import backingdir
 from ckptfs.format.records import FormatError, check_index_header
 from ckptfs.namespace import ROOT_INO, Inode, Namespace
-from ckptfs.view import Union, load_foreign
+from ckptfs.peers import load_foreign
+from ckptfs.view import Union
 
 
 class Snapshot:
