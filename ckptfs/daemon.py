@@ -27,6 +27,7 @@ from ckptfs.api import mount_at, status_socket_name
 from ckptfs.datapath import cleaner, tier
 from ckptfs.datapath.flusher import Flusher
 from ckptfs.datapath.journal import Journal
+from ckptfs.datapath.maintainer import Maintainer
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
@@ -74,7 +75,7 @@ def _check_config(self) -> None:
     if self.idle_flush_s <= 0:
         raise ValueError("--idle-flush must be positive")
     # (at most half of how long this writer's dead bytes wait for other mounts' views of it:
-    # datapath/cleaner.SHARED_GRACE_S)
+    # datapath/cleaner.SHARED_GRACE_S, datapath/reclaim.py)
     if not 0 <= self.refresh_s <= 30:
         raise ValueError("--refresh must be between 0 and 30 seconds")
     if not 0 <= self.request_spin_us <= 100_000:
@@ -395,13 +396,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     if space is not None:
         space.count(ns, {**backingdir.data_logs(wd.path), **backingdir.data_logs(own.path)})
         flusher.durable_hook = space.durable
-        maintainer = cleaner.Maintainer(ns, journal, flusher, reader, space, own.dir)
-        if node_tier is not None:
-            maintainer.tier, maintainer.mirror = node_tier, mirror.dir
-        maintainer.configure(staging, cfg)
-        maintainer.others_use = lambda: cleaner.logs_named_by_others(peers, space.live)
-        maintainer.shared = lambda: len(union.writer_dirs) > 1  # (a writer may join later)
-        maintainer.settled = lambda: peers.whiteouts.settled(ns.xunlinks)
+        maintainer = Maintainer(
+            ns, journal, flusher, reader, staging, space, own.dir, cfg, tier=node_tier,
+            mirror=mirror.dir if mirror is not None else None,
+            others_use=lambda: cleaner.logs_named_by_others(peers, space.live),
+            shared=lambda: len(union.writer_dirs) > 1,  # (a writer may join later)
+            settled=lambda: peers.whiteouts.settled(ns.xunlinks))
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
             "mountpoint": os.path.abspath(cfg.mountpoint),
             "io_mode": "direct" if facts["direct"] else "buffered",

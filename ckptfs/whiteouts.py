@@ -118,7 +118,7 @@ class Whiteouts:
     def settled(self, recs) -> set[tuple[str, int]]:
         """(writer, ino) of the whiteouts among `recs` (this writer's XUNLINK records) whose
         entry its writer has removed from its tree as this view has read it: an index
-        snapshot may leave them out once every view has read that (cleaner.Maintainer)."""
+        snapshot may leave them out once every view has read that (datapath/snapshotter.py)."""
         out = set()
         for rec in recs:
             layer = self.union.layer_of(rec.writer)

@@ -43,10 +43,10 @@ def after_cleaner_turns(m, n: int = 2) -> dict:
 
 
 def snapshot_processes(session: int) -> list[int]:
-    """PIDs of the index snapshot processes (cleaner.py) of the daemon that leads `session`
-    (api.Mount starts each daemon so: its pid): they stay in it when the daemon is killed,
-    and other mounts on the machine, whose snapshot processes must not be touched, have
-    sessions of their own."""
+    """PIDs of the index snapshot processes (datapath/snapshotter.py) of the daemon that leads
+    `session` (api.Mount starts each daemon so: its pid): they stay in it when the daemon is
+    killed, and other mounts on the machine, whose snapshot processes must not be touched,
+    have sessions of their own."""
     out = []
     for pid in os.listdir("/proc"):
         try:
@@ -157,8 +157,9 @@ def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
         if step >= 2:
             shutil.rmtree(os.path.join(m.mountpoint, f"step_{step - 2}"))
             del live[step - 2]
-        wait_for(lambda: m.status()["maintenance"] == "idle", "the maintainer")
-        time.sleep(0.5)
+        # (a whole turn of the maintainer with the writers idle: a snapshot that was due is
+        # in place)
+        after_cleaner_turns(m)
         sizes.append(os.path.getsize(index))
     # (a snapshot may have been taken steps ago and the index have grown since: the wait is
     # for one that brings it near the live tree, which the maintainer takes once it is idle)

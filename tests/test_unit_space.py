@@ -229,7 +229,7 @@ def test_a_snapshot_replays_to_the_same_tree(tmp_path):
 
 
 def test_the_snapshot_process_writes_what_build_snapshot_writes(tmp_path):
-    """The daemon's snapshot process (python -m ckptfs.datapath.mover, cleaner.py) gives
+    """The daemon's snapshot process (python -m ckptfs.datapath.mover, snapshotter.py) gives
     the same fresh index as build_snapshot in this process, and reports a damaged index as
     the OSError build_snapshot raises."""
     import subprocess
@@ -275,12 +275,11 @@ def test_snapshot_results_are_read_strictly():
 
 
 def test_dead_ranges_are_the_gaps_between_live_ones_in_whole_blocks():
-    from ckptfs.datapath.cleaner import PUNCH_MIN_BYTES, Maintainer, _merge, _subtract
+    from ckptfs.datapath.reclaim import PUNCH_MIN_BYTES, Reclaimer, _merge, _subtract
 
-    m = Maintainer.__new__(Maintainer)
-    m.space = cleaner.LogSpace(4096)
+    # (no journal, flusher, reader, staging or directory: the gaps are arithmetic)
+    m = Reclaimer(Namespace(now_ns=0), None, None, None, None, cleaner.LogSpace(4096), None)
     m.space.ends[1] = 4 << 20
-    m._punched_ranges = {}
     live = _merge([(4096 + 100, 8192), (1 << 20, (1 << 20) + 10), (2 << 20, 3 << 20)])
     got = m._dead_ranges(1, live, 4 << 20)
     assert got == [(8192, 1 << 20), ((1 << 20) + 4096, 2 << 20), (3 << 20, 4 << 20)]
@@ -296,10 +295,11 @@ def test_live_ranges_are_whole_runs():
     checksum of the whole run, so none of its bytes may be punched."""
     import trio
 
+    from ckptfs.datapath.reclaim import Reclaimer
     from ckptfs.datapath.staging import ExtentMap
 
-    m = cleaner.Maintainer.__new__(cleaner.Maintainer)
-    m.ns = Namespace(now_ns=0)
+    # (no journal, flusher, reader, staging or directory: a pass over the tree)
+    m = Reclaimer(Namespace(now_ns=0), None, None, None, None, cleaner.LogSpace(4096), None)
     x = m.ns.inodes[1].__class__(50, stat.S_IFREG | 0o644, 0, 0)
     x.emap = ExtentMap()
     run = Run(None, 0, 2 << 20, log=1, loff=1 << 20, crc=7)

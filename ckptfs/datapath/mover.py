@@ -235,7 +235,7 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
 # An index snapshot replays the index into a second tree: in a process of its own the daemon
 # neither holds that tree (a large one's memory would stay with the daemon after it is freed:
 # the allocator keeps its arenas) nor shares its GIL with it (the request thread would wait
-# for the replay's Python). The daemon's maintainer starts it (cleaner.py) and waits.
+# for the replay's Python). The daemon's maintainer starts it (snapshotter.py) and waits.
 SNAPSHOT_NICE = 10  # (a snapshot yields the CPU to the application and the daemon)
 
 

@@ -22,9 +22,9 @@ the drain has passed its commit.
                                         index too (the backing index is a prefix of this one
                                         meanwhile)
 
-An index snapshot (datapath/cleaner.py) replaces the local index at once; the drain replaces
-the backing index whole with a copy of the new one once it reaches that commit (written beside
-it, synced, renamed into place), and appends again after that.
+An index snapshot (datapath/snapshotter.py) replaces the local index at once; the drain
+replaces the backing index whole with a copy of the new one once it reaches that commit
+(written beside it, synced, renamed into place), and appends again after that.
 
 Local space is bounded (`--local-size`): the flusher asks for room before it writes a segment
 (`reserve`); drained data logs no segment goes to any more are removed, oldest first, when room
