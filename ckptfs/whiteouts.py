@@ -4,13 +4,14 @@ A writer cannot change another writer's files, so removing another writer's entr
 rmdir, a rename over it, a copy-up) writes an XUNLINK record into its own index: (the other
 writer, the directory's number in that writer's tree, the entry's number, its name). Every
 view hides such an entry from then on, whatever order it reads the writers in: a file at
-once, a directory while nothing inside it is visible (what another writer adds to it later
+once, a directory while nothing inside it is visible (what its writer puts in it later
 shows, and the directory with it). The own writer carries out the whiteouts of its own
 entries (view.View.adopt_pending); a writer that removes the entry itself, as it does when it
 next mounts or is compacted (`carry_out`), ends the whiteout (`forget`).
 
-`Whiteouts` holds them for the view (peers.Peers records them as the indexes are read) and
-answers what they hide; trio thread, like the view.
+`Whiteouts` holds them for the view (view.View.whiteout records each, as the indexes are
+read and as this mount removes other writers' entries) and answers what they hide; trio
+thread, like the view.
 """
 
 from __future__ import annotations
