@@ -4,7 +4,7 @@ applied by hand (peers.Peers.apply_group, as a mount's looks apply the indexes' 
 
 from __future__ import annotations
 
-from helpers import two_writers
+from helpers import two_writers, view_shape
 
 from ckptfs.format.records import InodeRec, UnlinkRec, XUnlinkRec
 from ckptfs.namespace import ROOT_INO
@@ -28,3 +28,18 @@ def test_a_whiteout_goes_once_its_writer_removed_the_entry(tmp_path):
     assert wo.settled(peers.trees[l2].xunlinks) == {("w1", 2)}
     peers.apply_group(l1, [InodeRec(9, 1, b"later", 0o100644, 0, 0, 0, 1, 1, 1)], 13)
     assert sorted(peers.ns.inodes[ROOT_INO].children) == []  # (still hidden)
+
+
+def test_a_whited_out_directory_shows_again_while_its_writer_puts_something_in_it(tmp_path):
+    """A whiteout of a directory hides it only while nothing inside it is visible: what its
+    writer puts in it later shows, with the directory, and goes again with it."""
+    peers, l1, l2 = two_writers(tmp_path)
+    peers.apply_group(l1, [InodeRec(2, 1, b"d", 0o40755, 0, 0, 0, 1, 1, 1),
+                           InodeRec(3, 2, b"f", 0o100644, 0, 0, 0, 1, 1, 1)], 10)
+    assert view_shape(peers.view) == {b"d": {b"f": ("w1", 3)}}
+    peers.apply_group(l2, [XUnlinkRec("w1", 2, 3, b"f"), XUnlinkRec("w1", 1, 2, b"d")], 11)
+    assert view_shape(peers.view) == {}  # (rm -r d)
+    peers.apply_group(l1, [InodeRec(4, 2, b"g", 0o100644, 0, 0, 0, 1, 1, 1)], 12)
+    assert view_shape(peers.view) == {b"d": {b"g": ("w1", 4)}}  # (f stays hidden)
+    peers.apply_group(l1, [UnlinkRec(2, b"g")], 13)
+    assert view_shape(peers.view) == {}
