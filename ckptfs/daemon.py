@@ -419,7 +419,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
                          view=view, refresher=refresher, maintainer=maintainer)
-    refresher.in_use = lambda: bool(ops.handles)
+    refresher.in_use = lambda: bool(ops.handles.by_fh)
     if wd is not None:
         flusher.start()
         if node_tier is not None:
@@ -475,7 +475,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             reader.background = True  # (readahead and checks ahead in its threads)
             nursery.start_soon(reader.note_replayed, replayed)
             if flusher.fixed_buffers:
-                nursery.start_soon(flusher.fault_in_when_due, lambda: ops.read_requests)
+                nursery.start_soon(flusher.fault_in_when_due, lambda: ops.handles.read_requests)
             del replayed
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
@@ -498,7 +498,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                 ops.request_wait.quiesce()  # (what it held back goes into the last commit)
             except Exception:  # (the last commit still comes)
                 log.exception("unmount: holding back requests' work")
-        ops.release_all()  # (handles whose RELEASE the unmount cut off)
+        ops.handles.release_all()  # (handles whose RELEASE the unmount cut off)
         try:
             with trio.CancelScope(shield=True):
                 try:

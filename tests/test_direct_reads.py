@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from ckptfs.bench import models  # noqa: E402
 from ckptfs.datapath.reader import CHUNK_BYTES as CHUNK  # noqa: E402
-from ckptfs.fuse.ops import IO_BLOCK_BYTES  # noqa: E402
+from ckptfs.fuse.replies import IO_BLOCK_BYTES  # noqa: E402
 from helpers import status_reaches  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -607,35 +607,36 @@ def test_lazy_landing_hands_over_only_the_loads_a_read_waits_for(tmp_path, case)
 
 def test_reads_answered_in_c_are_accounted_for_as_their_union():
     """The READs of a handle the queue threads answered go to the reader as the union of
-    their bytes, range by range (ops.read_served): torch.load's READs of one file (its
+    their bytes, range by range (Handles.read_served): torch.load's READs of one file (its
     start twice, its zip directory at the end backwards in small steps, then its tensors)
     make one range, with a READ from 0's whole-window readahead; ranges apart stay apart,
     each with the most readahead its READs asked for; every READ and byte is counted."""
     from types import SimpleNamespace
 
-    from ckptfs.fuse.ops import CkptOperations, _Handle
+    from ckptfs.fuse.handles import Handle, Handles
+    from ckptfs.fuse.ops import Settings
 
     calls = []
-    ops = CkptOperations.__new__(CkptOperations)  # (read_served needs only these)
-    ops.reader = SimpleNamespace(
+    reader = SimpleNamespace(  # (read_served tells the reader only this)
         window_served=lambda emap, lo, hi, ahead, seen: calls.append((lo, hi, ahead)))
-    ops.read_requests = ops.bytes_read = 0
+    handles = Handles(None, None, None, reader, None, None, Settings(backing="/", info={}))
     x = SimpleNamespace(ino=5, emap=object(), opens=1, size=2361077)
-    ops.handles = {7: _Handle(x, os.O_RDONLY)}
+    handles.by_fh[7] = Handle(x, os.O_RDONLY)
     torch_load = [(0, 524288, 524288), (0, 524288, 524288), (2356981, 524288, 4096),
                   (2361055, 524288, 22), (2361035, 524288, 42), (2360979, 524288, 98),
                   (2360376, 524288, 701), (304, 524288, 524288), (0, 524288, 524288),
                   (524288, 1046144, 1046144), (1570432, 789632, 789632)]
-    ops.read_served(7, torch_load)
+    handles.read_served(7, torch_load)
     assert calls == [(0, 2361077, None)]
-    assert ops.read_requests == 11 and ops.bytes_read == sum(n for _, _, n in torch_load)
+    assert handles.read_requests == 11
+    assert handles.bytes_read == sum(n for _, _, n in torch_load)
 
     calls.clear()
-    ops.handles[8] = _Handle(x, os.O_RDONLY)
-    ops.read_served(8, [(50 * MiB, 512, 512), (10 * MiB, MiB, MiB), (11 * MiB, MiB, MiB),
-                        (60 * MiB, 4096, 0)])
+    handles.by_fh[8] = Handle(x, os.O_RDONLY)
+    handles.read_served(8, [(50 * MiB, 512, 512), (10 * MiB, MiB, MiB), (11 * MiB, MiB, MiB),
+                            (60 * MiB, 4096, 0)])
     assert calls == [(10 * MiB, 12 * MiB, MiB), (50 * MiB, 50 * MiB + 512, 0)]
-    assert ops.read_requests == 15
+    assert handles.read_requests == 15
 
 
 def test_parts_of_a_chunk_load_and_widen_in_place(tmp_path):

@@ -174,8 +174,8 @@ def _lookup_errors(root: str) -> list:
 
 def test_attributes_and_lookups_are_the_same_as_through_pyfuse3(mounts):
     """LOOKUP, GETATTR and CREATE are answered here with attributes packed from the inode
-    (fs.attr_fields), pyfuse3 packs fs._attr: a tree stats the same through both, and a
-    failing lookup gives the same errno."""
+    (replies.attr_fields), pyfuse3 gets them as replies.entry_attributes: a tree stats the
+    same through both, and a failing lookup gives the same errno."""
     m = mounts.mount()
     root = m.mountpoint
     os.makedirs(os.path.join(root, "sub", "deeper"))

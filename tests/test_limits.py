@@ -69,7 +69,7 @@ def test_sizes_and_offsets_past_the_largest_file_fail_with_efbig(mounts):
     assert "out of range" not in mounts.log(m)
 
 
-READERS = {  # who reads the WRITE: each has its own path to ops.write_target
+READERS = {  # who reads the WRITE: each has its own path to Handles.write_target
     "queue threads": {},  # (FUSE's io_uring queues with CKPTFS_TEST_FUSE_URING=1)
     "request loop": {"fuse_uring": False, "queue_threads": False},
     "pyfuse3": {"fast_path": False},

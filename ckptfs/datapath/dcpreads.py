@@ -5,8 +5,8 @@ its name in (`saw_name`: a file's inode does not say which directory holds it), 
 `.metadata` through the read cache once per version of it and has its plans made in a child
 process (readplan.dcp_plans), then gives the handle the plan of its file (`plan_for`). Every
 failure means no plan: the reads then go as any other file's, since a plan only decides what
-is loaded ahead (readplan.py). The handlers (fuse/ops.py) own the handles; this module owns
-the names, the plans and the count of plans given.
+is loaded ahead (readplan.py). The handle table (fuse/handles.py) owns the handles; this
+module owns the names, the plans and the count of plans given.
 """
 
 from __future__ import annotations

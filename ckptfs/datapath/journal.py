@@ -4,9 +4,10 @@ Namespace records and extent entries (a file range pointing at a run in a segmen
 sequence. Only a prefix whose extents are all durable can be committed (`take_committable`),
 so the index never points at data that is not on disk and replay always sees operations in
 their real order. The flusher (datapath/flusher.py) takes that prefix at each group commit;
-the handlers (datapath/writes.py, fuse/ops.py) add to it. The journal also keeps, per inode,
-the newest change not yet in the backing directory: what the durability levels are read from
-(`touched_seq`), the node tier's undrained index included (`touch`, `prune`).
+the handlers (datapath/writes.py, fuse/ops.py, fuse/handles.py) add to it. The journal also
+keeps, per inode, the newest change not yet in the backing directory: what the durability
+levels are read from (`touched_seq`), the node tier's undrained index included (`touch`,
+`prune`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A write's bytes, once they sit in a staging segment, become runs, pieces of the file's
-extent map and extent entries of the journal: the one place that records them, for the
-handlers (fuse/ops.py) and the fast path's writes in place (fuse/inplace.py). Trio thread."""
+extent map and extent entries of the journal: the one place that records them, for every
+path a WRITE takes (fuse/handles.py, Handles.piece_recorder). Trio thread."""
 
 from __future__ import annotations
 

@@ -1,2 +1,3 @@
-"""The FUSE side: the request loop and fast path (loop.py, fastpath.py) and the POSIX
-handlers and control files (ops.py)."""
+"""The FUSE side: the request loop and fast path (loop.py, fastpath.py), the POSIX handlers
+(ops.py) and what they call: the open handles (handles.py), other writers' entries made own
+(adopt.py), listings (listings.py), the control files (control.py)."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from ckptfs.datapath.reader import CHUNK_BYTES
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.control import CTL_NAME
-from ckptfs.fuse.replies import entry_out, open_flags
+from ckptfs.fuse.replies import attr_fields, entry_out, open_flags
 from ckptfs.namespace import CONTROL_LAYER, ROOT_INO
 
 log = logging.getLogger("ckptfs")
@@ -127,7 +127,7 @@ class AnswerCache:
         one with another writer's directory merged into it loses them at every look that
         brings changes (view_changed), the others keep them."""
         ring, ops = self.ring, self.ops
-        ring.absent_until(ops.fresh_until())
+        ring.absent_until(ops.others.fresh_until())
         if nodeid in self.names_refused or ring.has_names(nodeid):
             return
         d = ops.inode(nodeid)
@@ -151,7 +151,7 @@ class AnswerCache:
         records). Asked as a look that brings changes starts and once it is applied, when
         what it merged in shows; meanwhile no LOOKUP is answered absent (ring.view_changed)."""
         d = self.ops.ns.inodes.get(nodeid)
-        return d is not None and self._own_dir(d, nodeid) and not self.ops.merged(d)
+        return d is not None and self._own_dir(d, nodeid) and not self.ops.others.merged(d)
 
     # ------------------------------------------------------------ prepared LOOKUPs
     def count_looked(self, looked: list[int]) -> None:
@@ -186,7 +186,7 @@ class AnswerCache:
     def _prepare_lookups(self, parent: int, name: bytes) -> None:
         ops = self.ops
         d = ops.ns.inodes.get(parent)
-        if d is None or not self._own_dir(d, parent) or ops.merged(d):
+        if d is None or not self._own_dir(d, parent) or ops.others.merged(d):
             return
         order = self.name_order.get(parent)
         if order is None:
@@ -203,7 +203,7 @@ class AnswerCache:
         lookups, ring, children, inodes = self.lookups, self.ring, d.children, ops.ns.inodes
         if len(lookups) + LOOKUPS_AHEAD > LOOKUPS_MAX:
             self.drop_lookups()
-        ring.absent_until(ops.fresh_until())  # (none answered once a look is due)
+        ring.absent_until(ops.others.fresh_until())  # (none answered once a look is due)
         now = time.monotonic()
         for ahead, n in enumerate(names[i + 1:i + 1 + LOOKUPS_AHEAD], 1):
             y = inodes.get(children.get(n, 0))
@@ -221,7 +221,7 @@ class AnswerCache:
             if y.ino in lookups:
                 continue
             if not ring.lookup_put(parent, n, y.ino,
-                                   entry_out(y, ops.attr_fields(y), self.entry_valid)):
+                                   entry_out(y, attr_fields(y), self.entry_valid)):
                 return
             lookups[y.ino] = (parent, n)
             self.lookups_put = True
@@ -319,7 +319,7 @@ class AnswerCache:
 
     def _open_window(self, fh: int, off: int) -> None:
         ops = self.ops
-        h = ops.handles.get(fh)
+        h = ops.handles.by_fh.get(fh)
         if h is None:
             return
         x = h.inode
@@ -396,10 +396,10 @@ class AnswerCache:
     def _prepare_open(self, x, ahead: int) -> None:
         ops = self.ops
         if (x.emap is None or x.opens or not x.size or x.layer == CONTROL_LAYER
-                or not ops.may_prepare_open(x)):
+                or not ops.handles.may_prepare_open(x)):
             return
         if not ahead:  # (no OPEN there once a look is due; prepare_lookups says it first)
-            self.ring.absent_until(ops.fresh_until())
+            self.ring.absent_until(ops.others.fresh_until())
         fh = self.prepared_ino.get(x.ino)
         if fh is not None:
             self._prepared_nearer(fh, x.ino, ahead, time.monotonic())
@@ -410,7 +410,7 @@ class AnswerCache:
                                  budget, self.window_pins)
         if got is None:
             return
-        fh, fi = ops.prepare_open(x)
+        fh, fi = ops.handles.prepare_open(x)
         if not self._set_window(fh, x, 0, got, x.ino, open_flags(fi, os.O_RDONLY)):
             return
         self.prepared[fh] = (time.monotonic(), ahead, x.ino)

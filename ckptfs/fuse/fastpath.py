@@ -66,7 +66,7 @@ from ckptfs.fuse.ops import Context
 from ckptfs.fuse.releases import Releases
 from ckptfs.fuse.inplace import HEAD, InPlaceWrites
 from ckptfs.fuse.negotiation import Negotiation
-from ckptfs.fuse.replies import attr_out, entry_out, open_flags, valid
+from ckptfs.fuse.replies import attr_fields, attr_out, entry_out, open_flags, valid
 from ckptfs.fuse.protocol import (
     CREATE_IN,
     FLUSH_IN,
@@ -156,18 +156,19 @@ class FastPath(RequestWait):
         self.staging = ops.staging
         self.entry_valid = valid(ops.settings.entry_timeout)
         self.head = bytearray(HEAD)
-        self.init = Negotiation(ops, uring, queue_threads)  # INIT, as it goes by
+        self.init = Negotiation(ops.handles, uring, queue_threads)  # INIT, as it goes by
         self.forwarders: set = set()  # tasks that returned True: pyfuse3 served a request
         self.reads_direct = 0
         self.forwarded = 0
         self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.handed_ops: dict[int, int] = {}  # opcode -> requests the queue threads handed here
-        self.releases = Releases(ops.release_now)  # RELEASEs answered, their work held
+        self.releases = Releases(ops.handles.release_now)  # RELEASEs answered, their work held
         self.detached = False
         self.interrupts = interrupts  # the requests that can wait long, answered early
         interrupts.start(self.reply_error)
-        self.writes = InPlaceWrites(ops, interrupts, self.send, self.reply_error)
+        self.writes = InPlaceWrites(ops.handles, ops.staging, interrupts, self.send,
+                                    self.reply_error)
         # The queue threads (fuse/ring.py): on FUSE over io_uring (--fuse-uring) where the
         # kernel offers it, else on /dev/fuse (--queue-threads); running once INIT is answered
         # (as the negotiation settled)
@@ -435,7 +436,7 @@ class FastPath(RequestWait):
                        body: bytes) -> None:
         """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
         reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
-        attributes are packed straight from the inode (ops.attr_fields), and a LOOKUP of a
+        attributes are packed straight from the inode (replies.attr_fields), and a LOOKUP of a
         name that does not exist is answered without raising: a small file's save is six
         requests, and on this path the interpreter runs cold (docs/performance-notes.md), so
         every object and exception per request shows."""
@@ -445,12 +446,12 @@ class FastPath(RequestWait):
         try:
             if opcode == FUSE_GETATTR:
                 x = ops.inode(nodeid)
-                out = attr_out(ops.attr_fields(x))
+                out = attr_out(attr_fields(x))
                 if x.children is not None and self.answers is not None:
                     self.answers.dir_attrs(x, nodeid, out)
             elif opcode == FUSE_LOOKUP:
-                if ops.refresh_due():  # other writers' changes first (ops.lookup)
-                    await ops.refresh()
+                if ops.others.refresh_due():  # other writers' changes first (ops.lookup)
+                    await ops.others.refresh()
                 x = ops.find(nodeid, body[:body.index(b"\0")])
                 if x is None:
                     if self.answers is not None:
@@ -458,7 +459,7 @@ class FastPath(RequestWait):
                     self.reply_error(unique, errno.ENOENT)
                     return
                 x.lookups += 1
-                out = entry_out(x, ops.attr_fields(x), self.entry_valid)
+                out = entry_out(x, attr_fields(x), self.entry_valid)
                 found = x
             elif opcode == FUSE_OPEN:
                 flags, _ = OPEN_IN.unpack_from(body)
@@ -473,7 +474,7 @@ class FastPath(RequestWait):
                 name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
                 ctx.umask = umask
                 fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
-                out = entry_out(x, ops.attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
+                out = entry_out(x, attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
                     fi.fh, open_flags(fi, flags), 0)
                 if self.landing is not None:
                     self.landing.takes_writes(fi.fh, flags)
@@ -481,7 +482,7 @@ class FastPath(RequestWait):
                     # (the kernel asks for the directory's attributes right after: its
                     # permission check before the next name in it)
                     d = ops.inode(nodeid)
-                    self.answers.dir_attrs(d, nodeid, attr_out(ops.attr_fields(d)))
+                    self.answers.dir_attrs(d, nodeid, attr_out(attr_fields(d)))
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return

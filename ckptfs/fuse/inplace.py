@@ -27,7 +27,7 @@ import pyfuse3
 
 from ckptfs.fuse.devfuse import REQUEST_MAX
 from ckptfs.fuse.interrupts import Interrupts
-from ckptfs.fuse.ops import SETID_BITS
+from ckptfs.fuse.handles import SETID_BITS, Handles
 from ckptfs.fuse.protocol import (
     FUSE_WRITE_CACHE,
     FUSE_WRITE_KILL_SUIDGID,
@@ -46,13 +46,14 @@ WRITE_REPLY = struct.Struct("<" + OUT_HEADER.format[1:] + WRITE_OUT.format[1:]) 
 class InPlaceWrites:
     """The trio thread's WRITEs: recorded where their payloads landed, the rest copied."""
 
-    def __init__(self, ops, interrupts: Interrupts, send: Callable[..., bool],
-                 reply_error: Callable[[int, int], None]) -> None:
-        """`ops`: the handlers (write_target, piece_recorder, wrote; their staging);
+    def __init__(self, handles: Handles, staging, interrupts: Interrupts,
+                 send: Callable[..., bool], reply_error: Callable[[int, int], None]) -> None:
+        """`handles`: the open handles, a write's steps (write_target, clear_setid,
+        piece_recorder, wrote); `staging`: where the payloads land (datapath/staging.py);
         `interrupts`: the requests answered early when their caller is being killed;
         `send(header, *data)` and `reply_error(unique, errno)`: the fast path's replies."""
-        self.ops = ops
-        self.staging = ops.staging
+        self.handles = handles
+        self.staging = staging
         self.interrupts = interrupts
         self.send = send
         self.reply_error = reply_error
@@ -113,12 +114,12 @@ class InPlaceWrites:
         reach, the rest in `payload` if given (a ring entry's), else in the overflow buffer;
         `recorded`: bytes at its start the queue threads landed (and Landing.claim recorded).
         Only the bytes below the largest file are recorded, and the answer says how many."""
-        ops, staging = self.ops, self.staging
+        handles, staging = self.handles, self.staging
         try:
-            h, x, size = ops.write_target(fh, off, size)
+            h, x, size = handles.write_target(fh, off, size)
             if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
-                ops.clear_setid(x)
-            record = ops.piece_recorder(x, off)
+                handles.clear_setid(x)
+            record = handles.piece_recorder(x, off)
             k = recorded
             if t1 is not None:
                 k = min(size, len(t1))
@@ -158,13 +159,13 @@ class InPlaceWrites:
                 if scope.cancelled_caught:
                     self.bytes_copied += done[0] - k
                     if done[0]:  # a short write: what is recorded stays written
-                        ops.wrote(h, x, off + done[0], done[0])
+                        handles.wrote(h, x, off + done[0], done[0])
                         self.send(WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, done[0], 0))
                     else:
                         self.reply_error(unique, errno.EINTR)
                     return
                 self.bytes_copied += size - k
-            ops.wrote(h, x, off + size, size)
+            handles.wrote(h, x, off + size, size)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return

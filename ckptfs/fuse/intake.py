@@ -74,7 +74,7 @@ class Intake:
             # not depend on it, as a RELEASE served here; a read-only one, only a count to
             # lower, is let go in this pass, once its READs are accounted for: a LOOKUP of
             # its file served now, which goes before held releases, sees it closed)
-            handles = self.ops.handles
+            handles = self.ops.handles.by_fh
             ro = {fh for fh in released if (h := handles.get(fh)) is not None
                   and h.flags & os.O_ACCMODE == os.O_RDONLY}
             held = [fh for fh in released if fh not in ro] if ro else released
@@ -103,15 +103,15 @@ class Intake:
 
     def make_opened(self, opened: list[tuple]) -> None:
         """Make the handles of the OPENs the queue threads answered from prepared windows, in
-        order, as the OPEN would have made them here (ops.open_prepared); the window is the
+        order, as the OPEN would have made them here (Handles.open_prepared); the window is the
         handle's now (it may be dropped already: its READs come here then)."""
         ops, answers = self.ops, self.answers
         for fh, nodeid, flags, uid, gid, pid in opened:
             answers.unprepare(fh)
             w = answers.windows.get(fh)
             try:
-                ops.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh, flags,
-                                  Context(uid, gid, pid))
+                ops.handles.open_prepared(w[0] if w is not None else ops.inode(nodeid), fh,
+                                          flags, Context(uid, gid, pid))
             except Exception:  # (a defect: the kernel has the file open already)
                 log.exception("an open answered by a queue thread cannot be made (inode %d): "
                               "its reads fail", nodeid)
@@ -120,7 +120,7 @@ class Intake:
 
     def reads_served(self, reads: list, released=()) -> None:
         """The READs the queue threads answered from windows, accounted for as if answered
-        here (ops.read_served); a window read past its middle is opened anew from where
+        here (Handles.read_served); a window read past its middle is opened anew from where
         its reader got to, when the cache holds the bytes past its end by now (the
         readahead those READs started), unless its handle was released."""
         ops = self.ops
@@ -130,7 +130,7 @@ class Intake:
             by_handle.setdefault(fh, []).append((off, size, n))
         for fh, served in by_handle.items():
             try:
-                ops.read_served(fh, served)
+                ops.handles.read_served(fh, served)
             except Exception:  # (accounting only: the READs were answered)
                 log.exception("accounting for the READs of handle %d", fh)
             end = max(off + n for off, _, n in served)

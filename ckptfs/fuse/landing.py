@@ -23,9 +23,10 @@ import pyfuse3
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.answers import AnswerCache
-from ckptfs.fuse.ops import IO_BLOCK_BYTES, SETID_BITS, Context
+from ckptfs.fuse.handles import SETID_BITS
+from ckptfs.fuse.ops import Context
 from ckptfs.fuse.protocol import FATTR_MODE, FUSE_WRITE_KILL_SUIDGID, IN_HEADER
-from ckptfs.fuse.replies import ATTR_VALID, open_flags
+from ckptfs.fuse.replies import ATTR_VALID, IO_BLOCK_BYTES, open_flags
 
 log = logging.getLogger("ckptfs")
 
@@ -54,7 +55,8 @@ class Landing:
 
     def __init__(self, ring: fring.Ring, ops, answers: AnswerCache,
                  tally: Callable[[int, int], None]) -> None:
-        """`ring`: the queue threads; `ops`: the handlers (their staging, handles, tree);
+        """`ring`: the queue threads; `ops`: the handlers (their staging, handles, tree, the
+        create they make);
         `answers`: the answer cache (a handle that can write takes its file's answers back);
         `tally(writes, nbytes)`: counts landed WRITEs answered and bytes landed with those
         the fast path read in place (InPlaceWrites.count_landed)."""
@@ -74,7 +76,7 @@ class Landing:
         ops, ring = self.ops, self.ring
         if not ops.settings.readonly:
             ring.create_setup(self.create_policy(entry_valid))
-            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
+            ring.reserve(*ops.handles.reserve(fring.RESERVE), fring.RESERVE)
         self.offer()
 
     def stop(self) -> None:
@@ -84,7 +86,7 @@ class Landing:
 
     def create_policy(self, entry_valid: tuple[int, int]) -> fring.CreatePolicy:
         """What a file the queue threads create is: what a CREATE the fast path serves makes
-        of it (ops.new_file_mode, ops.file_info for a new file, open_flags, takes_writes),
+        of it (ops.new_file_mode, Handles.file_info for a new file, open_flags, takes_writes),
         handed over as data (fuse/ring.h, struct ck_fring_policy)."""
         ops = self.ops
         file_type = stat.S_IFMT(ops.new_file_mode(0, 0))
@@ -92,9 +94,9 @@ class Landing:
         return fring.CreatePolicy(
             entry_valid=entry_valid, attr_valid=ATTR_VALID, file_type=file_type,
             mode_bits=ops.new_file_mode(0xFFFFFFFF, 0) & ~file_type, blksize=IO_BLOCK_BYTES,
-            open_flags=tuple(open_flags(ops.file_info(acc), acc) for acc in modes),
+            open_flags=tuple(open_flags(ops.handles.file_info(acc), acc) for acc in modes),
             writes_here=tuple(acc != os.O_RDONLY for acc in modes),
-            no_writes_mode=SETID_BITS)  # (a WRITE may have to clear them: ops.clear_setid)
+            no_writes_mode=SETID_BITS)  # (a WRITE may have to clear them: Handles.clear_setid)
 
     def offer(self) -> None:
         """Offer the staging's tails to the queue threads for the next WRITE payloads (once
@@ -116,11 +118,11 @@ class Landing:
         into the tails is recorded (InPlaceWrites.record); each one's outcome waits for its
         entry's turn (`outcome`). A write that cannot be recorded (a stale handle, say)
         still takes its place in the segment, as dead bytes: the writes after it landed
-        behind it; so do the bytes of a write past the largest file (ops.write_target: a
+        behind it; so do the bytes of a write past the largest file (Handles.write_target: a
         short write)."""
         if not self.live:
             return
-        ring, ops, staging = self.ring, self.ops, self.staging
+        ring, handles, staging = self.ring, self.ops.handles, self.staging
         writes = nbytes = 0
         if ring.landed():  # (their checksums, in C, before the zone is taken back)
             ring.sum_landed()
@@ -131,10 +133,10 @@ class Landing:
         for (i, answered, k1, k2, fh, off, size, write_flags, pid, crc1,
              crc2) in ring.take_landed():
             try:
-                h, x, n = ops.write_target(fh, off, size)
+                h, x, n = handles.write_target(fh, off, size)
                 if write_flags & FUSE_WRITE_KILL_SUIDGID and x.mode & SETID_BITS:
-                    ops.clear_setid(x)
-                record = ops.piece_recorder(x, off)
+                    handles.clear_setid(x)
+                record = handles.piece_recorder(x, off)
             except Exception as exc:
                 err = exc.errno if isinstance(exc, pyfuse3.FUSEError) else errno.EIO
                 if answered:  # (a handle said to take writes that does not: a defect)
@@ -153,7 +155,7 @@ class Landing:
             if record is not _dead:
                 whole = k1 + k2 >= n  # (all of it that fits in the file)
                 if whole:
-                    ops.wrote(h, x, off + n, n)
+                    handles.wrote(h, x, off + n, n)
                 if answered:
                     writes += 1
                 else:
@@ -189,28 +191,29 @@ class Landing:
         finally:
             answers.making_created = False
         if ring.reserve_left() < fring.RESERVE // 4:
-            ring.reserve(*ops.reserve(fring.RESERVE), fring.RESERVE)
+            ring.reserve(*ops.handles.reserve(fring.RESERVE), fring.RESERVE)
 
     def takes_writes(self, fh: int, flags: int) -> None:
-        """A handle opened for writing whose writes ops would take (write_target) gets its
+        """A handle opened for writing whose writes would be taken (Handles.write_target) gets its
         WRITEs answered by the queue threads when they land whole."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             return
         # (a file's attributes may change now, and its bytes: its READs come here again)
-        h = self.ops.handles.get(fh)
+        handles = self.ops.handles
+        h = handles.by_fh.get(fh)
         self.answers.invalidate(inode=h.inode if h is not None else None)
         try:
-            h, x, _ = self.ops.write_target(fh)
+            h, x, _ = handles.write_target(fh)
         except pyfuse3.FUSEError:
             return
-        if x.mode & SETID_BITS:  # (a WRITE may have to clear them first: ops.clear_setid)
+        if x.mode & SETID_BITS:  # (a WRITE may have to clear them first: Handles.clear_setid)
             return
         self.ring.writable(fh, True)
 
     def setattr_seen(self, msg: bytes) -> None:
         """A SETATTR (`msg`, as read) that gives a file set-user-ID or set-group-ID: the
         handles open on it stop taking WRITEs in the queue threads (takes_writes), whose
-        answer would come before the write clears them (ops.clear_setid)."""
+        answer would come before the write clears them (Handles.clear_setid)."""
         if len(msg) < IN_HEADER.size + SETATTR_IN.size:
             return
         fields = SETATTR_IN.unpack_from(msg, IN_HEADER.size)
@@ -218,6 +221,6 @@ class Landing:
         if not (valid & FATTR_MODE and mode & SETID_BITS):
             return
         x = self.ops.ns.inodes.get(IN_HEADER.unpack_from(msg)[3])
-        for fh, h in self.ops.handles.items():
+        for fh, h in self.ops.handles.by_fh.items():
             if h.inode is x:
                 self.ring.writable(fh, False)

@@ -6,8 +6,8 @@ OPENDIR takes a listing of the directory as it is then, READDIR resumes by index
 lets it go. Handles of a directory that has not changed since share one listing; the entries
 all held listings have together are bounded (LISTING_ENTRIES_MAX): past it, a listing that
 cannot be shared with one held already is refused (ENFILE) unless it is the only one. The
-handlers (fuse/ops.py: opendir, readdir, releasedir) keep the handles; a directory handle's
-`flags` holds its listing.
+handlers (fuse/ops.py: opendir, readdir, releasedir) call it; the handle table
+(fuse/handles.py) keeps the handles, a directory handle's `flags` holds its listing.
 """
 
 from __future__ import annotations

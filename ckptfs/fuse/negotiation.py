@@ -17,6 +17,7 @@ import struct
 
 from ckptfs.fuse import protocol
 from ckptfs.fuse import ring as fring
+from ckptfs.fuse.handles import Handles
 from ckptfs.fuse.protocol import (
     FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_INIT_EXT,
@@ -41,11 +42,11 @@ _U32 = struct.Struct("<I")
 class Negotiation:
     """The kernel's INIT offer and libfuse's reply, and what they settled."""
 
-    def __init__(self, ops, uring: bool, queue_threads: bool) -> None:
-        """`ops`: the handlers (told what INIT settled: ops.initialised); `uring`: the queue
-        threads on FUSE's io_uring queues are wanted (--fuse-uring), `queue_threads`: on
-        /dev/fuse (--queue-threads)."""
-        self.ops = ops
+    def __init__(self, handles: Handles, uring: bool, queue_threads: bool) -> None:
+        """`handles`: the open handles, told what INIT settled (Handles.initialised: how
+        opens use the page cache); `uring`: the queue threads on FUSE's io_uring queues are
+        wanted (--fuse-uring), `queue_threads`: on /dev/fuse (--queue-threads)."""
+        self.handles = handles
         self.uring_wanted = uring
         self.threads_wanted = queue_threads
         self.unique = -1  # the INIT request's, until its reply went by
@@ -113,9 +114,9 @@ class Negotiation:
             _U32.pack_into(msg, OUT_HEADER.size + INIT_OUT_FLAGS, flags)
             _U32.pack_into(msg, at, flags2 | more >> 32)
             if more & FUSE_DIRECT_IO_ALLOW_MMAP:
-                self.ops.initialised(shared_mmap_direct=True)
+                self.handles.initialised(shared_mmap_direct=True)
                 log.info("shared mmap of direct-I/O files: on; --direct-reads %s",
-                         "on" if self.ops.negotiated.direct_reads else "off")
+                         "on" if self.handles.negotiated.direct_reads else "off")
             if more & FUSE_OVER_IO_URING:
                 self.ring_payload, self.ring_dev = payload, False
         self.minor = minor

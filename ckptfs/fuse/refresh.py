@@ -12,11 +12,11 @@ a tail of more than replay.TAIL_BYTES is taken that much at a time, each piece a
 before the next is read, in the same look.
 The trio thread then applies them to the view (peers.Peers), one commit group at a time,
 with a checkpoint when a tail takes longer than PAUSE_S, and the kernel is told what to forget:
-it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py; then a path walk
-asks again with a LOOKUP, which looks first when a look is due), so changed names, and the
-attributes and pages of changed files, are invalidated. The invalidations are written from a
-worker thread: the kernel may hold the directory's lock for a request the trio thread has yet
-to answer.
+it caches attributes for 300 s and entries for `--refresh` (1 s with 0; ops.py, replies.py;
+then a path walk asks again with a LOOKUP, which looks first when a look is due), so changed
+names, and the attributes and pages of changed files, are invalidated. The invalidations are
+written from a worker thread: the kernel may hold the directory's lock for a request the trio
+thread has yet to answer.
 
 An index that was replaced (rewritten by a compaction, an index snapshot or a restart: another
 file, or bytes other than those read before where the last read stopped: replay.read_tail)
@@ -58,7 +58,7 @@ INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, name length, flags
 
 
 # (ATTRS, ino): an inode's attributes only; nothing waits on a page, so it may be sent from
-# the trio thread before an answer (ops.forget_attributes)
+# the trio thread before an answer (Handles.forget_attributes)
 ATTRS = 3
 
 

@@ -2,7 +2,7 @@
 path).
 
 The kernel sends RELEASE after close() returned and does not wait for it; the fast path (or a
-queue thread) answers it at once, and its work (ops.release_now: the file's times into the
+queue thread) answers it at once, and its work (Handles.release_now: the file's times into the
 journal, the handle and maybe the inode let go) is held here. A small file's save sends
 RELEASE and then, for the next file, GETATTR of the directory, LOOKUP and CREATE, which the
 caller waits for and which do not depend on it: they go first (PAST_RELEASES), and the held
@@ -36,7 +36,7 @@ class Releases:
     """The released handles whose work has not run yet, in the order they were released."""
 
     def __init__(self, release_now: Callable[[int], None]) -> None:
-        """`release_now(fh)`: a released handle's work (ops.release_now)."""
+        """`release_now(fh)`: a released handle's work (Handles.release_now)."""
         self.release_now = release_now
         self.held: deque[int] = deque()
         self.held_at = 0.0  # when the first of them came (perf_counter)

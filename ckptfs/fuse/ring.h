@@ -21,8 +21,8 @@
 struct ck_fring;
 
 /* What a file the queue threads create is, as the trio thread decided it (fuse/ops.py:
- * new_file_mode, file_info, inherited_gid; fuse/landing.py hands it over): the queue threads
- * apply it to a CREATE and decide nothing of their own. */
+ * new_file_mode, inherited_gid; fuse/handles.py: file_info; fuse/landing.py hands it over):
+ * the queue threads apply it to a CREATE and decide nothing of their own. */
 struct ck_fring_policy {
     uint64_t entry_valid;  /* the new file's entry timeout (s, ns) */
     uint32_t entry_valid_nsec;

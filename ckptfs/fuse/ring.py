@@ -257,7 +257,7 @@ class Ring:
 
     def take_released(self) -> list[int]:
         """The handles of those RELEASEs, in the order they came (their work is the trio thread's:
-        ops.release_now)."""
+        Handles.release_now)."""
         return self._take_numbers(lib.ck_fring_take_released)
 
     def _take_numbers(self, take) -> list[int]:
@@ -384,7 +384,7 @@ class Ring:
 
     def take_opened(self) -> list[tuple[int, int, int, int, int, int]]:
         """Those OPENs, in order: (fh, nodeid, open flags, uid, gid, pid); each handle is for
-        the trio thread to make (ops.open_prepared)."""
+        the trio thread to make (Handles.open_prepared)."""
         rec, out = self._opened, []
         while True:
             n = lib.ck_fring_take_opened(self.handle, rec, TAKE)
@@ -473,7 +473,8 @@ class Ring:
 
     def absent_until(self, t: float) -> None:
         """The queue threads answer a LOOKUP absent only before `t` (time.monotonic()): a
-        look at other writers is due then (ops.fresh_until), which the trio thread makes first."""
+        look at other writers is due then (OtherWriters.fresh_until), which the trio thread makes
+        first."""
         if self.handle is not None:
             lib.ck_fring_absent_until(self.handle, t)
 

@@ -122,7 +122,7 @@ int fr_fh_writable(struct ck_fring *f, uint64_t fh)
 
 /* A WRITE whose end lies past n bytes is not answered here (the largest file the index
  * records: format/records.py MAX_FILE_BYTES): the trio thread records the bytes below it and
- * answers with their count, or EFBIG (ops.write_target); 0 until the trio thread says. */
+ * answers with their count, or EFBIG (Handles.write_target); 0 until the trio thread says. */
 void ck_fring_file_bytes_max(struct ck_fring *f, uint64_t n)
 {
     pthread_mutex_lock(&f->lock);
