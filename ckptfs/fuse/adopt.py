@@ -31,10 +31,10 @@ class OtherWriters:
     """Other writers' entries made own (copy-up), and the freshness of the view of them."""
 
     def __init__(self, ns: Namespace, view=None, refresher=None, readonly: bool = False) -> None:
-        """`ns`: the tree; `view`: the other writers' trees merged into it (view.View; None
-        without other writers); `refresher`: what reads their index tails (fuse/refresh.py;
-        None without other writers); `readonly`: a read-only mount, whose entries never
-        change (EROFS)."""
+        """`ns`: the tree; `view`: the other writers' trees merged into it (view.View; None:
+        the tree is this writer's alone); `refresher`: what reads their index tails
+        (fuse/refresh.py; None: no look is ever due); `readonly`: a read-only mount, whose
+        entries never change (EROFS)."""
         self.ns = ns
         self.view = view
         self.refresher = refresher

@@ -47,6 +47,9 @@ SETID_BITS = stat.S_ISUID | stat.S_ISGID
 
 
 class Handle:
+    """An open file or directory: its inode, the open's flags, whether it wrote, how it
+    reads."""
+
     __slots__ = ("ino", "inode", "flags", "wrote", "next_off", "streak", "seen", "kill_setid",
                  "plan")
 
@@ -85,7 +88,7 @@ class Handles:
         (datapath/dcpreads.py); `control`: the control files (a stats.json handle reads its
         snapshot); `settings`: the mount's (ops.Settings: readonly, direct_writes,
         direct_reads, checksum_block); `refresher`: sends the kernel's invalidations
-        (fuse/refresh.py; None without other writers: pyfuse3's own)."""
+        (fuse/refresh.py; None: pyfuse3 sends them)."""
         self.ns = ns
         self.staging = staging
         self.journal = journal

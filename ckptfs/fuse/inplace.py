@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import pyfuse3
 
+from ckptfs.datapath.staging import Staging
 from ckptfs.fuse.devfuse import REQUEST_MAX
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.handles import SETID_BITS, Handles
@@ -46,7 +47,7 @@ WRITE_REPLY = struct.Struct("<" + OUT_HEADER.format[1:] + WRITE_OUT.format[1:]) 
 class InPlaceWrites:
     """The trio thread's WRITEs: recorded where their payloads landed, the rest copied."""
 
-    def __init__(self, handles: Handles, staging, interrupts: Interrupts,
+    def __init__(self, handles: Handles, staging: Staging, interrupts: Interrupts,
                  send: Callable[..., bool], reply_error: Callable[[int, int], None]) -> None:
         """`handles`: the open handles, a write's steps (write_target, clear_setid,
         piece_recorder, wrote); `staging`: where the payloads land (datapath/staging.py);
