@@ -8,7 +8,8 @@ The data path, one package a step:
   -> format/ (data logs + index in the backing directory)
   -> replay.py on mount (records -> namespace.py; peers.py, view.py: other writers' trees
   merged in)
-  -> datapath/reader.py (the read path)
+  -> datapath/reader.py (the read path: readahead, read plans) -> datapath/readcache.py (the
+  chunks of the data logs, their checks; loaders.py: the threads that read them)
 Around it: daemon.py wires a mount, api.py and cli.py are the user's side, tools/ the offline
 commands, bench/ the study and the comparisons.
 """

@@ -28,11 +28,13 @@ from ckptfs.datapath import cleaner, tier
 from ckptfs.datapath.flusher import Flusher
 from ckptfs.datapath.journal import Journal
 from ckptfs.datapath.maintainer import Maintainer
+from ckptfs.datapath.readcache import ReadCache
 from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import Staging, round_up
 from ckptfs.format import backingdir, records
 from ckptfs.format.backingdir import WriterDir
 from ckptfs.format.index import IndexWriter, discard_fresh, keep_damaged
+from ckptfs.format.logs import RunReader
 from ckptfs.format.records import FormatError
 from ckptfs.fuse import loop
 from ckptfs.fuse.fastpath import FastPath
@@ -372,10 +374,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # requests whose caller is being killed, answered early (the fast path, the barriers, the
     # reader's disk waits)
     interrupts = Interrupts()
-    reader = Reader(union.writer_dirs, cfg.read_cache_bytes, cfg.prefetch_bytes,
-                    direct=facts["direct"],  # buffers on first use: performance-notes.md
-                    interruptible=interrupts.waiting, on_fatal=flusher.fail,
-                    fallback={0: mirror.path} if mirror else None,
+    # (buffers on first use: performance-notes.md; readahead and checks ahead in the loader
+    # threads)
+    cache = ReadCache(RunReader(union.writer_dirs, direct=facts["direct"],
+                                fallback={0: mirror.path} if mirror else None),
+                      cfg.read_cache_bytes, background=True, on_fatal=flusher.fail)
+    reader = Reader(cache, cfg.prefetch_bytes, interruptible=interrupts.waiting,
                     in_memory=staging.in_memory)
     node_tier = None
     if mirror is not None:
@@ -385,19 +389,19 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                               engine=cfg.engine,
                               depth=cfg.queue_depth, direct=facts["backing_direct"],
                               io_chunk_bytes=cfg.io_chunk_bytes, local_direct=facts["direct"],
-                              on_fatal=flusher.fail, open_logs=flusher.open_logs, reader=reader,
+                              on_fatal=flusher.fail, open_logs=flusher.open_logs, cache=cache,
                               writers_wait=lambda: staging.waiting_writers > 0)
         flusher.tier = node_tier
         flusher.durability = cfg.durability
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)
-    flusher.written_hook = lambda seg: reader.invalidate(0, seg.log, seg.loff,
-                                                         round_up(seg.used, facts["align"]))
+    flusher.written_hook = lambda seg: cache.invalidate(0, seg.log, seg.loff,
+                                                        round_up(seg.used, facts["align"]))
     maintainer = None
     if space is not None:
         space.count(ns, {**backingdir.data_logs(wd.path), **backingdir.data_logs(own.path)})
         flusher.durable_hook = space.durable
         maintainer = Maintainer(
-            ns, journal, flusher, reader, staging, space, own.dir, cfg, tier=node_tier,
+            ns, journal, flusher, cache, staging, space, own.dir, cfg, tier=node_tier,
             mirror=mirror.dir if mirror is not None else None,
             others_use=lambda: cleaner.logs_named_by_others(peers, space.live),
             shared=lambda: len(union.writer_dirs) > 1,  # (a writer may join later)
@@ -415,7 +419,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         log.info("this VM's idle CPUs halt without polling (cpuidle haltpoll, "
                  "guest_halt_poll_ns 0): each FUSE round trip pays a wake-up through the "
                  "hypervisor; docs/tuning.md says what polling is worth here")
-    refresher = Refresher(peers, journal, reader, cfg.backing, cfg.refresh_s)
+    refresher = Refresher(peers, journal, cache, cfg.backing, cfg.refresh_s)
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
                          view=view, refresher=refresher, maintainer=maintainer)
@@ -472,8 +476,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                 nursery.start_soon(maintainer.run)
             if node_tier is not None:
                 nursery.start_soon(node_tier.run)
-            reader.background = True  # (readahead and checks ahead in its threads)
-            nursery.start_soon(reader.note_replayed, replayed)
+            nursery.start_soon(cache.note_replayed, replayed)
             if flusher.fixed_buffers:
                 nursery.start_soon(flusher.fault_in_when_due, lambda: ops.handles.read_requests)
             del replayed
@@ -515,7 +518,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
         loop.uninstall()
-        reader.close()
+        cache.close()
         staging.close()
         if index is not None:
             index.close()

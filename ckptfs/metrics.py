@@ -10,7 +10,7 @@ import time
 
 import trio
 
-from ckptfs.datapath.reader import CHUNK_BYTES
+from ckptfs.datapath.readcache import CHUNK_BYTES
 from ckptfs.fuse import loop
 
 log = logging.getLogger("ckptfs.metrics")
@@ -97,16 +97,16 @@ def status(ops) -> dict:
         "open_handles": len(ops.handles.by_fh),
         "listing_entries": ops.listings.entries,
         "file_bytes": user_bytes,
-        "read_disk_bytes": ops.reader.disk_bytes,
+        "read_disk_bytes": ops.reader.cache.disk_bytes,
         "read_memory_bytes": ops.reader.memory_bytes,
-        "read_cache_bytes": ops.reader.cached,
-        "read_cache_allocated_bytes": ops.reader.allocated * CHUNK_BYTES,
-        "read_chunks_recycled": ops.reader.recycled,
-        "read_runs_verified_ahead": ops.reader.verified_ahead,
+        "read_cache_bytes": ops.reader.cache.cached,
+        "read_cache_allocated_bytes": ops.reader.cache.allocated * CHUNK_BYTES,
+        "read_chunks_recycled": ops.reader.cache.recycled,
+        "read_runs_verified_ahead": ops.reader.cache.verified_ahead,
         "read_plans": ops.dcp.read_plans,
         "read_plan_chunk_loads": ops.reader.plan_loads,
         "read_plan_misses": ops.reader.plan_misses,
-        "read_load_seconds": round(ops.reader.load_seconds, 3),
+        "read_load_seconds": round(ops.reader.cache.load_seconds, 3),
         "read_wait_seconds": round(ops.reader.wait_seconds, 3),
         "direct_reads": ops.handles.negotiated.direct_reads,
         "shared_mmap_of_direct_files": ops.handles.negotiated.shared_mmap_direct,

@@ -1,7 +1,8 @@
 """The one run reader (format/logs.RunReader) without a mount: a run reads back checked, and a
 damaged run, a run past its log's end and a missing log each fail with the one error
-(RunError, EIO) naming the log and the run; the mount's reader (datapath/reader.Reader, its
-chunk cache over the same code) fails with the same error and keeps failing."""
+(RunError, EIO) naming the log and the run; the mount's reader (datapath/reader.Reader, and
+its chunk cache, datapath/readcache.ReadCache, over the same code) fails with the same error
+and keeps failing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import trio
 from crc32c import crc32c
 
-from ckptfs.datapath.reader import CHUNK_BYTES, Reader
+from ckptfs.datapath.readcache import CHUNK_BYTES, ReadCache
+from ckptfs.datapath.reader import Reader
 from ckptfs.datapath.staging import ExtentMap, Run
 from ckptfs.format import records
 from ckptfs.format.backingdir import data_log_name
@@ -101,7 +103,7 @@ def test_the_mount_reader_fails_with_the_same_error(tmp_path):
     emap = ExtentMap()
     emap.insert(0, ra.length, ra, 0)
     emap.insert(ra.length, rb.length, rb, 0)
-    reader = Reader({0: wdir}, cache_bytes=64 << 20, prefetch_bytes=0)
+    reader = Reader(ReadCache(RunReader({0: wdir}), 64 << 20), prefetch_bytes=0)
     try:
         assert _read(reader, emap, 0, ra.length) == a
         for _ in range(2):  # the first READ checks, the next one knows
@@ -115,7 +117,7 @@ def test_the_mount_reader_fails_with_the_same_error(tmp_path):
             _read(reader, other, 0, 10)
         assert ei.value.strerror == "data log w1/data-000009.log: missing"
     finally:
-        reader.close()
+        reader.cache.close()
 
 
 def test_the_offline_tools_load_no_fuse_binding():

@@ -53,7 +53,7 @@ class DcpReads:
     """
 
     def __init__(self, ns: Namespace, reader, io_block_bytes: int) -> None:
-        """`reader`: the read cache the `.metadata` is read through (datapath/reader.py);
+        """`reader`: the read path the `.metadata` is read through (datapath/reader.py);
         `io_block_bytes`: the size of the application's reads (st_blksize), which a plan
         rounds its items to."""
         self.ns = ns

@@ -49,7 +49,7 @@ class Maintainer:
     dead bytes wait, reclaim.Reclaimer.grace); `settled()`: the own whiteouts whose entries
     their writers have removed (snapshotter.Snapshotter)."""
 
-    def __init__(self, ns, journal, flusher, reader, staging, space: LogSpace, where, cfg, *,
+    def __init__(self, ns, journal, flusher, cache, staging, space: LogSpace, where, cfg, *,
                  tier=None, mirror=None,
                  others_use: Callable[[], set[int]] = lambda: set(),
                  shared: Callable[[], bool] = lambda: False,
@@ -59,7 +59,7 @@ class Maintainer:
         self.space = space
         self.writer_dir = where.path
         self.idle_s = cfg.clean_idle_s
-        self.reclaimer = Reclaimer(ns, journal, flusher, reader, staging, space, where,
+        self.reclaimer = Reclaimer(ns, journal, flusher, cache, staging, space, where,
                                    mirror=mirror, tier=tier, others_use=others_use,
                                    shared=shared)
         self.snapshotter = Snapshotter(ns, flusher, os.path.basename(where.path),

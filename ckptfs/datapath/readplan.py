@@ -11,10 +11,10 @@ put the items in the file by size, so readahead in file order guesses wrong at e
 
 With the order known (`dcp_plans`, from the `.metadata` the reader has just read itself), the
 read cache loads the rest of the item being read and the next items in DCP's order while DCP
-deserialises the current one (Reader._plan_ahead), nothing past an item's end and of each
+deserialises the current one (reader.Reader._plan_ahead), nothing past an item's end and of each
 chunk only the part those items need, and when full
 lets go first of the chunks the plan does not read again, else of the one it reads again
-last (Reader._evict).
+last (readcache.ReadCache._evict).
 
 The `.metadata` is a pickle. It is read in a child process (`python -m` this module: its
 memory and CPU time bounded) by an unpickler that builds every object it names as an inert

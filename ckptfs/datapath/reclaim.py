@@ -47,14 +47,14 @@ class Reclaimer:
     whatever the own tree says); `shared()`: whether other writers share the backing
     directory (looked at every time: a writer may join while mounted)."""
 
-    def __init__(self, ns, journal, flusher, reader, staging, space: LogSpace, where, *,
+    def __init__(self, ns, journal, flusher, cache, staging, space: LogSpace, where, *,
                  mirror=None, tier=None,
                  others_use: Callable[[], set[int]] = lambda: set(),
                  shared: Callable[[], bool] = lambda: False) -> None:
         self.ns = ns
         self.journal = journal
         self.flusher = flusher
-        self.reader = reader
+        self.cache = cache
         self.staging = staging
         self.space = space
         self.where = where
@@ -130,14 +130,14 @@ class Reclaimer:
                 self._punched_ranges.pop(lg, None)
             # A log a reader is using right now is opened by the reader before it goes: the
             # reader reads on through that descriptor, and the space comes back when it lets
-            # go (release_held). (Reader state is the trio thread's; the opens run in the
+            # go (release_held). (The read cache is the trio thread's; the opens run in the
             # worker.)
-            held = [lg for lg in logs if self.reader.log_in_use(0, lg)]
+            held = [lg for lg in logs if self.cache.log_in_use(0, lg)]
             freed = await trio.to_thread.run_sync(self._remove, logs, held)
             self._held.update(held)
             for lg in logs:
                 if lg not in self._held:
-                    self.reader.forget_log(0, lg)
+                    self.cache.forget_log(0, lg)
             self.logs_retired += len(logs)
             self.bytes_reclaimed += freed
             log.info("retired data logs %s (%d bytes freed)", ", ".join(map(str, logs)),
@@ -150,7 +150,7 @@ class Reclaimer:
         first). Returns the bytes they took up."""
         for lg in held:
             try:
-                self.reader.hold(0, lg)
+                self.cache.hold(0, lg)
             except OSError:
                 pass
         freed = 0
@@ -180,8 +180,8 @@ class Reclaimer:
     def release_held(self) -> None:
         """The retired logs no reader uses any more are let go of (their space comes back)."""
         for lg in list(self._held):
-            if not self.reader.log_in_use(0, lg):
-                self.reader.forget_log(0, lg)
+            if not self.cache.log_in_use(0, lg):
+                self.cache.forget_log(0, lg)
                 self._held.discard(lg)
 
     # ------------------------------------------------------------ punching
@@ -219,7 +219,7 @@ class Reclaimer:
             holes = {}
             for lg in cands:
                 ranges = [r for r in self._dead_ranges(lg, live.get(lg, []), ends.get(lg, 0))
-                          if not self.reader.range_in_use(0, lg, r[0], r[1])]
+                          if not self.cache.range_in_use(0, lg, r[0], r[1])]
                 if ranges:
                     holes[lg] = ranges
             if not holes:

@@ -216,13 +216,13 @@ def reconcile(local: Dir, backing: Dir) -> int:
 class Tier:
     """The node tier of a mount: local space and the levels (trio side); the copying is the
     drain thread's (datapath/drain.py). `on_fatal(exc, where)`: a defect in the drain thread;
-    `open_logs()`: the logs segments still go to (the flusher's: never removed); `reader`:
-    the mount's Reader (a log it holds is not removed); `writers_wait()`: whether writers
+    `open_logs()`: the logs segments still go to (the flusher's: never removed); `cache`:
+    the mount's ReadCache (a log it holds is not removed); `writers_wait()`: whether writers
     wait for staging room (the drain's copying steps aside meanwhile)."""
 
     def __init__(self, local: WriterDir, backing: Dir, *, drained_index: int, limit_bytes: int,
                  open_log_bytes: int, engine: str, depth: int, direct: bool,
-                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, reader,
+                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, cache,
                  writers_wait=lambda: False) -> None:
         self.local = local  # (LOCAL/writers/<id>/, locked)
         self.backing = backing  # (BACKING/writers/<id>/, held open)
@@ -240,7 +240,7 @@ class Tier:
                            step_aside=lambda: writers_wait() and not self.waiting)
         self.on_fatal = on_fatal
         self.open_logs = open_logs
-        self.reader = reader
+        self.cache = cache
         self.token: trio.lowlevel.TrioToken | None = None
         self.started = False
         # flusher thread and evictions: local space
@@ -434,7 +434,7 @@ class Tier:
                 continue
             if self.drain.drained.get(lg, -1) < size:
                 continue
-            if self.reader is not None and self.reader.log_in_use(0, lg):
+            if self.cache is not None and self.cache.log_in_use(0, lg):
                 continue
             out.append(lg)
         return out
@@ -444,8 +444,8 @@ class Tier:
             with self.cv:
                 if self.usage <= EVICT_AT * self.limit and not self.waiting:
                     return
-            if self.reader is not None:
-                self.reader.forget_log(0, lg)
+            if self.cache is not None:
+                self.cache.forget_log(0, lg)
             freed = await trio.to_thread.run_sync(self._remove_local, lg)
             self.stats.evicted_logs += 1
             self.stats.evicted_bytes += freed

@@ -1,5 +1,5 @@
 """The data logs: reading runs back (RunReader: the one run reader, of the mount's chunk cache,
-datapath/reader.py, the offline tools, compaction and the cleaner), and writing segments into
+datapath/readcache.py, the offline tools, compaction and the cleaner), and writing segments into
 them (LogWriter: the flusher's and compaction's)."""
 
 from __future__ import annotations

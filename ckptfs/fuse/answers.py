@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ckptfs.datapath.reader import CHUNK_BYTES
+from ckptfs.datapath.readcache import CHUNK_BYTES
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.control import CTL_NAME
 from ckptfs.fuse.replies import attr_fields, entry_out, open_flags
@@ -330,7 +330,7 @@ class AnswerCache:
         start = 0 if x.size <= WINDOW_BYTES else off
         old = self.windows.get(fh)
         reader = ops.reader
-        share = reader.max_chunks // WINDOW_CACHE_SHARE
+        share = reader.cache.max_chunks // WINDOW_CACHE_SHARE
         # (an open handle's window goes before prepared ones, which may never be opened: as
         # many of those go as its chunks need, up to half the windows' share)
         need = min(share // 2, (min(x.size - start, WINDOW_BYTES) + CHUNK_BYTES - 1)
@@ -346,7 +346,7 @@ class AnswerCache:
         if start < off and budget > 0 and (got is None
                                             or start + sum(map(len, got[0])) <= off):
             if got is not None:  # (short of the reader: from where it reads then)
-                reader.unpin(got[1])
+                reader.cache.unpin(got[1])
             got = reader.read_window(x.emap, off, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                      budget, pins)
             start = off
@@ -368,10 +368,10 @@ class AnswerCache:
         try:
             ok = self.ring.window(fh, start, eof, parts, nodeid, open_flags)
         except BaseException:
-            self.ops.reader.unpin(keys)
+            self.ops.reader.cache.unpin(keys)
             raise
         if not ok:
-            self.ops.reader.unpin(keys)
+            self.ops.reader.cache.unpin(keys)
             return False
         self.windows[fh] = (x, x.emap, start, start + sum(map(len, parts)), keys)
         self.window_pins.update(keys)
@@ -405,7 +405,7 @@ class AnswerCache:
             self._prepared_nearer(fh, x.ino, ahead, time.monotonic())
             return
         reader = ops.reader
-        budget = reader.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
+        budget = reader.cache.max_chunks // WINDOW_CACHE_SHARE - len(self.window_pins)
         got = reader.read_window(x.emap, 0, x.size, WINDOW_BYTES, fring.WINDOW_PARTS,
                                  budget, self.window_pins)
         if got is None:
@@ -467,4 +467,4 @@ class AnswerCache:
                 del pins[k]
             else:
                 pins[k] -= 1
-        self.ops.reader.unpin(keys)
+        self.ops.reader.cache.unpin(keys)

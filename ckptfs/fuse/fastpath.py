@@ -607,7 +607,7 @@ class FastPath(RequestWait):
         self.landing = Landing(ring, ops, self.answers, self.writes.count_landed)
         self.intake = Intake(ring, ops, self.answers, self.landing, self.releases.hold,
                              self.releases.now, self.count_reads)
-        ops.reader.land_lazily(True)  # (chunk loads land at every settle)
+        ops.reader.cache.land_lazily(True)  # (chunk loads land at every settle)
         ops.ns.watch = self.answers
         self.landing.start(self.entry_valid)
         flusher = self.ops.flusher
@@ -641,7 +641,7 @@ class FastPath(RequestWait):
         self.answers = self.landing = self.intake = None
         self.ops.ns.watch = None
         self.ops.flusher.error_hook = None
-        self.ops.reader.land_lazily(False)
+        self.ops.reader.cache.land_lazily(False)
         self.ring_uniques.clear()
         try:
             ring.stop()

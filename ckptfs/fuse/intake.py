@@ -56,7 +56,7 @@ class Intake:
         landed, the offer stands: staging is as offered; a landing in progress belongs to a
         WRITE whose caller has no answer yet, so no request served now depends on it)."""
         ring, landing = self.ring, self.landing
-        self.ops.reader.land()  # (the chunks read ahead: windows open over them below)
+        self.ops.reader.cache.land()  # (the chunks read ahead: windows open over them below)
         looked = ring.take_looked() if ring.looked() else None
         answers = self.answers
         if looked:  # (counted before any request: a FORGET among them)

@@ -8,7 +8,7 @@ with what answering it early takes:
 - a WRITE waiting for staging space (fuse/inplace.py; the flusher frees space, so the
   store): its wait is cancelled and the fast path answers it with the bytes it had recorded
   (a short write; EINTR if none); what was recorded stays written and is made durable.
-- a READ waiting for the disk (datapath/reader.py: chunk loads in its loader threads): its wait
+- a READ waiting for the disk (datapath/readcache.py: chunk loads in its loader threads): its wait
   is cancelled and it is answered EINTR; the loader thread's disk read goes on, and a later read
   of the same bytes waits for it or finds them cached.
 - a barrier (fsync, fsyncdir, the sync xattr: ops._barrier), which the fast path hands to

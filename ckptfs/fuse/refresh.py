@@ -77,11 +77,11 @@ def notification(kind: int, a: int, name: bytes = b"") -> bytes:
 class Refresher:
     """Brings other writers' commits into the view (see the module's docstring)."""
 
-    def __init__(self, peers: Peers, journal, reader, backing: str, delay_s: float) -> None:
+    def __init__(self, peers: Peers, journal, cache, backing: str, delay_s: float) -> None:
         self.peers = peers
         self.view = peers.view
         self.journal = journal
-        self.reader = reader
+        self.cache = cache
         self.backing = backing
         self.delay = delay_s
         self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
@@ -229,11 +229,11 @@ class Refresher:
         mount would not see their writer retire one until its next look, and a removed file
         held open keeps its space on the backing store. (Opened again by the next READ; the
         cached chunks stay.)"""
-        reader = self.reader
+        cache = self.cache
         for layer in list(self.peers.trees):
-            for lg in reader.logs.logs_of(layer):
-                if not reader.log_in_use(layer, lg):
-                    reader.logs.forget(layer, lg)
+            for lg in cache.logs.logs_of(layer):
+                if not cache.log_in_use(layer, lg):
+                    cache.logs.forget(layer, lg)
 
     def kick(self) -> None:
         """Hand what the view collected for the kernel to the sender."""
@@ -435,7 +435,7 @@ class Refresher:
                 log.info("writer %s joined the view" if kind == "new" else
                          "writer %s: its index read, it joins the view", wid)
                 return t0
-            self._forget(layer, self.reader.logs_of(layer))
+            self._forget(layer, self.cache.logs_of(layer))
             # (the same layer, the view's numbers kept, unless a READ still uses a log of
             # the old tree: a log its writer removed and made again would then be read
             # from the chunks cached of the old one)
@@ -446,7 +446,7 @@ class Refresher:
             log.info("writer %s: index rewritten, read again", os.path.basename(wdir))
         elif kind == "gone":
             peers.drop_tree(item[1])
-            self._forget(item[1], self.reader.logs_of(item[1]))
+            self._forget(item[1], self.cache.logs_of(item[1]))
             log.info("writer %s left the backing directory",
                      peers.union.writer_ids.get(item[1]))
         return t0
@@ -487,23 +487,23 @@ class Refresher:
             elif type(rec) is XExtentRec:
                 lay = self.peers.tree_layer_of(rec.writer)
                 if lay is not None:
-                    self.reader.invalidate(lay, rec.log, rec.loff, rec.run_length)
+                    self.cache.invalidate(lay, rec.log, rec.loff, rec.run_length)
             else:
-                self.reader.invalidate(layer, rec.log, rec.loff, rec.length)
+                self.cache.invalidate(layer, rec.log, rec.loff, rec.length)
 
     def _forget(self, layer: int, logs) -> None:
         """The reader lets go of these logs of `layer` (their descriptors, cached chunks and
         bookkeeping), now or, for one a READ or a load is using, at a later look."""
         for lg in logs:
-            if self.reader.log_in_use(layer, lg):
+            if self.cache.log_in_use(layer, lg):
                 self.held.add((layer, lg))
             else:
-                self.reader.forget_log(layer, lg)
+                self.cache.forget_log(layer, lg)
 
     def _release(self) -> None:
         for layer, lg in list(self.held):
-            if not self.reader.log_in_use(layer, lg):
-                self.reader.forget_log(layer, lg)
+            if not self.cache.log_in_use(layer, lg):
+                self.cache.forget_log(layer, lg)
                 self.held.discard((layer, lg))
 
     async def _sender(self) -> None:
