@@ -103,6 +103,7 @@ def status(ops) -> dict:
         "read_cache_allocated_bytes": ops.reader.cache.allocated * CHUNK_BYTES,
         "read_chunks_recycled": ops.reader.cache.recycled,
         "read_runs_verified_ahead": ops.reader.cache.verified_ahead,
+        "read_loads_in_flight": len(ops.reader.cache.loading),
         "read_plans": ops.dcp.read_plans,
         "read_plan_chunk_loads": ops.reader.plan_loads,
         "read_plan_misses": ops.reader.plan_misses,
@@ -181,6 +182,9 @@ METRICS = {
                              "Read cache chunks reused once all their bytes were served"),
     "read_runs_verified_ahead": ("read_runs_verified_ahead_total", "counter",
                                  "Run checksums checked by readahead, off the request path"),
+    "read_loads_in_flight": ("read_loads_in_flight", "gauge",
+                             "Read cache chunk loads not completed yet (asked for by READs, "
+                             "readahead or read plans)"),
     "read_plans": ("read_plans_total", "counter",
                    "Files opened for reading with a read plan (a DCP checkpoint's order)"),
     "read_plan_chunk_loads": ("read_plan_chunk_loads_total", "counter",
