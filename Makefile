@@ -57,7 +57,7 @@ demo: setup
 # The kill-9 test runs fewer rounds there (each round a kill at a random point).
 URING_TESTS = tests/test_fastpath.py tests/test_request_loop.py tests/test_fs_posix.py \
 	tests/test_fs_torch.py tests/test_fs_concurrency.py tests/test_direct_reads.py \
-	tests/test_crash.py tests/test_eio.py
+	tests/test_reader.py tests/test_crash.py tests/test_eio.py
 
 # (the suite stays near 15 minutes on this VM: 6 kill -9 rounds of the crash tests and 4 of
 # the cleaner's in the first pass, 3 over io_uring, where the torchrun DCP job, the same over
