@@ -424,12 +424,13 @@ def test_lazy_landing_hands_over_only_the_loads_a_read_waits_for(tmp_path, case)
         while it holds `cond`, as it lists the result, so no call is on its way then unless
         `posted` says so."""
         with trio.fail_after(10):
-            while True:
+            while not landed:
                 with loaders.cond:
                     if loaders.done:
                         assert not loaders.posted
                         return
                 await trio.sleep(0.01)
+        raise AssertionError("the trio thread was called for a load no READ waits for")
 
     async def main() -> bytes | None:
         cache.land_lazily(True)
