@@ -133,9 +133,7 @@ class Drain:
         # An index snapshot's swap and its note are one step for the drain: it looks at the
         # local index by name only holding this, after taking every note queued
         self.swap_lock = threading.Lock()
-        self.replace_index = drained_index < 0  # (the backing index is replaced whole next)
-        self.drained_index = max(drained_index, 0)
-        self.lfd_index = -1
+        self.index = BackingIndex(local, backing, drained_index)
         self.drained = self._load_state()  # log -> bytes of it durable in the backing copy
         self.copied = dict(self.drained)  # log -> bytes of it written to the backing copy
         self.written: dict[int, int] = {}  # log -> how far batches wrote it (copy ahead)
@@ -151,7 +149,7 @@ class Drain:
 
     def start(self) -> None:
         with self.swap_lock:
-            self.open_local_index()
+            self.index.open_local()
         self.thread = threading.Thread(target=self._main, name="ckptfs-drain")
         self.thread.start()
 
@@ -163,16 +161,6 @@ class Drain:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-
-    def open_local_index(self) -> None:
-        """(holding swap_lock) The local index the notes taken so far speak of."""
-        if self.lfd_index >= 0:
-            os.close(self.lfd_index)
-            self.lfd_index = -1
-        try:
-            self.lfd_index = self.local.dir.open(INDEX_NAME, os.O_RDONLY)
-        except FileNotFoundError:
-            pass
 
     def _load_state(self) -> dict[int, int]:
         try:
@@ -203,8 +191,7 @@ class Drain:
             for fd in self.bfds.values():
                 os.close(fd)
             self.bfds.clear()
-            if self.lfd_index >= 0:
-                os.close(self.lfd_index)
+            self.index.close()
             if hasattr(self, "engine"):
                 self.engine.close()
             if hasattr(self, "buf"):
@@ -229,8 +216,8 @@ class Drain:
             with self.swap_lock:  # (a swap's note is queued with the swap: none is half seen)
                 items += take_queued(self.q, 0)
                 if any(type(it) is Note and it.swapped for it in items):
-                    self.replace_index = True
-                    self.open_local_index()
+                    self.index.replace = True
+                    self.index.open_local()
                     if syncing is not None:  # (its commit's index bytes are gone: the
                         syncing.superseded = True  # snapshot's note covers it)
             for it in items:
@@ -443,7 +430,10 @@ class Drain:
                     self._close_backing(lg)
         if s.superseded:
             return
-        self.stats.bytes += self._copy_index(s.note.index_end)
+        if self.index.lfd < 0:
+            with self.swap_lock:
+                self.index.open_local()
+        self.stats.bytes += self.index.copy(s.note.index_end)
         self.stats.cycles += 1
         now, done = time.perf_counter(), self.stats.bytes
         then, before = self.last_drained
@@ -587,40 +577,61 @@ class Drain:
             raise OSError(errno.EAGAIN, "O_DIRECT writes refused by the backing directory; "
                           "buffered from now on") from None
 
-    # ------------------------------------------------------------ the backing index
-    def _copy_index(self, end: int) -> int:
+
+class BackingIndex:
+    """The backing copy's index, kept a prefix of the local one: appended to up to each commit
+    drained, or, after an index snapshot, replaced whole. Drain thread only (the local index
+    is opened by name holding the drain's swap_lock)."""
+
+    def __init__(self, local: WriterDir, backing: Dir, drained: int) -> None:
+        self.local, self.backing = local, backing
+        self.replace = drained < 0  # (the backing index is replaced whole next)
+        self.drained = max(drained, 0)  # bytes of the local index the backing one holds
+        self.lfd = -1
+
+    def open_local(self) -> None:
+        """(holding the swap lock) The local index the notes taken so far speak of."""
+        self.close()
+        try:
+            self.lfd = self.local.dir.open(INDEX_NAME, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self.lfd >= 0:
+            os.close(self.lfd)
+            self.lfd = -1
+
+    def copy(self, end: int) -> int:
         """The local index's bytes from where the backing copy ends to `end` (a commit's end),
         appended to the backing index and synced; the header first when it changed (an index
         version raised)."""
-        if self.lfd_index < 0:
-            with self.swap_lock:
-                self.open_local_index()
-        if self.replace_index:
-            return self._replace_index(end)
-        head = os.pread(self.lfd_index, INDEX_HEADER.size, 0)
+        if self.replace:
+            return self._replace(end)
+        head = os.pread(self.lfd, INDEX_HEADER.size, 0)
         bfd = self.backing.open(INDEX_NAME, os.O_RDWR | os.O_CREAT)
         try:
             created = os.fstat(bfd).st_size == 0
             if os.pread(bfd, INDEX_HEADER.size, 0) != head:
                 os.pwrite(bfd, head, 0)
                 if created:
-                    self.drained_index = INDEX_HEADER.size
+                    self.drained = INDEX_HEADER.size
                     self.backing.sync()
-            if os.fstat(bfd).st_size > self.drained_index:  # a group torn by a crash: cut
-                os.ftruncate(bfd, self.drained_index)
-            copied = self._copy_index_range(bfd, self.drained_index, end)
+            if os.fstat(bfd).st_size > self.drained:  # a group torn by a crash: cut
+                os.ftruncate(bfd, self.drained)
+            copied = self._copy_range(bfd, self.drained, end)
             os.fdatasync(bfd)
-            self.drained_index = max(self.drained_index, end)
+            self.drained = max(self.drained, end)
             return copied
         finally:
             os.close(bfd)
 
-    def _copy_index_range(self, bfd: int, start: int, end: int) -> int:
+    def _copy_range(self, bfd: int, start: int, end: int) -> int:
         """Bytes [start, end) of the local index to the same place in `bfd`, 8 MiB at a time
         (an index can be large; the memory held stays small). Returns the bytes copied."""
         off = start
         while off < end:
-            chunk = os.pread(self.lfd_index, min(8 << 20, end - off), off)
+            chunk = os.pread(self.lfd, min(8 << 20, end - off), off)
             if not chunk:
                 raise OSError(errno.EIO, f"node tier: {self.local.dir.join(INDEX_NAME)} "
                               f"ends at {off}, before {end}")
@@ -631,19 +642,19 @@ class Drain:
                 view = view[k:]
         return off - start
 
-    def _replace_index(self, end: int) -> int:
+    def _replace(self, end: int) -> int:
         """After an index snapshot: the backing index replaced whole by the local index's
         first `end` bytes (written beside it, synced, renamed into place, the name synced);
         the local PRE_SWAP is not needed any more then."""
         bfd = self.backing.open(FRESH_COPY, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            self._copy_index_range(bfd, 0, end)
+            self._copy_range(bfd, 0, end)
             os.fdatasync(bfd)
         finally:
             os.close(bfd)
         self.backing.rename(FRESH_COPY, INDEX_NAME)
         self.backing.sync()
-        self.drained_index, self.replace_index = end, False
+        self.drained, self.replace = end, False
         self.local.dir.unlink(PRE_SWAP, missing_ok=True)
         log.info("node tier: the backing index replaced by the index snapshot (%d bytes)", end)
         return end

@@ -263,7 +263,7 @@ class Tier:
         the drain starts with everything the backing copy lacks."""
         self.node_seq = committed_seq
         self.backing_seq = committed_seq \
-            if self.drain.drained_index >= self._local_index_size() else 0
+            if self.drain.index.drained >= self._local_index_size() else 0
         self.token = trio.lowlevel.current_trio_token()
         self.drain.start()
         self.started = True
