@@ -389,8 +389,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                               engine=cfg.engine,
                               depth=cfg.queue_depth, direct=facts["backing_direct"],
                               io_chunk_bytes=cfg.io_chunk_bytes, local_direct=facts["direct"],
-                              on_fatal=flusher.fail, open_logs=flusher.open_logs, cache=cache,
-                              writers_wait=lambda: staging.waiting_writers > 0)
+                              on_fatal=flusher.fail, open_logs=flusher.open_logs, cache=cache)
         flusher.tier = node_tier
         flusher.durability = cfg.durability
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)

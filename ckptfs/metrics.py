@@ -363,8 +363,6 @@ METRICS = {
     "tier_drained_bytes": ("tier_drained_bytes_total", "counter",
                            "Bytes the drain copied to the backing directory"),
     "tier_drain_seconds": ("tier_drain_seconds_total", "counter", "Time the drain spent copying"),
-    "tier_drain_yielded_s": ("tier_drain_yielded_seconds_total", "counter",
-                             "Time the drain's copying waited for writers waiting for staging"),
     "tier_drain_rate": ("tier_drain_rate_bytes_per_second", "gauge",
                         "Speed of the last drain cycle of at least 8 MiB"),
     "tier_drain_errors": ("tier_drain_errors_total", "counter",

@@ -1,20 +1,18 @@
 """The node tier's drain (ckptfs/datapath/drain.py) without a mount: a Drain over real directories
-and the real io engine, told what a flusher would tell it (written ranges, commits), its trio
-side a plain function. What must hold: written ranges are copied before their commit; the
-backing index gets a commit's bytes only once everything that commit and those before it name
-is copied and synced; a range written again is copied again; the copying steps aside while the
-writers wait for staging room (and the time it waited is counted)."""
+and the real io engine, told what a flusher would tell it (its commits), its trio side a plain
+function. What must hold: a commit's data logs are copied up to where the commit left them,
+not further, and the backing index gets the commit's bytes after them; a log closed since is
+copied whole; the commits come out in order."""
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
-from helpers import content, wait_for
+from helpers import content
 
-from ckptfs.datapath.drain import Drain, DrainStats, Note, Written
+from ckptfs.datapath.drain import Drain, DrainStats, Note
 from ckptfs.format.backingdir import INDEX_NAME, WriterDir, data_log_name
 from ckptfs.format.records import INDEX_HEADER
 
@@ -60,12 +58,12 @@ def tier(tmp_path):
     backing.open()
     made = []
 
-    def make(step_aside=lambda: False) -> tuple[Drain, Side]:
+    def make() -> tuple[Drain, Side]:
         side = Side()
         d = Drain(local, backing.dir, DrainStats(), drained_index=0, logs=[], engine="auto",
                   depth=8, direct=False, io_chunk_bytes=MiB, local_direct=False,
                   call_soon=side.call_soon, on_drained=side.on_drained,
-                  on_error=side.on_error, on_fatal=side.on_fatal, step_aside=step_aside)
+                  on_error=side.on_error, on_fatal=side.on_fatal)
         d.start()
         made.append(d)
         return d, side
@@ -104,63 +102,41 @@ def _backing(backing: WriterDir, name: str) -> bytes:
         return b""
 
 
-def test_written_ranges_are_copied_before_their_commit_and_the_index_after(tier):
+def test_a_commit_is_copied_up_to_its_ends_then_its_index(tier):
     local, backing, make = tier
     d, side = make()
     a = content("a", 3 * MiB)
-    _write_log(local, 1, 0, a)
-    d.put(Written({1: (0, len(a))}))
-    wait_for(lambda: _backing(backing, data_log_name(1))[:len(a)] == a,
-          "written bytes never reached the backing log")
-    assert _backing(backing, INDEX_NAME) == b"", "no commit yet: no index"
+    later = content("later", MiB)
+    _write_log(local, 1, 0, a + later)  # (written past what the commit names)
     end = _append_index(local, b"commit-1")
     d.put(Note(1, end, {1: len(a)}))
     side.wait_drained(1)
+    assert _backing(backing, data_log_name(1)) == a, "copied up to the commit's end, not past"
     assert _backing(backing, INDEX_NAME)[INDEX_HEADER.size:] == b"commit-1"
-    # a commit naming a log not yet copied in full waits for it; the one before it goes
+    # the log closed since (None: its size is final) and a second one: both copied whole
     b = content("b", 2 * MiB)
     _write_log(local, 2, 0, b)
     end2 = _append_index(local, b"commit-2")
-    d.put(Note(2, end2, {1: len(a), 2: len(b)}))
+    d.put(Note(2, end2, {1: None, 2: len(b)}))
     side.wait_drained(2)
-    assert _backing(backing, data_log_name(2))[:len(b)] == b
+    assert _backing(backing, data_log_name(1)) == a + later
+    assert _backing(backing, data_log_name(2)) == b
     assert _backing(backing, INDEX_NAME)[INDEX_HEADER.size:] == b"commit-1commit-2"
     assert not side.errors
 
 
-def test_a_range_written_again_is_copied_again(tier):
+def test_commits_drain_in_order_the_newest_covering_the_older(tier):
     local, backing, make = tier
     d, side = make()
-    first, second = content("x", 2 * MiB), content("y", 2 * MiB)
-    _write_log(local, 1, 0, first)
-    d.put(Written({1: (0, len(first))}))
-    wait_for(lambda: _backing(backing, data_log_name(1))[:len(first)] == first, "not copied")
-    _write_log(local, 1, 0, second)  # (a segment written again at its place)
-    d.put(Written({1: (0, len(second))}))
-    end = _append_index(local, b"c")
-    d.put(Note(1, end, {1: len(second)}))
-    side.wait_drained(1)
-    assert _backing(backing, data_log_name(1))[:len(second)] == second
-
-
-def test_the_copying_steps_aside_while_writers_wait_for_staging(tier):
-    local, backing, make = tier
-    waiting = threading.Event()
-    waiting.set()
-    d, side = make(step_aside=waiting.is_set)
-    a = content("a", 4 * MiB)
-    _write_log(local, 1, 0, a)
-    d.put(Written({1: (0, len(a))}))
-    end = _append_index(local, b"c")
-    d.put(Note(1, end, {1: len(a)}))
-
-    def yielded() -> float:
-        return d.stats.yielded_seconds + (time.perf_counter() - d.aside_since
-                                          if d.aside_since else 0.0)
-
-    wait_for(lambda: yielded() >= 0.5, "the drain never looked at the writers")
-    assert _backing(backing, data_log_name(1)) == b"" and not side.drained
-    waiting.clear()
-    side.wait_drained(1)
-    assert _backing(backing, data_log_name(1))[:len(a)] == a
-    assert d.stats.yielded_seconds >= 0.5
+    data = b""
+    for seq in range(1, 21):
+        piece = content(f"p{seq}", 256 * 1024)
+        _write_log(local, 1, len(data), piece)
+        data += piece
+        end = _append_index(local, f"c{seq:02d}".encode())
+        d.put(Note(seq, end, {1: len(data)}))
+    side.wait_drained(20)
+    assert side.drained == sorted(side.drained) and side.drained[-1] == 20
+    assert _backing(backing, data_log_name(1)) == data
+    assert _backing(backing, INDEX_NAME)[INDEX_HEADER.size:] == b"".join(
+        f"c{i:02d}".encode() for i in range(1, 21))

@@ -150,58 +150,6 @@ def test_levels_and_a_killed_daemon_with_node_durability(mounts, tmp_path):
     ro.stop()
 
 
-def test_written_segments_reach_the_backing_copy_before_their_commit(mounts, tmp_path):
-    """The drain copies what the flusher wrote without waiting for its commit: with the
-    flusher's commit held, a file's bytes reach the backing data log while no index names
-    them (the backing level does not move); kill -9 then leaves the backing directory
-    with exactly what was committed before, nothing partial."""
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-commit")
-    m = mounts.mount(backing, local_dir=local, durability="node",
-                     env={"CKPTFS_HOLD": f"commit:{hold}"}, **OPTS)
-    files = {"a.pt": _write(m.mountpoint, "a.pt", 2 * MiB)}
-    api.sync(m.mountpoint, "backing")
-    st = api.status(m.mountpoint)
-    open(hold, "w").close()
-    b = _write(m.mountpoint, "b.pt", 6 * MiB)  # (staged; the idle flush writes it)
-    needle = b[3 * MiB:3 * MiB + 4096]
-    bdir = os.path.join(backing, "writers", "w")
-
-    def in_backing_logs() -> bool:
-        for name in sorted(os.listdir(bdir)):
-            if name.startswith("data-"):
-                with open(os.path.join(bdir, name), "rb") as f:
-                    if needle in f.read():
-                        return True
-        return False
-
-    deadline = time.monotonic() + 60
-    while not in_backing_logs():
-        assert time.monotonic() < deadline, "written bytes never reached the backing copy"
-        time.sleep(0.1)
-    now = api.status(m.mountpoint)
-    assert now["tier_node_seq"] == st["tier_node_seq"], "the commit was held"
-    assert now["tier_backing_seq"] == st["tier_backing_seq"]
-    os.kill(m.pid, signal.SIGKILL)
-    cli("umount", m.mountpoint)
-    assert wait_unmounted(m.mountpoint)
-    m.proc.wait(10)
-    res = cli("verify", backing)
-    assert res.returncode == 0, res.stdout + res.stderr
-    ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, files, absent=("b.pt",))
-    ro.stop()
-    again = mounts.mount(backing, local_dir=local, **OPTS)
-    _check(again.mountpoint, files, absent=("b.pt",))
-    files["c.pt"] = _write(again.mountpoint, "c.pt", 3 * MiB + 5)
-    api.sync(again.mountpoint, "backing")
-    again.stop()
-    ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, files, absent=("b.pt",))
-    ro.stop()
-
-
 def test_a_local_directory_of_another_backing_directory_is_refused(mounts, tmp_path):
     a, b = mounts.backing("a"), mounts.backing("b")
     local = str(tmp_path / "local")

@@ -1,16 +1,13 @@
 """The node tier's drain: the thread that copies the local writer directory to its backing copy.
 
-The flusher tells the drain two things (datapath/tier.py passes them on): which ranges of the
-local data logs a batch of segments has just written (`Written`), and each commit of the local
-index (`Note`: the index's end, how far every log is written). The drain copies the written
-ranges to the same places in the backing copy as soon as they are written, commit or not: bytes
-beyond what the backing index names are what a crash between a data write and its commit
-leaves in any data log, and no reader looks at them. When everything a commit covers is
-copied, the backing logs are synced (fdatasync, in a second thread: meanwhile the copying of
-what comes after goes on), then drain.json records how far each log is drained, then the
-backing index gets the local index's bytes up to that commit (synced). So the backing index
-never names a byte the backing logs do not hold durably, and the backing copy is always the
-local one as it was at some commit.
+The flusher tells the drain each commit of the local index (`Note`: the index's end, how far
+every data log is written; datapath/tier.py passes it on). The drain copies the data logs up to
+there into the backing copy (the same places, large aligned writes), fdatasyncs them, records
+how far each log is drained (drain.json), then appends the local index's bytes up to that
+commit to the backing index (fdatasync). So the backing index never names a byte the backing
+logs do not hold durably, and the backing copy is always the local one as it was at some
+commit. The newest note covers the older ones: while a copy runs, the commits made meanwhile
+become one cycle.
 
 A failed copy or sync (ENOSPC, EIO from the parallel file system) is retried every RETRY_S from
 the last drained point; with buffered backing writes the range is punched before it is copied
@@ -29,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptfs import failpoints
 from ckptfs.datapath.flusher import take_queued
@@ -47,23 +43,9 @@ RETRY_S = 1.0  # a failing backing store is tried again this often
 # Read from the local log (O_DIRECT where the local file system allows: the bytes were written
 # past the page cache and are not read again here, so they do not go through it) into one
 # half of this buffer while the other half is written to the backing copy in --io-chunk
-# requests, all in flight at once. One piece of copying is this much: between pieces the
-# drain looks at its queue and at the sync in flight.
+# requests, all in flight at once
 DRAIN_CHUNK_BYTES = 64 << 20
 STOP = "stop"
-_SYNCED = "synced"  # (wakes the loop: the sync in flight is done)
-STEP_ASIDE_S = 0.05  # how often a drain stepping aside for the writers looks again
-MAX_NOTES = 256  # commits waiting for the drain (older ones are merged: memory stays bounded)
-
-
-def _union(a: dict[int, int | None], b: dict[int, int | None]) -> dict[int, int | None]:
-    """Two notes' ends as one: a log closed in either is closed, else the larger end."""
-    out = dict(a)
-    for lg, end in b.items():
-        out[lg] = None if end is None or out.get(lg, 0) is None else max(out.get(lg, 0), end)
-    return out
-
-
 class Note:
     """The flusher committed: the local index ends at `index_end`, covering changes up to
     `seq`; the data logs this mount made are written up to `ends` (log -> offset; None: closed,
@@ -77,39 +59,16 @@ class Note:
         self.swapped = swapped  # (an index snapshot took the local index's place)
 
 
-class Written:
-    """A flusher batch wrote `ranges` (log -> (start, end)) of the local data logs: they may be
-    copied now. A start below what was copied of the log is a range written again (after a
-    failed fdatasync): it is copied again."""
-
-    __slots__ = ("ranges",)
-
-    def __init__(self, ranges: dict[int, tuple[int, int]]) -> None:
-        self.ranges = ranges
-
-
 class DrainStats:
     def __init__(self) -> None:
         self.bytes = 0  # data log and index bytes copied to the backing directory
-        self.seconds = 0.0  # spent copying them (a sync overlapped with copying counts once)
-        self.yielded_seconds = 0.0  # copying waited for writers waiting for staging room
-        self.cycles = 0  # commits drained
-        self.rate = 0.0  # bytes/s between the last two commits drained, when >= 8 MiB
+        self.seconds = 0.0  # spent copying them
+        self.cycles = 0
+        self.rate = 0.0  # bytes/s of the last cycle that copied at least 8 MiB
         self.errors = 0
         self.last_error = ""
         self.evicted_logs = 0
         self.evicted_bytes = 0
-
-
-class _Sync:
-    """A sync in flight: the backing logs of `ranges` (log -> (start, end) copied since the
-    last drained point) fdatasynced for `note`, in the sync thread."""
-
-    __slots__ = ("note", "ranges", "future", "superseded")
-
-    def __init__(self, note: Note, ranges: dict[int, tuple[int, int]], future: Future) -> None:
-        self.note, self.ranges, self.future = note, ranges, future
-        self.superseded = False  # (an index snapshot came meanwhile: no index copy for it)
 
 
 class Drain:
@@ -119,33 +78,24 @@ class Drain:
 
     def __init__(self, local: WriterDir, backing: Dir, stats: DrainStats, *, drained_index: int,
                  logs: list[int], engine: str, depth: int, direct: bool, io_chunk_bytes: int,
-                 local_direct: bool, call_soon, on_drained, on_error, on_fatal,
-                 step_aside=lambda: False) -> None:
+                 local_direct: bool, call_soon, on_drained, on_error, on_fatal) -> None:
         self.local, self.backing, self.stats = local, backing, stats
         self.engine_kind, self.depth, self.direct = engine, depth, direct
         self.local_direct = local_direct
         self.io_chunk = io_chunk_bytes
         self.call_soon = call_soon
         self.on_drained, self.on_error, self.on_fatal = on_drained, on_error, on_fatal
-        self.step_aside = step_aside  # (any thread: whether the copying waits now)
-        self.aside_since = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         # An index snapshot's swap and its note are one step for the drain: it looks at the
         # local index by name only holding this, after taking every note queued
         self.swap_lock = threading.Lock()
         self.index = BackingIndex(local, backing, drained_index)
         self.drained = self._load_state()  # log -> bytes of it durable in the backing copy
-        self.copied = dict(self.drained)  # log -> bytes of it written to the backing copy
-        self.written: dict[int, int] = {}  # log -> how far batches wrote it (copy ahead)
         self.lost: dict[int, int] = {}  # log -> where a range whose writeback failed starts
-        self.rewound: dict[int, int] = {}  # log -> lowest start written again since a sync
         self.ends: dict[int, int | None] = {n: None for n in logs}  # (as of the newest note)
-        self.notes: list[Note] = []  # commits to drain, oldest first
         self.final: set[int] = set()  # closed logs wholly in the backing copy, or gone
         self.bfds: dict[int, int] = {}
         self.thread: threading.Thread | None = None
-        self.busy_since = 0.0
-        self.last_drained = (time.perf_counter(), 0)  # (when, stats.bytes): for the rate
 
     def start(self) -> None:
         with self.swap_lock:
@@ -177,17 +127,15 @@ class Drain:
 
     # ------------------------------------------------------------ the thread
     def _main(self) -> None:
-        syncer = ThreadPoolExecutor(1, thread_name_prefix="ckptfs-drain-sync")
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
             self.buf = alloc_aligned(DRAIN_CHUNK_BYTES, populate=False)
-            self._loop(syncer)
+            self._loop()
         except BaseException as exc:  # a defect: the mount fails, said to every waiter
             log.critical("the drain thread failed; nothing more reaches the backing directory",
                          exc_info=True)
             self.call_soon(self.on_fatal, exc, "the drain thread")
         finally:
-            syncer.shutdown(wait=True)
             for fd in self.bfds.values():
                 os.close(fd)
             self.bfds.clear()
@@ -197,263 +145,100 @@ class Drain:
             if hasattr(self, "buf"):
                 self.buf.close()
 
-    def _loop(self, syncer: ThreadPoolExecutor) -> None:
-        syncing: _Sync | None = None
+    def _loop(self) -> None:
+        note: Note | None = None
         stopping = False
         attempts = 0
-        retry_at = 0.0
         while True:
-            now = time.monotonic()
-            if now < retry_at:
-                timeout = retry_at - now
-            elif syncing is None and self._due(take=False):
-                timeout = 0.0
-            elif self._next_piece() is not None:
-                timeout = STEP_ASIDE_S if self._stepping_aside() else 0.0
-            else:
-                timeout = None  # (a commit, a written batch, the sync's end or the stop)
-            items = take_queued(self.q, timeout)
+            items = take_queued(self.q, RETRY_S if note is not None else None)
             with self.swap_lock:  # (a swap's note is queued with the swap: none is half seen)
                 items += take_queued(self.q, 0)
-                if any(type(it) is Note and it.swapped for it in items):
+                if any(it is not STOP and it.swapped for it in items):
                     self.index.replace = True
                     self.index.open_local()
-                    if syncing is not None:  # (its commit's index bytes are gone: the
-                        syncing.superseded = True  # snapshot's note covers it)
             for it in items:
                 if it is STOP:
                     stopping = True
-                elif type(it) is Written:
-                    self._note_written(it)
-                elif type(it) is Note:
-                    self._add_note(it)
-            if syncing is not None and syncing.future.done():
-                done, syncing = syncing, None
-                try:
-                    self._synced(done)
-                except OSError as exc:
-                    self._failed(exc, done.ranges)
-                    if not done.superseded:
-                        self._add_note(done.note, first=True)
-                    attempts += 1
-                    retry_at = time.monotonic() + RETRY_S
-                    if stopping and attempts > 3:
-                        return
-                    continue
-                attempts = 0
-            if time.monotonic() < retry_at:
+                else:  # (the newest note covers the older ones)
+                    self.ends.update(it.ends)
+                    note = it if note is None or it.seq >= note.seq else note
+            if note is None:
+                if stopping:
+                    return
                 continue
             while failpoints.held("drain"):
                 time.sleep(0.05)
             try:
-                note = self._due() if syncing is None else None
-                if note is not None:
-                    failpoints.hit("drain")
-                    syncing = self._sync(note, syncer)
-                    continue
-                piece = None if self._stepping_aside() else self._next_piece()
-                if piece is not None:
-                    self._copy_piece(*piece)
-                    continue
+                self._drain(note)
             except OSError as exc:
-                self._failed(exc, {})
+                log.error("draining to the backing directory failed: %s (will retry)", exc)
+                self.call_soon(self.on_error, exc)
                 attempts += 1
-                retry_at = time.monotonic() + RETRY_S
                 if stopping and attempts > 3:
                     return
+                time.sleep(RETRY_S)
                 continue
-            if syncing is None:
-                self._idle()
-            if stopping and not self.notes and syncing is None and self.q.empty():
+            attempts = 0
+            self.call_soon(self.on_drained, note.seq)
+            note = None
+            if stopping and self.q.empty():
                 return
 
-    def _stepping_aside(self) -> bool:
-        """Whether the copying waits for the writers: while they wait for staging room, the
-        node's CPU and disk go to the flusher (training is blocked on it), unless the flusher
-        itself waits for local room (then only the drain can give it some)."""
-        if not self.step_aside():
-            if self.aside_since:
-                self.stats.yielded_seconds += time.perf_counter() - self.aside_since
-                self.aside_since = 0.0
-            return False
-        if not self.aside_since:
-            self.aside_since = time.perf_counter()
-        return True
-
-    def _add_note(self, note: Note, first: bool = False) -> None:
-        """A commit to drain, in order. An index snapshot's note takes the place of every
-        note before it (their index bytes are not in the local index any more); past
-        MAX_NOTES the two oldest become one (the newer, with both ends)."""
-        self.ends.update(note.ends)
-        if note.swapped:
-            for old in self.notes:
-                note.ends = _union(old.ends, note.ends)
-            self.notes.clear()
-        if first:
-            self.notes.insert(0, note)
-        else:
-            self.notes.append(note)
-        if len(self.notes) > MAX_NOTES:
-            a, b = self.notes.pop(0), self.notes[0]
-            b.ends = _union(a.ends, b.ends)
-
-    def _due(self, take: bool = True) -> Note | None:
-        """The newest commit whose bytes, and those of every commit before it, are all
-        copied (with `take`, it and those before it are taken off the list), or None."""
-        n = 0
-        while n < len(self.notes) and self._covers(self.notes[n]):
-            n += 1
-        if not n:
-            return None
-        due = self.notes[n - 1]
-        if take:
-            del self.notes[:n]
-        return due
-
-    def _note_written(self, it: Written) -> None:
-        back = False
-        for lg, (start, end) in it.ranges.items():
-            if start < self.copied.get(lg, 0):  # (written again: copied again)
-                self.copied[lg] = start
-                self.rewound[lg] = min(start, self.rewound.get(lg, start))
-            if start < self.drained.get(lg, 0):
-                # (a range a commit without data named while its write had failed: a
-                # restart must not take it for drained either)
-                self.drained[lg] = start
-                back = True
-            self.written[lg] = max(self.written.get(lg, 0), end)
-        if back:
-            self._save_state()
-
-    def _save_state(self) -> None:
-        write_atomic(self.local.dir, DRAIN_STATE, json.dumps(
-            {"logs": {str(k): v for k, v in self.drained.items()}}).encode())
-
-    def _end(self, lg: int) -> int | None:
-        """Where log `lg` ends as far as the drain knows: its size when closed (None when it
-        is gone: removed from both copies), else the newest note's or batch's end."""
-        end = self.ends.get(lg, 0)
-        if end is None:
-            try:
-                return self.local.dir.stat(data_log_name(lg)).st_size
-            except FileNotFoundError:
-                return None
-        return max(end, self.written.get(lg, 0))
-
-    def _covers(self, note: Note) -> bool:
-        """Whether every byte `note` speaks of is copied (a closed log: wholly)."""
-        for lg, end in note.ends.items():
+    def _drain(self, note: Note) -> None:
+        """Copy what `note` covers: the data logs first (synced, drain.json written), then
+        the index up to the note's commit (synced)."""
+        failpoints.hit("drain")
+        t0 = time.perf_counter()
+        copied = 0
+        synced: dict[int, tuple[int, int]] = {}  # log -> the range copied now
+        for lg in sorted(self.ends):
+            end = self.ends[lg]
             if lg in self.final:
                 continue
-            if end is None:
-                end = self._end(lg)
-                if end is None:
-                    continue
-            if self.copied.get(lg, 0) < end:
-                return False
-        return True
-
-    def _next_piece(self) -> tuple[int, int, int] | None:
-        """The next range to copy, (log, start, end), at most DRAIN_CHUNK_BYTES: what the
-        oldest commit not drained covers first, then everything batches wrote."""
-        first = self.notes[0].ends if self.notes else {}
-        for ends in (first, self.ends):
-            for lg in sorted(ends):
-                if lg in self.final:
-                    continue
-                end = ends[lg] if ends is first else None
-                end = self._end(lg) if end is None else end
-                if end is None:
-                    if ends is not first:  # (gone: removed from both copies)
-                        self.final.add(lg)
-                        self._close_backing(lg)
-                    continue
-                start = self.copied.get(lg, 0)
-                if start < end:
-                    return lg, start, min(end, start + DRAIN_CHUNK_BYTES)
-        for lg in sorted(set(self.written) - set(self.ends)):  # (a log no commit names yet)
-            start, end = self.copied.get(lg, 0), self.written[lg]
-            if start < end:
-                return lg, start, min(end, start + DRAIN_CHUNK_BYTES)
-        return None
-
-    def _busy(self) -> None:
-        if not self.busy_since:
-            self.busy_since = time.perf_counter()
-
-    def _idle(self) -> None:
-        if self.busy_since:
-            self.stats.seconds += time.perf_counter() - self.busy_since
-            self.busy_since = 0.0
-
-    def _copy_piece(self, lg: int, start: int, end: int) -> None:
-        self._busy()
-        self.stats.bytes += self._copy_log(lg, start, end)
-        self.copied[lg] = end
-
-    def _sync(self, note: Note, syncer: ThreadPoolExecutor) -> _Sync:
-        """Start the fdatasync of every backing log copied past its drained point, for
-        `note`; the copying goes on meanwhile."""
-        self._busy()
-        ranges = {lg: (self.drained.get(lg, 0), end) for lg, end in self.copied.items()
-                  if end > self.drained.get(lg, 0) and lg in self.bfds}
-        fds = [os.dup(self.bfds[lg]) for lg in ranges]  # (the copy may close its own)
-        self.rewound.clear()
-
-        def sync() -> None:
-            try:
-                for fd in fds:
-                    os.fdatasync(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-        fut = syncer.submit(sync)
-        fut.add_done_callback(lambda _: self.q.put(_SYNCED))
-        return _Sync(note, ranges, fut)
-
-    def _synced(self, s: _Sync) -> None:
-        """A sync is done: the ranges it covered are drained (drain.json, then the backing
-        index up to its commit). Raises the sync's OSError."""
-        s.future.result()
-        for lg, (_, end) in s.ranges.items():
-            # (a range written again since the sync began is not drained: copied again)
-            self.drained[lg] = min(end, self.rewound.get(lg, end))
-        self.rewound.clear()
-        if s.ranges:
-            self._save_state()
-        for lg, end in list(self.ends.items()):
-            if end is None and lg not in self.final:
-                size = self._end(lg)
-                if size is None or self.drained.get(lg, 0) >= size:
+            if end is None:  # a closed log: its size is final
+                try:
+                    end = self.local.dir.stat(data_log_name(lg)).st_size
+                except FileNotFoundError:  # removed (retired and removed from both)
                     self.final.add(lg)
                     self._close_backing(lg)
-        if s.superseded:
-            return
+                    continue
+            start = self.drained.get(lg, 0)
+            if end <= start:
+                if self.ends[lg] is None:
+                    self.final.add(lg)
+                    self._close_backing(lg)
+                continue
+            copied += self._copy_log(lg, start, end)
+            synced[lg] = (start, end)
+        for lg, (start, end) in synced.items():
+            try:
+                self.engine.fsync(self.bfds[lg], datasync=True)
+            except OSError:
+                if not self.direct:
+                    # Buffered: the pages whose writeback failed are dropped and the error
+                    # is reported once, so the range is copied again, punched first
+                    # (ext4 keeps a failed range unwritten under a rewrite that succeeds)
+                    for lg2, (start2, _) in synced.items():
+                        self.lost[lg2] = min(start2, self.lost.get(lg2, start2))
+                raise
+        for lg, (_, end) in synced.items():
+            self.drained[lg] = end
+        if synced:
+            write_atomic(self.local.dir, DRAIN_STATE, json.dumps(
+                {"logs": {str(k): v for k, v in self.drained.items()}}).encode())
+            for lg in synced:
+                if self.ends.get(lg, 0) is None:
+                    self._close_backing(lg)
         if self.index.lfd < 0:
             with self.swap_lock:
                 self.index.open_local()
-        self.stats.bytes += self.index.copy(s.note.index_end)
+        copied += self.index.copy(note.index_end)
         self.stats.cycles += 1
-        now, done = time.perf_counter(), self.stats.bytes
-        then, before = self.last_drained
-        if done - before >= 8 << 20 and now > then:
-            self.stats.rate = (done - before) / (now - then)
-        self.last_drained = (now, done)
-        self.call_soon(self.on_drained, s.note.seq)
-
-    def _failed(self, exc: OSError, ranges: dict[int, tuple[int, int]]) -> None:
-        """A copy or a sync failed: everything past the drained points is copied again after
-        RETRY_S (with buffered writes, punched first)."""
-        log.error("draining to the backing directory failed: %s (will retry)", exc)
-        for lg, end in list(self.copied.items()):
-            start = self.drained.get(lg, 0)
-            if end > start or lg in ranges:
-                if not self.direct:
-                    self.lost[lg] = min(start, self.lost.get(lg, start))
-                self.copied[lg] = start
-        self._idle()
-        self.call_soon(self.on_error, exc)
+        self.stats.bytes += copied
+        dt = time.perf_counter() - t0
+        self.stats.seconds += dt
+        if copied >= 8 << 20 and dt > 0:
+            self.stats.rate = copied / dt
 
     # ------------------------------------------------------------ copying
     def _backing_fd(self, lg: int) -> int:

@@ -549,13 +549,6 @@ class Flusher:
                 self.engine.fsync(fd, datasync=True)
                 self.logs.syncs += 1
             self.logs.written(by_log_fd)
-            if self.tier is not None:  # (the drain may copy them before their commit)
-                ranges: dict[int, tuple[int, int]] = {}
-                for log_no, loff, n in ([(copy[0], copy[1], len(copy[2]))] if copy else []) + [
-                        (seg.log, seg.loff, round_up(seg.used, self.align)) for seg in segs]:
-                    lo, hi = ranges.get(log_no, (loff, loff + n))
-                    ranges[log_no] = (min(lo, loff), max(hi, loff + n))
-                self.tier.written(ranges)
             if copy is not None:
                 self.copies, self.copies_bytes = [], 0
         finally:
@@ -637,8 +630,6 @@ class Flusher:
 
     def _commit(self) -> None:
         failpoints.hit("flusher-commit")
-        while failpoints.held("commit"):  # (tests: what happens before a commit)
-            time.sleep(0.05)
         blob, upto = self._call(self.journal.take_committable)
         if blob:
             # A failed write is cut off again (IndexWriter.append), so that later appends stay

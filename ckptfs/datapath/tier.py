@@ -4,9 +4,9 @@ With `--local-dir LOCAL`, the flusher writes its data logs and commits its index
 LOCAL/writers/<id>/ (the same aligned writes, the same format) instead of in the backing
 directory: a change committed there is *node-durable* (it survives a killed daemon and a reboot
 of the node). The drain thread (datapath/drain.py) then copies that directory into
-BACKING/writers/<id>/ byte for byte: the data logs as soon as the flusher has written them
-(large aligned writes), and at each commit, once what it covers is copied and synced, the index
-up to that commit (fdatasync). So the backing index is always the local one as it was at some
+BACKING/writers/<id>/, commit by commit and byte for byte: first the data logs up to where they
+were written when the commit was made (large aligned writes, fdatasync), then the index up to
+that commit (fdatasync). So the backing index is always the local one as it was at some
 commit, and never names a byte the backing logs lack: an ordinary writer
 directory that other mounts, the offline tools and a mount without the tier read as today, and
 every offset the index names is the same in both copies. A change is *backing-durable* once
@@ -33,7 +33,7 @@ space is full of undrained data the flusher waits, and so do writers once stagin
 nothing fails. What the cleaner does to files (removing a retired log, punching dead bytes)
 waits until the drain has passed the commit that made it safe, and is done to both copies.
 
-Threads: `reserve`/`wait_room`/`written`/`committed`/`swap` are called by the flusher thread;
+Threads: `reserve`/`wait_room`/`committed`/`swap` are called by the flusher thread;
 the drain thread owns the copying; everything else runs on the trio thread.
 """
 
@@ -50,7 +50,7 @@ import time
 
 import trio
 
-from ckptfs.datapath.drain import FRESH_COPY, PRE_SWAP, Drain, DrainStats, Note, Written
+from ckptfs.datapath.drain import FRESH_COPY, PRE_SWAP, Drain, DrainStats, Note
 from ckptfs.format import records
 from ckptfs.format.backingdir import (
     BACKING_MARKER,
@@ -217,13 +217,12 @@ class Tier:
     """The node tier of a mount: local space and the levels (trio side); the copying is the
     drain thread's (datapath/drain.py). `on_fatal(exc, where)`: a defect in the drain thread;
     `open_logs()`: the logs segments still go to (the flusher's: never removed); `cache`:
-    the mount's ReadCache (a log it holds is not removed); `writers_wait()`: whether writers
-    wait for staging room (the drain's copying steps aside meanwhile)."""
+    the mount's ReadCache (a log it holds is not removed)."""
 
     def __init__(self, local: WriterDir, backing: Dir, *, drained_index: int, limit_bytes: int,
                  open_log_bytes: int, engine: str, depth: int, direct: bool,
-                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs, cache,
-                 writers_wait=lambda: False) -> None:
+                 io_chunk_bytes: int, local_direct: bool, on_fatal, open_logs,
+                 cache) -> None:
         self.local = local  # (LOCAL/writers/<id>/, locked)
         self.backing = backing  # (BACKING/writers/<id>/, held open)
         self.limit = limit_bytes
@@ -236,8 +235,7 @@ class Tier:
                            direct=direct, io_chunk_bytes=io_chunk_bytes,
                            local_direct=local_direct, call_soon=self._call_soon,
                            on_drained=self._on_drained, on_error=self._on_error,
-                           on_fatal=self._fatal,
-                           step_aside=lambda: writers_wait() and not self.waiting)
+                           on_fatal=self._fatal)
         self.on_fatal = on_fatal
         self.open_logs = open_logs
         self.cache = cache
@@ -289,11 +287,6 @@ class Tier:
         return used
 
     # ------------------------------------------------------------ flusher thread
-    def written(self, ranges: dict[int, tuple[int, int]]) -> None:
-        """A flusher batch wrote `ranges` (log -> (start, end)) of the local logs: the drain
-        may copy them before their commit."""
-        self.drain.put(Written(ranges))
-
     def committed(self, seq: int, index_end: int, ends: dict[int, int | None]) -> None:
         """The flusher committed changes up to `seq` to the local index (now `index_end`
         bytes); `ends`: how far the logs it made are written (LogWriter.ends)."""
@@ -481,7 +474,6 @@ class Tier:
             if self.backlog_since else 0.0,
             "tier_drained_bytes": self.stats.bytes,
             "tier_drain_seconds": round(self.stats.seconds, 3),
-            "tier_drain_yielded_s": round(self.stats.yielded_seconds, 3),
             "tier_drain_rate": round(self.stats.rate), "tier_drain_errors": self.stats.errors,
             "tier_drain_last_error": self.stats.last_error,
             "tier_evicted_logs": self.stats.evicted_logs,
