@@ -300,19 +300,23 @@ def test_ro_mount_reads_with_o_direct_where_the_store_allows(mounts):
     assert sorted(os.listdir(os.path.join(backing, "writers", "w0"))) == before
 
 
-DEEP = 2000  # levels: a path that long is past PATH_MAX, so every walk goes by directory fds
+# levels: past Python's recursion limit (1,000), so a merge, adoption or removal with a call
+# per level fails; the paths (LEVEL and "/" a level) pass PATH_MAX (4,096 bytes) near level
+# 1,010, so every walk goes by directory fds
+DEEP = 1100
+LEVEL = "dir"
 
 
 def deep_walk(root: str, levels: int) -> tuple[int, bytes | None]:
-    """Down d/d/... from `root` by directory descriptors, listing each level: (how many
-    levels hold exactly `d`, the bytes of f in the last one, if it lists just f)."""
+    """Down dir/dir/... from `root` by directory descriptors, listing each level: (how
+    many levels hold exactly `dir`, the bytes of f in the last one, if it lists just f)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for level in range(levels + 1):
             names = os.listdir(fd)
-            if names != ["d"]:
+            if names != [LEVEL]:
                 break
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            nfd = os.open(LEVEL, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
         if names != ["f"]:
@@ -330,8 +334,8 @@ def deep_make(root: str, levels: int, data: bytes) -> None:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(levels):
-            os.mkdir("d", dir_fd=fd)
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.mkdir(LEVEL, dir_fd=fd)
+            nfd = os.open(LEVEL, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
         f = os.open("f", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
@@ -344,12 +348,12 @@ def deep_make(root: str, levels: int, data: bytes) -> None:
 
 
 def _descend(root: str, levels: int) -> int:
-    """A descriptor of d/d/... `levels` deep below `root`, one level at a time (paths past
+    """A descriptor of dir/dir/... `levels` deep below `root`, one level at a time (paths past
     PATH_MAX); the caller closes it."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(levels):
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            nfd = os.open(LEVEL, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
     except BaseException:
@@ -359,7 +363,7 @@ def _descend(root: str, levels: int) -> int:
 
 
 def deep_remove(root: str, levels: int) -> None:
-    """rm -r of d/d/.../f below `root`, from the bottom up, one descriptor at a time."""
+    """rm -r of dir/dir/.../f below `root`, from the bottom up, one descriptor at a time."""
     fd = _descend(root, levels)
     try:
         os.unlink("f", dir_fd=fd)
@@ -367,7 +371,7 @@ def deep_remove(root: str, levels: int) -> None:
             up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = up
-            os.rmdir("d", dir_fd=fd)
+            os.rmdir(LEVEL, dir_fd=fd)
     finally:
         os.close(fd)
 
@@ -375,7 +379,7 @@ def deep_remove(root: str, levels: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_tree_thousands_of_levels_deep_shows_on_the_other_mount_and_goes(mounts):
-    """One writer's tree 2,000 directories deep, a file at the bottom: the other mount lists
+    """One writer's tree 1,100 directories deep, a file at the bottom: the other mount lists
     every level and reads the file (its looks merge the tree in, level by level, without a
     recursion per level), so does a remount of it; then the other mount removes the whole
     tree (whiteouts of another writer's entries), and the writer sees it gone, live and
@@ -408,7 +412,7 @@ def test_a_tree_thousands_of_levels_deep_shows_on_the_other_mount_and_goes(mount
 
 @pytest.mark.timeout(300)
 def test_another_writers_deep_tree_is_adopted_and_moved(mounts):
-    """Into one writer's trees 2,000 directories deep the other mount creates a file at the
+    """Into one writer's trees 1,100 directories deep the other mount creates a file at the
     bottom (every directory above it adopted into its own tree) and renames a whole tree
     (every entry in it made its own); both mounts see the result, live and after a remount
     of the one that changed it."""
@@ -424,7 +428,7 @@ def test_another_writers_deep_tree_is_adopted_and_moved(mounts):
     fd = os.open(os.path.join(b.mountpoint, "x"), os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(DEEP):
-            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            nfd = os.open(LEVEL, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
         g = os.open("g", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
@@ -449,7 +453,7 @@ def test_another_writers_deep_tree_is_adopted_and_moved(mounts):
 
 
 def _bottom(root: str) -> tuple[list[str], bytes]:
-    """The names in the deepest directory of d/d/... below `root`, and the bytes of its g."""
+    """The names in the deepest directory of dir/dir/... below `root`, and the bytes of its g."""
     fd = _descend(root, DEEP)
     try:
         g = os.open("g", os.O_RDONLY, dir_fd=fd)
