@@ -60,12 +60,12 @@ URING_TESTS = tests/test_fastpath.py tests/test_request_loop.py tests/test_fs_po
 	tests/test_reader.py tests/test_crash.py tests/test_eio.py
 
 # (the suite stays near 15 minutes on this VM: 6 kill -9 rounds of the crash tests and 4 of
-# the cleaner's in the first pass, 3 over io_uring, where the torchrun DCP job, the same over
-# either transport, and the failing disk, below the daemon, are left out;
+# the cleaner's in the first pass, 3 over io_uring, where the tests marked either_transport
+# are left out: their mounts are not on the rings, or what they test is below the daemon;
 # `CKPTFS_CRASH_ITERS=50 .venv/bin/python -m pytest tests/test_crash.py` looks longer)
 test: setup gluster-deps
 	CKPTFS_CRASH_ITERS=6 CKPTFS_LIFECYCLE_CRASH_ITERS=4 $(PY) -m pytest -q
-	CKPTFS_TEST_FUSE_URING=1 CKPTFS_CRASH_ITERS=3 $(PY) -m pytest -q -k 'not torchrun and not disk_that_fails' \
+	CKPTFS_TEST_FUSE_URING=1 CKPTFS_CRASH_ITERS=3 $(PY) -m pytest -q -m 'not either_transport' \
 		$(URING_TESTS)
 
 test-quick: setup

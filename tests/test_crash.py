@@ -113,6 +113,7 @@ def mounted_tree(mnt: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.either_transport  # (what a mount makes of its index, before any request)
 def test_torn_index_tail_and_garbage(mounts, tmp_path):
     backing = mounts.backing()
     m = mounts.mount(backing, **CRASH_WRITER_OPTS)

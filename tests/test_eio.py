@@ -36,6 +36,7 @@ def write_fsync(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+@pytest.mark.either_transport
 def test_failing_fs_itself(failing):
     """The helper file system: a mirror that fails writes/fsync with EIO while switched on."""
     mnt = failing.mountpoint
@@ -119,6 +120,7 @@ def test_eio_then_recovery(failing, mounts):
 
 
 
+@pytest.mark.either_transport  # (the kernel's own behaviour, below the daemon)
 @pytest.mark.parametrize("io", ["direct", "buffered"])
 def test_a_disk_that_fails_writes(failing_disk, mounts, io):
     """The backing directory on ext4 over a block device whose writes fail with EIO (a loop
@@ -415,7 +417,8 @@ def _stored_file(failing, mounts, **opts):
     return m2, os.path.join(m2.mountpoint, "r"), data
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
+@pytest.mark.parametrize("fast_path", [True, pytest.param(  # (no fast path: no rings)
+    False, marks=pytest.mark.either_transport)], ids=["fast-path", "no-fast-path"])
 def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
     """A chunk read that the backing store fails (EIO) fails the application's read with EIO,
     with and without the fast path, as an I/O error (not the handlers' guard against bugs,
@@ -435,7 +438,8 @@ def test_a_failing_read_of_the_store_is_eio(failing, mounts, fast_path):
     m2.stop()
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "no-fast-path"])
+@pytest.mark.parametrize("fast_path", [True, pytest.param(  # (no fast path: no rings)
+    False, marks=pytest.mark.either_transport)], ids=["fast-path", "no-fast-path"])
 def test_a_failing_look_at_other_writers_serves_the_view(failing, mounts, fast_path):
     """A backing store that fails the look at the other writers (listing writers/ gives EIO)
     does not fail the requests that look first (lookup, open, listing: --refresh 0 looks at
@@ -480,6 +484,7 @@ def test_a_failing_look_at_other_writers_serves_the_view(failing, mounts, fast_p
     assert "internal error" not in text, text
 
 
+@pytest.mark.either_transport  # (the flusher and the store, below the daemon)
 def test_a_failed_fdatasync_in_buffered_mode_writes_the_segments_again(failing, mounts):
     """Linux drops the pages whose writeback failed and reports that once: the store here
     loses the bytes written since the last good fsync and fails that fsync (failing_fs

@@ -60,6 +60,7 @@ def test_writes_land_in_place_and_other_requests_still_work(mounts):
     assert st.st_size == len(files[os.path.join(root, "moved")])
 
 
+@pytest.mark.either_transport  # (its writes: no fast path, no rings)
 def test_the_same_without_the_fast_path(mounts):
     m = mounts.mount(no_fast_path=True)
     files = write_tree(m.mountpoint)

@@ -215,6 +215,7 @@ def test_written_file_mtime_persists(mounts):
     assert st2.st_mtime_ns == st.st_mtime_ns
 
 
+@pytest.mark.either_transport  # (on /dev/fuse only: see below)
 def test_a_release_the_unmount_cut_off_still_makes_its_file_durable(mounts):
     """The kernel sends RELEASE after the last reference to an open file goes, without
     waiting for it, and an unmount aborts the requests the daemon has not read yet (for a

@@ -45,7 +45,8 @@ def test_every_request_goes_through_the_wait(mounts):
     assert waited + queued >= st["write_requests"] + st["read_requests"] >= 400
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
+@pytest.mark.parametrize("fast_path", [True, pytest.param(  # (no fast path: no rings)
+    False, marks=pytest.mark.either_transport)])
 def test_checksums_are_summed_while_the_loop_waits_or_in_c(mounts, fast_path):
     """Writes leave their runs' CRC32C owing; the loop sums them once no request waits (here
     the writer pauses after each file), or, for the bytes a queue thread landed, they are
