@@ -94,6 +94,17 @@ def mounts(tmp_path):
         ms.cleanup()
 
 
+@pytest.fixture(scope="module")
+def module_mounts(tmp_path_factory):
+    """Mounts for a module's tests to share (what one mount left behind that several tests
+    only look at, each checking that it stays so); unmounted after the module's last test."""
+    ms = Mounts(tmp_path_factory.mktemp("module"))
+    try:
+        yield ms
+    finally:
+        ms.cleanup()
+
+
 @pytest.fixture
 def mnt(mounts):
     """One mounted ckptfs over a fresh backing directory: the Mount object."""

@@ -35,8 +35,7 @@ def mount_fails(backing: str, mnt: str, *extra, mode: str, expect: str) -> None:
     assert tree_snapshot(backing) == before, "the failed mount changed the backing directory"
 
 
-@pytest.fixture
-def fresh_backing(mounts):
+def _mounted_once(mounts) -> str:
     """A backing directory that has been mounted and unmounted once (writer 'w')."""
     b = mounts.backing("b")
     m = mounts.mount(b, writer_id="w")
@@ -44,6 +43,19 @@ def fresh_backing(mounts):
         f.write(b"x" * 1000)
     m.stop()
     return b
+
+
+@pytest.fixture
+def fresh_backing(mounts):
+    """_mounted_once, for a test that changes it."""
+    return _mounted_once(mounts)
+
+
+@pytest.fixture(scope="module")
+def shared_backing(module_mounts):
+    """_mounted_once, made once for the tests whose mounts fail (mount_fails checks that each
+    leaves it as it was)."""
+    return _mounted_once(module_mounts)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -115,8 +127,8 @@ def _unwritable(top, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mountpoint_problems(fresh_backing, tmp_path, mode):
-    b = fresh_backing
+def test_mountpoint_problems(shared_backing, tmp_path, mode):
+    b = shared_backing
     mount_fails(b, str(tmp_path / "missing"), mode=mode, expect="does not exist")
     f = tmp_path / "afile"
     f.write_bytes(b"")
@@ -160,10 +172,10 @@ def test_already_mounted_and_second_writer(mounts, fresh_backing, tmp_path, mode
     (["--writer-id", "x" * 129], "invalid writer id"),
     (["--writer-id", "caf\u00e9"], "invalid writer id"),
 ])
-def test_bad_options(fresh_backing, tmp_path, mode, args, expect):
+def test_bad_options(shared_backing, tmp_path, mode, args, expect):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    mount_fails(fresh_backing, str(mnt), *args, mode=mode, expect=expect)
+    mount_fails(shared_backing, str(mnt), *args, mode=mode, expect=expect)
 
 
 @pytest.mark.parametrize("mode", MODES)
