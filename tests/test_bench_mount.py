@@ -46,7 +46,7 @@ def test_files_read_while_the_mount_notes_its_runs_are_exact(tmp_path):
     are exact, and so is a second pass once every file is noted."""
     backing, mnt = tmp_path / "b", tmp_path / "m"
     mnt.mkdir()
-    n, size = 12000, 700  # (three slices of note_replayed)
+    n, size = 9000, 700  # (three slices of note_replayed, 4,096 files each)
     mount.build(str(backing), n, 1000, size, 500)
     with api.Mount(str(backing), str(mnt), writer_id=mount.WRITER) as m:
         dirs = sorted(os.listdir(m.mountpoint), reverse=True)  # (the last noted first)
