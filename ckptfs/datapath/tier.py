@@ -267,8 +267,7 @@ class Tier:
         self.started = True
         if self.backing_seq < committed_seq:
             self.backlog_since = time.monotonic()
-            self.drain.put(Note(committed_seq, self._local_index_size(),
-                                dict.fromkeys(data_logs(self.local.path))))
+            self.drain.put(Note(committed_seq, self._local_index_size(), {}))
 
     def _local_index_size(self) -> int:
         try:
