@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEB_PKGS := fuse3 libfuse3-dev liburing-dev pkg-config gcc python3-dev python3-venv shellcheck iproute2
+DEB_PKGS := fuse3 libfuse3-dev liburing-dev pkg-config gcc python3-dev python3-venv shellcheck iproute2 \
+	mount e2fsprogs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.ckptfs-installed
 
