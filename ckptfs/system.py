@@ -72,6 +72,16 @@ def steal_seconds() -> float:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
+def busy_seconds() -> float:
+    """CPU seconds all of this machine's CPUs have spent busy so far (/proc/stat: everything
+    but idle and iowait); a difference over a wall-clock interval is the average number of
+    busy CPUs in it, which says whether a run was bound by the CPUs."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]  # (not steal: the host's)
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def guest_halt_poll_ns(sys_root: str = "/sys") -> int | None:
     """How long an idle vCPU of this KVM guest polls for work before it halts (the cpuidle
     haltpoll driver's guest_halt_poll_ns: 0 means it halts at once, and waking it is then a

@@ -75,6 +75,9 @@ def test_quick_run_is_complete_and_verified(tmp_path):
             assert m["daemon_save_cpu_s_per_gb"] >= 0 and m["daemon_restore_cpu_s_per_gb"] >= 0, key
         else:
             assert "daemon_save_cpu_s_per_gb" not in m, key
+        # the machine's busy CPUs during each save: something ran (the save itself), and
+        # never more than the machine has
+        assert 0 < m["busy_cpus_save"] <= os.cpu_count(), key
     assert ck["status_bytes_durable"] >= payload
     assert res["summary"]["ckptfs"]["time_vs_ckptfs"]["durable_s"] == pytest.approx(1.0)
     # the performance targets are judged from the same medians, every one of them (all
@@ -118,6 +121,30 @@ def test_warm_restore_reads_through_the_mount_that_saved(tmp_path):
     assert ck["restore_read_memory_bytes"] >= res["payload_bytes"], ck
     assert _our_mounts(str(tmp_path)) == []
     assert os.listdir(work) == []
+
+
+def test_node_tier_contender_reports_each_level(tmp_path):
+    """The node tier's contender: node-durable first, backing-durable (the drain done) from
+    the same start, the restore through the local read copy, the machine's busy CPUs over
+    each span; its local directory in --local-base, removed with the run."""
+    out = tmp_path / "out.json"
+    work, local = tmp_path / "work", tmp_path / "local"
+    work.mkdir()
+    local.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
+                           "--contenders", "ckptfs,ckptfs_tier", "--local-base", str(local),
+                           "--dir", str(work), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    tier = {r["contender"]: r for r in res["runs"]}["ckptfs_tier"]
+    assert tier["ok"] and tier["verified"] is True, tier.get("error")
+    assert tier["blocked_s"] <= tier["durable_s"] <= tier["backing_durable_s"], tier
+    assert 0 < tier["busy_cpus_save"] <= os.cpu_count(), tier
+    assert 0 < tier["busy_cpus_backing"] <= os.cpu_count(), tier
+    assert "busy CPUs" in proc.stdout
+    assert _our_mounts(str(tmp_path)) == []
+    assert os.listdir(work) == [] and os.listdir(local) == []
 
 
 def _summary(**durable):

@@ -44,7 +44,7 @@ from ckptfs.bench import models, targets
 from ckptfs.bench.peers import CONTENDERS
 from ckptfs.bench.throttle import Throttle
 from ckptfs.fuse import ring
-from ckptfs.system import guest_halt_poll_ns, libc, status_bytes
+from ckptfs.system import busy_seconds, guest_halt_poll_ns, libc, status_bytes
 
 
 DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "ckptfs_uring", "dcp",
@@ -183,6 +183,7 @@ class Run:
         self.extra: dict = {}
         self.override: dict = {}  # times a contender measures itself (fio)
         self.t_blocked: float | None = None
+        self.busy0 = 0.0  # busy_seconds() when the save started
         self.bytes_moved = w.payload_bytes
         os.makedirs(self.backing)
 
@@ -208,9 +209,11 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
         c.setup(run)
         res["caches_dropped_save"] = drop_caches()
         rss0 = reset_peak_rss()
+        run.busy0 = busy_seconds()
         t0 = time.perf_counter()
         c.save(run)
         t1 = time.perf_counter()
+        res["busy_cpus_save"] = (busy_seconds() - run.busy0) / (t1 - t0)
         res["blocked_s"] = (run.t_blocked or t1) - t0
         res["durable_s"] = t1 - t0
         res["rss_before_save_bytes"] = rss0
@@ -273,7 +276,7 @@ FIELDS = ("blocked_s", "durable_s", "backing_durable_s", "restore_s", "files_cre
           "dirs_created", "fsyncs",
           "rss_peak_save_bytes", "rss_peak_restore_bytes", "daemon_peak_rss_bytes",
           "daemon_restore_peak_rss_bytes", "unmount_s", "remount_s", "bytes_in_files",
-          "daemon_save_cpu_s", "daemon_restore_cpu_s")
+          "daemon_save_cpu_s", "daemon_restore_cpu_s", "busy_cpus_save", "busy_cpus_backing")
 
 
 def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
@@ -329,7 +332,7 @@ MiB = 1 << 20
 def format_table(summary: dict, payload: int, ntensors: int) -> str:
     hdr = ("contender", "blocked s", "durable s", "GB/s", "restore s", "GB/s",
            "durable vs ckptfs", "restore vs ckptfs", "files", "fsyncs", "+RSS save MB",
-           "daemon MB", "daemon CPU s/GB", "ok")
+           "daemon MB", "daemon CPU s/GB", "busy CPUs", "ok")
     rows = []
     for key, s in summary.items():
         m, r = s["median"], s["time_vs_ckptfs"]
@@ -348,6 +351,8 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
                      _mb(m.get("rss_extra_save_bytes")), _mb(daemon),
                      "%s/%s" % (f("daemon_save_cpu_s_per_gb"), f("daemon_restore_cpu_s_per_gb"))
                      if m.get("daemon_save_cpu_s_per_gb") is not None else "-",
+                     f("busy_cpus_save") + ("/" + f("busy_cpus_backing")
+                                            if m.get("busy_cpus_backing") is not None else ""),
                      "%d/%d%s" % (s["runs_ok"], s["runs"],
                                   " FAILED" if not s["runs_ok"] else
                                   "" if s["verified"] or s["limit"] else " NOT VERIFIED")))
@@ -358,7 +363,9 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
     lines.append("payload %.3f GB in %d tensors; medians; GB/s = payload / time; "
                  "'vs ckptfs' = contender time / ckptfs time (>1: ckptfs faster); "
                  "* tmpfs is never durable; daemon CPU s/GB: save (until durable) / "
-                 "restore, request spin included" % (payload / 1e9, ntensors))
+                 "restore, request spin included; busy CPUs: the machine's CPUs busy on "
+                 "average from the save's start until durable (/until backing-durable)"
+                 % (payload / 1e9, ntensors))
     return "\n".join(lines)
 
 
@@ -367,7 +374,8 @@ def write_csv(path: str, summary: dict) -> None:
             "restore_s", "restore_gbps", "durable_vs_ckptfs", "restore_vs_ckptfs",
             "files_created", "dirs_created", "fsyncs", "rss_extra_save_bytes",
             "rss_extra_restore_bytes", "daemon_peak_rss_bytes", "unmount_s", "remount_s",
-            "daemon_save_cpu_s_per_gb", "daemon_restore_cpu_s_per_gb"]
+            "daemon_save_cpu_s_per_gb", "daemon_restore_cpu_s_per_gb", "busy_cpus_save",
+            "busy_cpus_backing"]
     with open(path, "w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(cols)

@@ -26,7 +26,7 @@ import time
 import warnings
 
 from ckptfs import api
-from ckptfs.system import cpu_seconds, status_bytes
+from ckptfs.system import busy_seconds, cpu_seconds, status_bytes
 
 MiB = 1 << 20
 
@@ -389,6 +389,8 @@ class CkptfsTier(Ckptfs):
         with Watchdog(run.mount, run.cfg.step_timeout, "sync --level backing"):
             run.mount.sync("backing")
         run.extra["backing_durable_s"] = time.perf_counter() - run.t_save
+        run.extra["busy_cpus_backing"] = ((busy_seconds() - run.busy0)
+                                          / run.extra["backing_durable_s"])
         super().after_save(run)
 
     def cleanup(self, run) -> None:
