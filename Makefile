@@ -7,6 +7,7 @@ DEB_PKGS := fuse3 libfuse3-dev liburing-dev pkg-config gcc python3-dev python3-v
 	mount e2fsprogs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STAMP := $(VENV)/.ckptfs-installed
+WORKERS := -n 2
 
 .PHONY: setup deps gluster-deps gluster-up gluster-down demo test test-quick soak bench lint clean
 
@@ -64,10 +65,11 @@ URING_TESTS = tests/test_fastpath.py tests/test_request_loop.py tests/test_fs_po
 # the cleaner's in the first pass, 3 over io_uring, where the tests marked either_transport
 # are left out: their mounts are not on the rings, or what they test is below the daemon;
 # `CKPTFS_CRASH_ITERS=50 .venv/bin/python -m pytest tests/test_crash.py` looks longer)
+# Two workers (pytest-xdist; tests/conftest.py says what runs together in one).
 test: setup gluster-deps
-	CKPTFS_CRASH_ITERS=6 CKPTFS_LIFECYCLE_CRASH_ITERS=4 $(PY) -m pytest -q
-	CKPTFS_TEST_FUSE_URING=1 CKPTFS_CRASH_ITERS=3 $(PY) -m pytest -q -m 'not either_transport' \
-		$(URING_TESTS)
+	CKPTFS_CRASH_ITERS=6 CKPTFS_LIFECYCLE_CRASH_ITERS=4 $(PY) -m pytest -q $(WORKERS)
+	CKPTFS_TEST_FUSE_URING=1 CKPTFS_CRASH_ITERS=3 $(PY) -m pytest -q $(WORKERS) \
+		-m 'not either_transport' $(URING_TESTS)
 
 test-quick: setup
 	$(PY) -m pytest -q -m 'not slow'

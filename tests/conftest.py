@@ -15,16 +15,31 @@ import subprocess
 import pytest
 
 from ckptfs import api
-from helpers import FUSE_URING, FailingDisk, FailingMount, Tracker, Volume, uring_switch
+from ckptfs.fuse import ring
+from helpers import FUSE_URING, FailingDisk, FailingMount, Tracker, Volume, set_uring_switch
+
+
+def pytest_configure(config):
+    """With CKPTFS_TEST_FUSE_URING=1 the process that runs the session (pytest itself, or the
+    controller of pytest-xdist's workers) turns the kernel's switch on once and puts it back
+    at the end: the switch is one per machine, and a worker that put it back would take it
+    from under the other's mounts."""
+    if FUSE_URING and not hasattr(config, "workerinput"):
+        config.uring_was, config.uring_why = set_uring_switch("Y")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "uring_was", None) is not None:
+        set_uring_switch(config.uring_was)
 
 
 @pytest.fixture(scope="session", autouse=FUSE_URING)
-def fuse_uring_session():
-    if not FUSE_URING:
-        yield
-        return
-    with uring_switch("Y"):
-        yield
+def fuse_uring_session(request):
+    if FUSE_URING:  # (a worker of pytest-xdist finds the switch as its controller set it)
+        why = getattr(request.config, "uring_why", None) or ring.enabled()
+        if why:
+            pytest.skip(why)
+    yield
 
 
 class Mounts:
@@ -190,3 +205,48 @@ def failing_disk(failing, tmp_path):
         yield disk
     finally:
         disk.stop()
+
+
+# ---------------------------------------------------------------- pytest-xdist (make test: -n 2)
+# `make test` runs the suite in two worker processes (pytest-xdist): it mostly waits on mounts,
+# daemons and subprocesses, so two run in about the time of one. What is shared across the
+# machine decides what runs in one worker, in order: a module's tests (its module-scoped
+# mounts are made once); every test whose id names gluster (on a GlusterFS volume, or running
+# glusterfs.sh: the session's volume has one owner, glusterd takes one volume command at a
+# time, and the script's own tests need no glusterd beside them); the modules that set the
+# kernel's FUSE over io_uring switch and check it is put back (one switch per machine).
+URING_SWITCH_MODULES = ("tests/test_fuse_uring.py", "tests/test_bench_transport.py")
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work of the test `nodeid`: the tests of one scope run in one worker."""
+    path = nodeid.split("::", 1)[0]
+    if "gluster" in nodeid.lower():
+        return "gluster"
+    if path in URING_SWITCH_MODULES:
+        return "uring_switch"
+    return path
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # (pytest alone: the suite runs in one process)
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class SharedScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return SharedScopeScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test on the volume must say so in its name (scope_of finds it by its id)."""
+    unnamed = [item.nodeid for item in items
+               if ("gluster" in item.fixturenames or item.get_closest_marker("glusterfs"))
+               and scope_of(item.nodeid) != "gluster"]
+    if unnamed:
+        raise pytest.UsageError("tests on a GlusterFS volume must name gluster in their "
+                                "module or function name: " + ", ".join(unnamed))

@@ -213,34 +213,43 @@ def check_files(files: dict[str, bytes], old_root: str, new_root: str) -> None:
             assert f.read() == data, p
 
 
-@contextlib.contextmanager
-def uring_switch(value: str = "Y"):
-    """The kernel's FUSE over io_uring switch set to `value` for the block, then put back.
-    Skips the test where the kernel has none or it cannot be written."""
+def set_uring_switch(value: str) -> tuple[str | None, str | None]:
+    """Sets the kernel's FUSE over io_uring switch to `value`: (the value it had, None), or
+    (None, why it cannot be set or used) where the kernel has none, io_uring is off or /sys
+    cannot be written."""
     try:
         with open(ring.ENABLE_URING) as f:
             was = f.read().strip()
     except OSError:
-        pytest.skip("this kernel has no FUSE over io_uring")
+        return None, "this kernel has no FUSE over io_uring"
     if value == "Y":  # (io_uring itself may be off here: a sysctl, seccomp, a stub build)
         from ckptfs.io.uring import ffi, lib
         if lib is None or not lib.ck_have_uring():
-            pytest.skip("ckptfs was built without io_uring")
+            return None, "ckptfs was built without io_uring"
         err, features = ffi.new("int *"), ffi.new("unsigned int *")
         r = lib.ck_ring_open(1, err, features)
         if r == ffi.NULL:
-            pytest.skip(f"io_uring is not usable here: {os.strerror(err[0])}")
+            return None, f"io_uring is not usable here: {os.strerror(err[0])}"
         lib.ck_ring_close(r)
     try:
         with open(ring.ENABLE_URING, "w") as f:
             f.write(value)
     except OSError as exc:
-        pytest.skip(f"cannot set {ring.ENABLE_URING}: {exc}")
+        return None, f"cannot set {ring.ENABLE_URING}: {exc}"
+    return was, None
+
+
+@contextlib.contextmanager
+def uring_switch(value: str = "Y"):
+    """The kernel's FUSE over io_uring switch set to `value` for the block, then put back.
+    Skips the test where the kernel has none or it cannot be written."""
+    was, why = set_uring_switch(value)
+    if why:
+        pytest.skip(why)
     try:
         yield
     finally:
-        with open(ring.ENABLE_URING, "w") as f:
-            f.write(was)
+        set_uring_switch(was)
 
 
 def write_file(path: str, data: bytes, fsync: bool = False, chunk: int | None = MiB) -> None:

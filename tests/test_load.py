@@ -156,10 +156,12 @@ def test_concurrent_writers_and_readers(mounts, tmp_path):
     for name in removed:
         assert not os.path.exists(os.path.join(m.mountpoint, name)), name
     total = sum(files.values())
-    # Space: logs whose files are all removed are retired while the writers write (punching
-    # and cleaning wait for idle writers: these never pause), so what the logs hold beyond
-    # the live bytes stays within a few logs (those whose last files are not removed yet).
-    assert m.status()["logs_retired"] > 0
+    # Space: logs whose files are all removed are retired on the maintainer's turns, also
+    # while the writers write (punching and cleaning wait for idle writers: these never
+    # pause), so what the logs hold beyond the live bytes stays within a few logs (those whose
+    # last files are not removed yet). (A machine busy with other work may give the last
+    # turns after the writers stop.)
+    status_reaches(m, "logs_retired", 1)
     live, held, disk = max(samples, key=lambda s: s[1] - s[0])
     assert held - live <= 6 * LOG_BYTES, samples
     print(f"\n{SOAK_S:.0f} s: {len(files) + len(removed)} files written, {len(removed)} "

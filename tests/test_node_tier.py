@@ -243,7 +243,7 @@ def test_the_cleaner_removes_retired_logs_from_both_copies(mounts, tmp_path):
 
 @pytest.mark.glusterfs
 @pytest.mark.timeout(300)
-def test_kill_9_while_draining_to_the_volume(gdir, mounts, tmp_path):
+def test_kill_9_while_draining_to_a_glusterfs_volume(gdir, mounts, tmp_path):
     """The crash test's writer (files written front to back; fsync'ed and synced ones
     journaled) into a mount with the node tier, --durability node, the backing directory on the
     GlusterFS volume; the daemon killed -9 at a random point, three times, the drain busy. After
