@@ -361,7 +361,7 @@ class Mount:
         staging memory faulted in (a job's first checkpoint usually comes long after its
         mount; a benchmark that saves at once would measure the fault-in with it). The daemon
         starts that at the first write, or once the mount has served no READ for 2 s
-        (flusher.FAULT_IN_QUIET_S)."""
+        (faultin.FAULT_IN_QUIET_S)."""
         if self.options.get("no_populate"):
             return self
         deadline = time.monotonic() + timeout

@@ -476,8 +476,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             if node_tier is not None:
                 nursery.start_soon(node_tier.run)
             nursery.start_soon(cache.note_replayed, replayed)
-            if flusher.fixed_buffers:
-                nursery.start_soon(flusher.fault_in_when_due, lambda: ops.handles.read_requests)
+            if flusher.fault_in.enabled:
+                nursery.start_soon(flusher.fault_in.when_due, lambda: ops.handles.read_requests)
             del replayed
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)

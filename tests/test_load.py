@@ -227,7 +227,7 @@ def test_memory_bound(mounts):
 
 def test_a_mount_that_reads_faults_its_staging_in_only_once_quiet(mounts):
     """A job that resumes reads its checkpoint right after the mount: the staging memory is
-    left unfaulted while READs come (flusher.fault_in_when_due), and faulted in once the
+    left unfaulted while READs come (FaultIn.when_due), and faulted in once the
     mount has been quiet for a while."""
     m = mounts.mount(staging_size="256M", segment_size="4M")
     path = os.path.join(m.mountpoint, "ckpt")

@@ -6,7 +6,8 @@ staging.Checksums), writes each segment whole (tail padded to the alignment) at 
 aligned offset of the current data log (format/logs.LogWriter), fdatasyncs, reports the
 segments durable to the trio thread, then appends the journal's committable prefix
 (datapath/journal.py: only extents whose segments are durable) to the index and fdatasyncs it
-(group commit).
+(group commit). Where each segment goes and how it is written: datapath/segwriter.py; the
+staging pool faulted in and registered with the io engine: datapath/faultin.py.
 
 Barriers (`fsync`, `ckptfs sync`, unmount) seal the open segment and wait until everything
 journaled before them is committed. A failed write (ENOSPC, EIO) keeps the segments staged, is
@@ -15,9 +16,7 @@ reported to waiting barriers and writers as that errno, and is retried every RET
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,12 +25,13 @@ from collections.abc import Callable
 import trio
 
 from ckptfs import failpoints
+from ckptfs.datapath.faultin import FaultIn
 from ckptfs.datapath.journal import Journal
+from ckptfs.datapath.segwriter import SegmentWriter
 from ckptfs.datapath.staging import NO_LOG, Segment, Staging, round_up
-from ckptfs.format import records
 from ckptfs.format.index import IndexWriter
-from ckptfs.format.logs import LogWriter, punch_hole
-from ckptfs.io import alloc_aligned, fault_in, open_engine
+from ckptfs.format.logs import LogWriter
+from ckptfs.io import open_engine
 
 log = logging.getLogger("ckptfs.flusher")
 
@@ -43,8 +43,6 @@ COPY_FLUSH_BYTES = 1 << 20
 _COMMIT = "commit"
 _STOP = "stop"
 _REGISTER = "register"  # (the staging pool is faulted in: register it with the io engine)
-FAULT_IN_QUIET_S = 2.0  # a mount that served no READ this long faults its staging pool in
-FAULT_IN_POLL_S = 0.25  # (until then: how often fault_in_when_due looks)
 
 
 class _Swap:
@@ -108,9 +106,6 @@ class Flusher:
         # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
         # (ENOSPC at writeback), so their buffers are kept until then.
         self.release_early = direct
-        # (log, offset) -> length of segments whose buffered writeback failed: their range is
-        # punched before they are written again (see _write_segments)
-        self.lost: dict[tuple[int, int], int] = {}
         self.written_hook = None  # called (trio thread) with each segment once it is on disk
         self.durable_hook = None  # called (trio thread) with each segment once it is durable
         self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
@@ -133,23 +128,13 @@ class Flusher:
         self._start_error: BaseException | None = None
         self.data_logs = data_logs
         self.stripe_bytes = stripe_bytes
-        # The staging buffers faulted in (a thread of low priority) and registered with the
-        # io engine (fixed buffers: that pins every page) once the mount serves; off with
-        # --no-populate, which leaves them unfaulted
-        self.fixed_buffers = fixed_buffers
-        self.fixed_count = 0  # (status: how many are registered, once the thread has)
-        self.faulted_bytes = 0  # (status: of the staging pool, so far)
-        self._fault_stop = threading.Event()
-        self._fault_go = threading.Event()  # (fault_in_when_due says when)
-        self.logs: LogWriter | None = None  # (flusher thread; made with its io engine)
-        # Commit groups appended to the index and not yet copied into a data log (flusher
-        # thread): they go into a copy block with the next segments written, or at unmount
-        # (records.copy_block); `copies_from` is the sequence number before the first.
-        self.copies: list[bytes] = []
-        self.copies_bytes = 0
-        self.copies_from = 0
+        # The staging buffers faulted in and registered with the io engine once the mount
+        # serves (datapath/faultin.py); off with --no-populate, which leaves them unfaulted
+        self.fault_in = FaultIn(staging, fixed_buffers, lambda: self.q.put(_REGISTER))
+        # (flusher thread; made with its io engine)
+        self.logs: LogWriter | None = None
+        self.writer: SegmentWriter | None = None
         self._committed_upto = 0  # (the flusher thread's own count: the last upto appended)
-        self._copy_buf = None
         # The node tier (datapath/tier.py; None without --local-dir): told each commit, asked
         # for local room before segments are written; `durability`: the level fsync and a
         # barrier without one wait for ("backing" or "node")
@@ -303,50 +288,7 @@ class Flusher:
     def _call(self, fn, *args):
         return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
-    async def fault_in_when_due(self, reads: Callable[[], int]) -> None:
-        """Trio task: let the fault-in thread start at the mount's first write, or once the
-        mount has served no READ (`reads()`: the READs served so far) for FAULT_IN_QUIET_S.
-        Not at once: a job that resumes reads its checkpoint right after the mount, and on a
-        VM that hands freed memory back to its host (free page reporting) a 1 GB restore
-        beside a freshly faulted pool took 1.90 s against 1.28 s beside an unfaulted one
-        (performance-notes.md); a job that trains before its first save leaves the mount
-        quiet long enough."""
-        last, quiet_since = reads(), trio.current_time()
-        while not self._fault_go.is_set():
-            await trio.sleep(FAULT_IN_POLL_S)
-            now, n = trio.current_time(), reads()
-            if n != last:
-                last, quiet_since = n, now
-            if self.staging.numbers or now - quiet_since >= FAULT_IN_QUIET_S:
-                self._fault_go.set()
-
     # ------------------------------------------------------------ flusher thread
-    def _fault_in(self) -> None:
-        """A thread of its own at the lowest priority (nice 19: it takes a CPU that the
-        application and the daemon leave free): fault the staging pool in, a segment at a
-        time, once fault_in_when_due says so (the mount serves meanwhile), then have the
-        flusher thread register it with its io engine (between two of its writes). Writes
-        meanwhile go without fixed buffers and fault their pages in themselves; no byte of a
-        buffer changes (fault_in)."""
-        self._fault_go.wait()
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
-        for buf in self.staging.buffers:
-            if self._fault_stop.is_set():
-                return
-            fault_in(buf)
-            self.faulted_bytes += len(buf)
-        self.q.put(_REGISTER)
-
-    def _register(self) -> None:
-        try:
-            self.engine.register_buffers(self.staging.buffers)
-        except Exception as exc:  # registration is an optimisation only
-            log.info("buffer registration skipped: %s", exc)
-        self.fixed_count = getattr(self.engine, "registered", 0)
-
     def _thread_main(self) -> None:
         try:
             self.engine = open_engine(self.engine_kind, depth=self.depth)
@@ -355,15 +297,14 @@ class Flusher:
                                   direct=self.direct, align=self.align,
                                   log_bytes=self.log_bytes, next_log=self.next_log,
                                   data_logs=self.data_logs, stripe_bytes=self.stripe_bytes)
+            self.writer = SegmentWriter(self.engine, self.logs, self.stats, align=self.align,
+                                        io_chunk_bytes=self.io_chunk_bytes)
         except BaseException as exc:
             self._start_error = exc
             self._started.set()
             return
         self._started.set()
-        faulting = None
-        if self.fixed_buffers:
-            faulting = threading.Thread(target=self._fault_in, name="ckptfs-fault-in")
-            faulting.start()
+        self.fault_in.start()
         try:
             self._loop()
         except BaseException as exc:  # (a defect: said to every waiter, never swallowed)
@@ -375,15 +316,11 @@ class Flusher:
                 self.failed = OSError(5, f"the flusher thread failed: {exc!r}")
                 self.error = self.failed
         finally:
-            if faulting is not None:  # (the buffers are unmapped after the unmount)
-                self._fault_stop.set()
-                self._fault_go.set()
-                faulting.join()
+            self.fault_in.stop()
             self.logs.close()
             self.stats.data_syncs = self.logs.syncs
             self.engine.close()
-            if self._copy_buf is not None:
-                self._copy_buf.close()
+            self.writer.close()
 
     def _loop(self) -> None:
         pending: list[Segment] = []  # sealed, not yet written (or failed: retried)
@@ -417,7 +354,7 @@ class Flusher:
                 elif it is _COMMIT:
                     commit_now = True
                 elif it is _REGISTER:
-                    self._register()
+                    self.fault_in.register(self.engine)
                 elif type(it) is _Swap:
                     self._swap(it)
                 elif type(it) is Segment:
@@ -441,7 +378,7 @@ class Flusher:
                     hold = True
             if batch:
                 try:
-                    self._write_segments(batch)
+                    self.writer.write(batch)
                 except OSError as exc:
                     log.error("flush of %d segments failed: %s (will retry)", len(batch), exc)
                     self._call(self._on_error, exc)
@@ -470,8 +407,7 @@ class Flusher:
                         # writeback failed, and it reports that once: a second fdatasync
                         # would succeed over lost bytes. So the segments (still staged) are
                         # written again, to the same places, before the next one.
-                        for seg in written:
-                            self.lost[(seg.log, seg.loff)] = round_up(seg.used, self.align)
+                        self.writer.lost_writeback(written)
                         pending = written + pending
                         written, written_bytes = [], 0
                     self._call(self._on_error, exc)
@@ -486,122 +422,18 @@ class Flusher:
                 self._call(self._on_error, exc)
                 continue
             commit_now = False
-            if stopping or self.copies_bytes >= COPY_FLUSH_BYTES:
+            if stopping or self.writer.copies_bytes >= COPY_FLUSH_BYTES:
                 try:
-                    self._write_copies()
+                    self.writer.write_copies()
                 except OSError as exc:  # (the groups are in the index: only a copy is late)
                     log.warning("writing the copies of %d commit groups into a data log "
-                                "failed: %s", len(self.copies), exc)
+                                "failed: %s", len(self.writer.copies), exc)
                 if stopping and self.tier is not None:  # (the copies go to the backing too)
                     self.tier.committed(self._committed_upto, self.index.size, self.logs.ends())
             if stopping:
                 return
 
-    # ------------------------------------------------------------ data logs
-    def _place(self, seg: Segment, nbytes: int) -> None:
-        seg.log, seg.loff = self.logs.place(nbytes)
-        seg.lfrom, seg.lend = self.logs.placed_from, seg.loff + nbytes
-        for run in seg.runs:
-            run.log = seg.log
-            run.loff = seg.loff + run.soff
-
-    def _write_segments(self, segs: list[Segment]) -> None:
-        t0 = time.perf_counter()
-        reqs = []
-        by_log_fd: dict[int, int] = {}
-        written = 0
-        chunk = self.io_chunk_bytes
-        # Place every segment first (placement may roll over to a new data log and close the
-        # old one), then resolve file descriptors: a segment placed in a log that is no longer
-        # open gets it opened by name, never a stale descriptor number.
-        copy = self._copy_placed()  # (right after the segment placed last)
-        for seg in segs:
-            nbytes = round_up(seg.used, self.align)
-            if seg.log == NO_LOG:  # first attempt; a retry keeps its place
-                if nbytes > seg.used:  # (padding: no run's checksum covers it)
-                    seg.view[seg.used:nbytes] = bytes(nbytes - seg.used)
-                self._place(seg, nbytes)
-        extra: list[int] = []  # fds opened by name here: synced and closed below
-        try:
-            if copy is not None:
-                log_no, loff, view = copy
-                fd, opened = self.logs.fd(log_no)
-                if opened:
-                    extra.append(fd)
-                by_log_fd[log_no] = fd
-                reqs.append((fd, view, loff))
-            for seg in segs:
-                nbytes = round_up(seg.used, self.align)
-                fd = by_log_fd.get(seg.log)
-                if fd is None:
-                    fd, opened = self.logs.fd(seg.log)
-                    if opened:
-                        extra.append(fd)
-                    by_log_fd[seg.log] = fd
-                if (seg.log, seg.loff) in self.lost:
-                    self._punch_lost(fd, seg, nbytes)
-                for off in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - off)
-                    reqs.append((fd, seg.view[off:off + n], seg.loff + off))
-                written += nbytes
-            self.engine.write_all(reqs)
-            for fd in extra:  # a log closed since (rollover, retry): sync it now
-                self.engine.fsync(fd, datasync=True)
-                self.logs.syncs += 1
-            self.logs.written(by_log_fd)
-            if copy is not None:
-                self.copies, self.copies_bytes = [], 0
-        finally:
-            for _, mv, _ in reqs:
-                mv.release()
-            for fd in extra:
-                os.close(fd)
-        self.stats.segments += len(segs)
-        self.stats.bytes_written += written
-        self.stats.flush_seconds += time.perf_counter() - t0
-
-    def _punch_lost(self, fd: int, seg: Segment, nbytes: int) -> None:
-        """Before a segment whose buffered writeback failed is written again: give its range
-        back to the file system. ext4 leaves the failed range's blocks unwritten (they read
-        as zeros) while a rewrite of the same pages and its fdatasync succeed; punched, the
-        rewrite is allocated anew like any first write. Where punching is not supported the
-        rewrite is all there is."""
-        try:
-            punch_hole(fd, seg.loff, nbytes)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-        del self.lost[(seg.log, seg.loff)]
-
-    def _copy_placed(self) -> tuple[int, int, memoryview] | None:
-        """The copy block of the commit groups not yet copied, placed in a data log and laid
-        out in an aligned buffer of its own: (log, offset, bytes to write); None if there
-        are none. The copies stay listed until the write succeeds (a failed one is placed
-        again: the space it took is dead bytes)."""
-        if not self.copies:
-            return None
-        body = b"".join(self.copies)
-        nbytes = round_up(records.COPY_HEADER.size + len(body), self.align)
-        log_no, loff = self.logs.place(nbytes, copy=True)
-        if self._copy_buf is None or len(self._copy_buf) < nbytes:
-            if self._copy_buf is not None:
-                self._copy_buf.close()
-            self._copy_buf = alloc_aligned(round_up(nbytes, 1 << 16), populate=False)
-        block = records.copy_block(log_no, loff, self.copies_from, body)
-        view = memoryview(self._copy_buf)[:nbytes]
-        view[:len(block)] = block
-        view[len(block):] = bytes(nbytes - len(block))
-        return log_no, loff, view
-
-    def _write_copies(self) -> None:
-        """Flusher thread: the copies not yet written, alone (at unmount, or when they grew
-        past COPY_FLUSH_BYTES while no segment was written), then the logs synced; not in a
-        mount that has written no segment (they wait for its first one: a data log made for
-        them alone would hold no live byte)."""
-        if self.copies and self.logs.open_numbers():
-            self._write_segments([])
-            self.logs.sync()
-
+    # ------------------------------------------------------------ the index
     def swap_index(self, fresh: str, upto: int, version: int, done) -> None:
         """Trio thread: have the flusher put the fresh index `fresh` (a name beside the live
         index, equivalent to its first `upto` bytes) in place, between two commits, with the
@@ -637,10 +469,7 @@ class Flusher:
             self.index.append(blob, self.journal.unsent_version)
             self.stats.index_bytes += len(blob)
             self.stats.index_commits += 1
-            if not self.copies:
-                self.copies_from = self._committed_upto
-            self.copies.append(blob)
-            self.copies_bytes += len(blob)
+            self.writer.copy_later(blob, self._committed_upto)
             self._committed_upto = upto
             if self.tier is not None:
                 self.tier.committed(upto, self.index.size, self.logs.ends())

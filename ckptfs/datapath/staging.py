@@ -354,7 +354,7 @@ class Staging:
     def __init__(self, segment_bytes: int, staging_bytes: int,
                  seal_hook: Callable[[Segment], None]) -> None:
         """A pool of `staging_bytes` (at least two segments), mapped, not faulted in: the
-        daemon's flusher has that done once the mount serves (Flusher._fault_in)."""
+        daemon has that done once the mount serves (datapath/faultin.py)."""
         if segment_bytes % 4096:
             raise ValueError("segment size must be a multiple of 4096")
         self.segment_bytes = segment_bytes
