@@ -80,7 +80,7 @@ class AnswerCache:
                  settle: Callable[[], None]) -> None:
         """`ring`: the queue threads; `ops`: the handlers (their tree, handles and reader);
         `entry_valid`: the mount's entry timeout as the protocol's; `settle`: takes in what
-        the queue threads noted (FastPath.settle_ring), after a look's changes."""
+        the queue threads noted (Intake.settle), after a look's changes."""
         self.ring = ring
         self.ops = ops
         self.entry_valid = entry_valid

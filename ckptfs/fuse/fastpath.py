@@ -8,8 +8,8 @@ buffer]: a WRITE's payload lands where it will be flushed from, and the kernel's
 only one (fuse/inplace.py). The request is answered here, without pyfuse3 or libfuse.
 
 The requests of a checkpoint's save and restore are answered here too, by one dispatch table
-(`handlers`) that calls the same handlers pyfuse3 would call and encodes the replies libfuse
-would send: READ (one `writev` from the read cache), FLUSH, RELEASE (its work held:
+(fuse/dispatch.py) that calls the same handlers pyfuse3 would call and encodes the replies
+libfuse would send: READ (one `writev` from the read cache), FLUSH, RELEASE (its work held:
 fuse/releases.py), LOOKUP, GETATTR, OPEN, CREATE. Two differences: a read-only open gets
 FOPEN_NOFLUSH (its close() sends no FLUSH; ckptfs has nothing to do for it, and pyfuse3 cannot
 ask for it), and IOCTL is answered ENOTTY here (Python's open() asks isatty() of every file;
@@ -36,9 +36,9 @@ Once INIT is answered the queue threads (fuse/ring.py, ring*.c) take over the re
 threads, one per CPU, on /dev/fuse (the default) or on FUSE's io_uring queues
 (`--fuse-uring`). They answer a small file's requests and land WRITE payloads themselves and
 hand every other request to this loop (`serve_ring`), which serves it with the handlers above;
-on /dev/fuse it then reads nothing itself. While they run, this module wires up what takes in
-their work (fuse/answers.py, fuse/landing.py, fuse/intake.py). `--no-queue-threads` leaves the
-reading here.
+on /dev/fuse it then reads nothing itself. fuse/queues.py starts and stops them and holds, while
+they run, what takes in their work (fuse/answers.py, fuse/landing.py, fuse/intake.py).
+`--no-queue-threads` leaves the reading here.
 
 `--no-fast-path` turns it off (pyfuse3 reads every request; docs/tuning.md).
 """
@@ -47,54 +47,34 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import select
 import struct
 
-import pyfuse3
 import trio
 
 from ckptfs import failpoints
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.devfuse import DevFuse
-from ckptfs.fuse.answers import AnswerCache
-from ckptfs.fuse.intake import Intake
-from ckptfs.fuse.landing import Landing
+from ckptfs.fuse.dispatch import Dispatch, Request, pieces
+from ckptfs.fuse.inplace import HEAD, InPlaceWrites
 from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.loop import RequestWait
-from ckptfs.fuse.ops import Context
-from ckptfs.fuse.releases import Releases
-from ckptfs.fuse.inplace import HEAD, InPlaceWrites
 from ckptfs.fuse.negotiation import Negotiation
-from ckptfs.fuse.replies import attr_fields, attr_out, entry_out, open_flags, valid
 from ckptfs.fuse.protocol import (
-    CREATE_IN,
-    FLUSH_IN,
     FUSE_BATCH_FORGET,
-    FUSE_CREATE,
-    FUSE_FLUSH,
     FUSE_FORGET,
     FUSE_FSYNC,
     FUSE_FSYNCDIR,
-    FUSE_GETATTR,
     FUSE_GETXATTR,
     FUSE_INIT,
     FUSE_INTERRUPT,
-    FUSE_IOCTL,
-    FUSE_LOOKUP,
-    FUSE_OPEN,
-    FUSE_READ,
-    FUSE_RELEASE,
     FUSE_SETATTR,
-    FUSE_WRITE,
-    INTERRUPT_IN,
     IN_HEADER,
-    OPEN_IN,
-    OPEN_OUT,
     OUT_HEADER,
-    READ_IN,
-    RELEASE_IN,
 )
+from ckptfs.fuse.queues import QueueThreads
+from ckptfs.fuse.releases import Releases
+from ckptfs.fuse.replies import valid
 
 log = logging.getLogger("ckptfs")
 
@@ -104,43 +84,6 @@ NO_REPLY = frozenset((FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT))
 # Forwarded requests that can wait for a long time (barriers: for the flusher, so for the backing
 # store) and whose effect does not depend on their answer: answered EINTR when interrupted.
 INTERRUPTIBLE_FORWARDED = frozenset((FUSE_FSYNC, FUSE_FSYNCDIR, FUSE_GETXATTR))
-
-
-def _pieces(n: int, bufs: list) -> list:
-    """The n bytes just read, as views of the buffers they landed in."""
-    parts, left = [], n
-    for b in bufs:
-        k = min(left, len(b))
-        parts.append(memoryview(b)[:k])
-        left -= k
-        if not left:
-            break
-    return parts
-
-
-class _Request:
-    """One request as either loop found it, for the handlers of the dispatch table: its
-    header's fields, the buffer holding its op part (`head`, from `at`), its length, and
-    where the rest is: on /dev/fuse read here (`entry` -1), the buffers it was read into
-    (`bufs`: the header, staging's tails `t1` and `t2` when offered, the overflow buffer); in
-    a queue thread's entry `entry`, the op part's size and the payload buffer."""
-
-    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "head", "at", "length",
-                 "entry", "bufs", "t1", "t2", "opsize", "pay", "psz")
-
-    def __init__(self, opcode: int, unique: int, nodeid: int, uid: int, gid: int, pid: int,
-                 head, at: int, length: int, entry: int = -1) -> None:
-        self.opcode, self.unique, self.nodeid = opcode, unique, nodeid
-        self.uid, self.gid, self.pid = uid, gid, pid
-        self.head, self.at, self.length, self.entry = head, at, length, entry
-
-    def body(self) -> bytes:
-        """The request's bytes after the 40-byte header."""
-        if self.entry >= 0:
-            return bytes(self.head[self.at:self.at + self.opsize]) + bytes(self.pay[:self.psz])
-        if self.length <= HEAD:
-            return bytes(self.head[IN_HEADER.size:self.length])
-        return b"".join(_pieces(self.length, self.bufs))[IN_HEADER.size:]
 
 
 class FastPath(RequestWait):
@@ -158,9 +101,7 @@ class FastPath(RequestWait):
         self.head = bytearray(HEAD)
         self.init = Negotiation(ops.handles, uring, queue_threads)  # INIT, as it goes by
         self.forwarders: set = set()  # tasks that returned True: pyfuse3 served a request
-        self.reads_direct = 0
         self.forwarded = 0
-        self.answered = 0  # requests answered here (any outcome)
         self.forwarded_ops: dict[int, int] = {}  # opcode -> requests forwarded
         self.handed_ops: dict[int, int] = {}  # opcode -> requests the queue threads handed here
         self.releases = Releases(ops.handles.release_now)  # RELEASEs answered, their work held
@@ -169,27 +110,14 @@ class FastPath(RequestWait):
         interrupts.start(self.reply_error)
         self.writes = InPlaceWrites(ops.handles, ops.staging, interrupts, self.send,
                                     self.reply_error)
-        # The queue threads (fuse/ring.py): on FUSE over io_uring (--fuse-uring) where the
+        # The queue threads (fuse/queues.py): on FUSE over io_uring (--fuse-uring) where the
         # kernel offers it, else on /dev/fuse (--queue-threads); running once INIT is answered
         # (as the negotiation settled)
-        self.ring: fring.Ring | None = None
-        self.ring_uniques: dict[int, int] = {}  # request unique -> its ring entry
+        self.queues = QueueThreads(ops, self.entry_valid, self.writes, self.releases)
         self.ring_turn = 0
-        # while they run: what they answer from (fuse/answers.py), their WRITEs and CREATEs
-        # made real here (fuse/landing.py), what they noted taken in (fuse/intake.py)
-        self.answers: AnswerCache | None = None
-        self.landing: Landing | None = None
-        self.intake: Intake | None = None
-        self.transport = "/dev/fuse"
-        # opcode -> its handler here, for both loops (serve_one, serve_ring): each takes a
-        # _Request and says whether it served it (else it goes to pyfuse3)
-        self.handlers = {
-            FUSE_WRITE: self.write_req, FUSE_READ: self.read_req,
-            FUSE_INTERRUPT: self.interrupt_req, FUSE_FLUSH: self.flush_req,
-            FUSE_RELEASE: self.release_req, FUSE_IOCTL: self.ioctl_req,
-            FUSE_LOOKUP: self.entry_req, FUSE_GETATTR: self.entry_req,
-            FUSE_OPEN: self.entry_req, FUSE_CREATE: self.entry_req,
-        }
+        # the requests answered here, by opcode, for both loops (serve_one, serve_ring)
+        self.dispatch = Dispatch(ops, self.queues, interrupts, self.writes, self.releases,
+                                 self.send, self.reply_error, self.entry_valid)
         self.epoll = None
         if uring or queue_threads:
             # the slow path sleeps on /dev/fuse and on the queue threads' eventfd at once (on
@@ -212,7 +140,7 @@ class FastPath(RequestWait):
         self.closed = True
         self.interrupts.stop()  # (the fd goes)
         self.releases.run()
-        stopped = self.stop_ring()
+        stopped = self.queues.stop()
         if self.epoll is not None:
             self.epoll.close()
         self.dev.detach(close=stopped)  # (else a queue thread that still runs may use it)
@@ -221,14 +149,14 @@ class FastPath(RequestWait):
         c = super().counts()
         w = self.writes
         c.update(writes_in_place=w.writes_in_place, bytes_in_place=w.bytes_in_place,
-                 bytes_copied_in=w.bytes_copied, reads_direct=self.reads_direct,
-                 requests_forwarded=self.forwarded, requests_answered_here=self.answered,
-                 requests_interrupted=self.interrupts.count, transport=self.transport)
+                 bytes_copied_in=w.bytes_copied, reads_direct=self.dispatch.reads_direct,
+                 requests_forwarded=self.forwarded,
+                 requests_answered_here=self.dispatch.answered,
+                 requests_interrupted=self.interrupts.count, transport=self.queues.transport)
         c["forwarded_by_opcode"] = dict(sorted(self.forwarded_ops.items()))
-        if self.ring is not None:
+        if self.queues.ring is not None:
             c["ring_handed_by_opcode"] = dict(sorted(self.handed_ops.items()))
-            c.update(self.ring.counts(), ring_creates_not_made=self.landing.creates_not_made,
-                     ring_opens_not_made=self.intake.opens_not_made, **self.answers.counts())
+            c.update(self.queues.counts())
         return c
 
     def close(self) -> None:
@@ -238,12 +166,12 @@ class FastPath(RequestWait):
         trio.lowlevel.notify_closing(self.wait_fd)
 
     def probe(self, timeout: int) -> bool:
-        ring = self.ring
+        ring = self.queues.ring
         if ring is not None:
             if ring.pending():
                 return True
-            if not self.landing.live:
-                self.landing.offer()
+            if not self.queues.landing.live:
+                self.queues.landing.offer()
             if ring.dev:  # (they read /dev/fuse; serve_one closes the loop once it is gone)
                 return ring.gone()
         return bool(self.poller.poll(timeout))
@@ -264,9 +192,9 @@ class FastPath(RequestWait):
 
     # ------------------------------------------------------------ requests
     async def serve_one(self) -> bool:
-        """Read one request and serve it by the dispatch table (`handlers`, which serve_ring
-        uses too); True if it was handed to libfuse instead."""
-        ring = self.ring
+        """Read one request and serve it by the dispatch table (fuse/dispatch.py, which
+        serve_ring uses too); True if it was handed to libfuse instead."""
+        ring = self.queues.ring
         if ring is not None and ring.pending():
             # (/dev/fuse is looked at every few ring requests: INTERRUPTs come there)
             self.ring_turn += 1
@@ -274,7 +202,7 @@ class FastPath(RequestWait):
                 i = ring.take()
                 if i >= 0:
                     return await self.serve_ring(i)
-                self.settle_ring()  # (only WRITEs the queue threads answered: record them)
+                self.queues.intake.settle()  # (only WRITEs they answered: record them)
                 return False
         if ring is not None and ring.dev:  # (the queue threads read every request)
             if ring.gone():
@@ -297,14 +225,14 @@ class FastPath(RequestWait):
             return False
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(head)
         if ring is not None:  # (what the queue threads answered comes first, as in serve_ring)
-            self.settle_ring()
+            self.queues.intake.settle()
         self.releases.before(opcode)
         if self.init.minor and not extlen:
-            req = _Request(opcode, unique, nodeid, uid, gid, pid, head, IN_HEADER.size, n)
+            req = Request(opcode, unique, nodeid, uid, gid, pid, head, IN_HEADER.size, n)
             req.bufs, req.t1, req.t2 = bufs, t1, t2
-            if await self.dispatch(req):
+            if await self.dispatch.serve(req):
                 return False
-        self.forward(_pieces(n, bufs), opcode, unique, pid)
+        self.forward(pieces(n, bufs), opcode, unique, pid)
         return True
 
     async def serve_ring(self, i: int) -> bool:
@@ -313,14 +241,15 @@ class FastPath(RequestWait):
         defect) fails the mount (Flusher.fail: every barrier fails with EIO from then on) and
         the request with EIO, and the loop serves on: the caller does not wait for ever, and
         the unmount can run."""
-        ring = self.ring
+        queues = self.queues
+        ring = queues.ring
         h, psz = ring.request(i)
         length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(h)
         if opcode not in NO_REPLY:  # (read from /dev/fuse by the queue threads: no answer)
-            self.ring_uniques[unique] = i
+            queues.uniques[unique] = i
         try:
             failpoints.hit("handover")
-            self.settle_ring()
+            queues.intake.settle()
             self.handed_ops[opcode] = self.handed_ops.get(opcode, 0) + 1
             self.releases.before(opcode)
             pay = ring.payloads[i]
@@ -331,10 +260,10 @@ class FastPath(RequestWait):
                 self.reply_error(unique, errno.EIO)
                 return False
             op = fring.OP_IN
-            req = _Request(opcode, unique, nodeid, uid, gid, pid, h, op,
-                           IN_HEADER.size + opsize + psz, i)
+            req = Request(opcode, unique, nodeid, uid, gid, pid, h, op,
+                          IN_HEADER.size + opsize + psz, i)
             req.opsize, req.pay, req.psz = opsize, pay, psz
-            if not extlen and await self.dispatch(req):
+            if not extlen and await self.dispatch.serve(req):
                 return False
             head = bytearray(h[:IN_HEADER.size])
             _U32.pack_into(head, 0, IN_HEADER.size + opsize + psz)
@@ -343,171 +272,13 @@ class FastPath(RequestWait):
             log.critical("the hand-over of a queue thread's request failed (opcode %d)", opcode,
                          exc_info=True)
             self.ops.flusher.fail(exc, "the hand-over of the queue threads' requests")
-            if unique in self.ring_uniques:  # (not answered yet)
+            if unique in queues.uniques:  # (not answered yet)
                 self.reply_error(unique, errno.EIO)
             return False
         finally:
             if opcode in NO_REPLY:  # (served, its bytes sent, or failed: the entry is free)
                 ring.answered(i)
         return True
-
-    async def dispatch(self, req: _Request) -> bool:
-        """Serve `req` by its opcode's handler (`handlers`); False if none here takes it (it
-        goes to pyfuse3 then)."""
-        handler = self.handlers.get(req.opcode)
-        if handler is None:
-            return False
-        self.answered += 1
-        if await handler(req):
-            return True
-        self.answered -= 1
-        return False
-
-    async def write_req(self, req: _Request) -> bool:
-        """WRITE (fuse/inplace.py): on /dev/fuse its payload was read into staging's tails
-        as far as they reach; from a queue thread it landed in the landing zone, what of it
-        Landing.claim recorded is its outcome."""
-        if req.length < HEAD:
-            return False
-        if req.entry < 0:
-            await self.writes.from_dev(req.unique, req.head, req.length, req.t1, req.t2,
-                                       req.pid)
-        else:
-            await self.writes.from_entry(req.unique, req.head, req.at, req.psz, req.pay,
-                                         req.pid, self.landing.outcome(req.entry))
-        return True
-
-    async def read_req(self, req: _Request) -> bool:
-        if req.length < HEAD:
-            return False
-        await self.read(req.unique, req.pid, req.head, req.at)
-        return True
-
-    async def interrupt_req(self, req: _Request) -> bool:
-        if req.length < IN_HEADER.size + INTERRUPT_IN.size:
-            return False
-        self.interrupts.interrupt(INTERRUPT_IN.unpack_from(req.head, req.at)[0])
-        return True
-
-    async def flush_req(self, req: _Request) -> bool:
-        await self.simple(req.unique, self.ops.flush, FLUSH_IN.unpack_from(req.head, req.at)[0])
-        return True
-
-    async def release_req(self, req: _Request) -> bool:
-        self.release(req.unique, RELEASE_IN.unpack_from(req.head, req.at)[0])
-        return True
-
-    async def ioctl_req(self, req: _Request) -> bool:
-        # ckptfs files have no ioctls; Python's open() asks isatty() (TCGETS) of every file
-        # it opens, which libfuse would answer ENOSYS (a round trip through pyfuse3 per
-        # open). Regular files answer ENOTTY.
-        self.reply_error(req.unique, errno.ENOTTY)
-        return True
-
-    async def entry_req(self, req: _Request) -> bool:
-        await self.entry_op(req.opcode, req.unique, req.nodeid,
-                            Context(req.uid, req.gid, req.pid), req.body())
-        return True
-
-    async def read(self, unique: int, pid: int, head, at: int) -> None:
-        fh, off, size, _, _, _, _ = READ_IN.unpack_from(head, at)
-        token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
-        try:
-            # guarded: only FUSEError escapes
-            parts = await self.ops.read(fh, off, size, gather=True)
-        except pyfuse3.FUSEError as exc:
-            self.reply_error(unique, exc.errno)
-            return
-        finally:
-            self.interrupts.served(token)
-        self.reads_direct += 1
-        # views into the read cache and staging, gathered by writev: sent before any other
-        # task runs (no await since they were taken)
-        n = sum(map(len, parts))
-        if self.ring is not None and n:
-            # (before the reply, which the reader's next READ may follow at once; also after a
-            # short one, at the file's end: torch.load reads a zip's directory there first, in
-            # several small READs. Neither loads nor reuses a chunk: the views stand)
-            self.answers.open_window(fh, off)
-        if not self.send(OUT_HEADER.pack(OUT_HEADER.size + n, 0, unique), *parts):
-            self.reply_error(unique, errno.EIO)  # the reader must not wait for ever
-
-    async def entry_op(self, opcode: int, unique: int, nodeid: int, ctx: Context,
-                       body: bytes) -> None:
-        """LOOKUP, GETATTR, OPEN and CREATE, answered as libfuse would answer pyfuse3's
-        reply (plus FOPEN_NOFLUSH for read-only opens, which pyfuse3 cannot ask for). The
-        attributes are packed straight from the inode (replies.attr_fields), and a LOOKUP of a
-        name that does not exist is answered without raising: a small file's save is six
-        requests, and on this path the interpreter runs cold (docs/performance-notes.md), so
-        every object and exception per request shows."""
-        ops = self.ops
-        window = None  # an OPEN's handle that gets a read window
-        found = None  # a LOOKUP's file: its next OPEN may be prepared
-        try:
-            if opcode == FUSE_GETATTR:
-                x = ops.inode(nodeid)
-                out = attr_out(attr_fields(x))
-                if x.children is not None and self.answers is not None:
-                    self.answers.dir_attrs(x, nodeid, out)
-            elif opcode == FUSE_LOOKUP:
-                if ops.others.refresh_due():  # other writers' changes first (ops.lookup)
-                    await ops.others.refresh()
-                x = ops.find(nodeid, body[:body.index(b"\0")])
-                if x is None:
-                    if self.answers is not None:
-                        self.answers.dir_names(nodeid)
-                    self.reply_error(unique, errno.ENOENT)
-                    return
-                x.lookups += 1
-                out = entry_out(x, attr_fields(x), self.entry_valid)
-                found = x
-            elif opcode == FUSE_OPEN:
-                flags, _ = OPEN_IN.unpack_from(body)
-                fi = await ops.open(nodeid, flags, ctx)
-                out = OPEN_OUT.pack(fi.fh, open_flags(fi, flags), 0)
-                if self.landing is not None:
-                    self.landing.takes_writes(fi.fh, flags)
-                if self.ring is not None and flags & os.O_ACCMODE == os.O_RDONLY:
-                    window = fi.fh  # (readahead may have brought the file in)
-            else:
-                flags, mode, umask, _ = CREATE_IN.unpack_from(body)
-                name = body[CREATE_IN.size:body.index(b"\0", CREATE_IN.size)]
-                ctx.umask = umask
-                fi, x = ops.create_open(nodeid, name, mode, flags, ctx)
-                out = entry_out(x, attr_fields(x), self.entry_valid) + OPEN_OUT.pack(
-                    fi.fh, open_flags(fi, flags), 0)
-                if self.landing is not None:
-                    self.landing.takes_writes(fi.fh, flags)
-                if self.ring is not None:
-                    # (the kernel asks for the directory's attributes right after: its
-                    # permission check before the next name in it)
-                    d = ops.inode(nodeid)
-                    self.answers.dir_attrs(d, nodeid, attr_out(attr_fields(d)))
-        except pyfuse3.FUSEError as exc:
-            self.reply_error(unique, exc.errno)
-            return
-        except Exception:  # (what ops._guard does for pyfuse3's calls)
-            log.exception("internal error in request %d", opcode)
-            self.reply_error(unique, errno.EIO)
-            return
-        if window is not None:
-            self.answers.open_window(window, 0)
-        elif found is not None and self.answers is not None:
-            self.answers.lookup_served(found)
-            self.answers.prepare_open(found)  # (before the answer: the OPEN follows it at once)
-        self.send(OUT_HEADER.pack(OUT_HEADER.size + len(out), 0, unique) + out)
-        if found is not None and self.answers is not None:
-            self.answers.prepare_lookups(nodeid, body[:body.index(b"\0")])
-
-    def release(self, unique: int, fh: int) -> None:
-        """RELEASE: answered at once (the closing process does not wait for it; the kernel
-        sends it after close() returned; with the ring the queue threads answer it), its
-        work held (fuse/releases.py: run after the requests that do not depend on it)."""
-        if self.ring is not None:
-            self.ring.writable(fh, False)
-            self.answers.invalidate(fh=fh)
-        self.releases.hold((fh,))
-        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
     def quiesce(self) -> None:
         """Before the unmount's last commit: the replies of requests pyfuse3 served last go
@@ -518,10 +289,10 @@ class FastPath(RequestWait):
         on could not be recorded, its handle released; one that comes now waits, as every
         request does once the loop has ended)."""
         self.pump()
-        ring = self.ring
+        ring = self.queues.ring
         if ring is not None:
             ring.stop_deferring()
-            self.settle_ring()  # (their handles' landed writes recorded first)
+            self.queues.intake.settle()  # (their handles' landed writes recorded first)
             self.staging.claim()
         self.releases.run()
 
@@ -531,10 +302,10 @@ class FastPath(RequestWait):
         WRITE they landed whole and answered wakes the trio thread only once a segment fills or the
         landed list is half full, ring_landing.c: a file written and kept open would otherwise stay
         unrecorded until the next request.)"""
-        if self.ring is not None:
-            self.settle_ring()
+        if self.queues.ring is not None:
+            self.queues.intake.settle()
             self.releases.run()
-            self.answers.expire_prepared()
+            self.queues.answers.expire_prepared()
 
     def spin_work(self) -> None:
         """While the loop spins: the releases held, once no request came for a while
@@ -552,16 +323,8 @@ class FastPath(RequestWait):
         if sleeping and self.releases.held:  # (not left until the next request)
             self.sleep_work()
             return True
-        ring = self.ring
+        ring = self.queues.ring
         return ring.sleep(sleeping) if ring is not None else False
-
-    async def simple(self, unique: int, handler, fh: int) -> None:
-        try:
-            await handler(fh)
-        except pyfuse3.FUSEError as exc:
-            self.reply_error(unique, exc.errno)
-            return
-        self.send(OUT_HEADER.pack(OUT_HEADER.size, 0, unique))
 
     def reply_error(self, unique: int, err: int) -> None:
         self.send(OUT_HEADER.pack(OUT_HEADER.size, -err, unique))
@@ -569,20 +332,22 @@ class FastPath(RequestWait):
     def send(self, header: bytes, *data) -> bool:
         """Write a reply; False if the kernel refused it (the request is still waiting). The
         reply to a request that came on the ring goes into its entry."""
-        if self.ring_uniques:
-            i = self.ring_uniques.pop(OUT_HEADER.unpack_from(header)[2], None)
-            if i is not None and self.ring.dev:  # (written here: then the slot is free)
+        uniques = self.queues.uniques
+        if uniques:
+            i = uniques.pop(OUT_HEADER.unpack_from(header)[2], None)
+            ring = self.queues.ring
+            if i is not None and ring.dev:  # (written here: then the slot is free)
                 try:
                     return self.dev.write(header, data)
                 finally:
-                    self.ring.answered(i)
+                    ring.answered(i)
             if i is not None:
-                if self.ring.answer(i, header, data):
+                if ring.answer(i, header, data):
                     return True
                 log.error("a reply of %d bytes does not fit the ring entry",
                           len(header) + sum(map(len, data)))
-                self.ring.answer(i, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO,
-                                                    OUT_HEADER.unpack_from(header)[2]), ())
+                ring.answer(i, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO,
+                                               OUT_HEADER.unpack_from(header)[2]), ())
                 return True
         return self.dev.write(header, data)
 
@@ -591,29 +356,12 @@ class FastPath(RequestWait):
         """Start the queue threads (right after the INIT reply went to the kernel): register
         the per-CPU queues of FUSE over io_uring, or read /dev/fuse."""
         payload, dev = self.init.take_ring()
-        try:
-            ring = fring.Ring(self.fd, payload, self.spin_s, dev)
-        except OSError as exc:
-            # (the kernel then keeps every request on /dev/fuse: its queues never got ready)
-            log.warning("%s: %s", "queue threads: requests are served by the daemon's loop"
-                        if dev else "--fuse-uring: requests stay on /dev/fuse", exc.strerror)
+        ring = self.queues.start(self.fd, payload, dev, self.spin_s, self.dispatch.count_reads)
+        if ring is None:
             return
         self.epoll.register(ring.wake_fd, select.EPOLLIN)
         if dev:  # (a request wakes the queue threads, not the trio thread)
             self.epoll.unregister(self.fd)
-        self.ring = ring
-        ops = self.ops
-        self.answers = AnswerCache(ring, ops, self.entry_valid, self.settle_ring)
-        self.landing = Landing(ring, ops, self.answers, self.writes.count_landed)
-        self.intake = Intake(ring, ops, self.answers, self.landing, self.releases.hold,
-                             self.releases.now, self.count_reads)
-        ops.reader.cache.land_lazily(True)  # (chunk loads land at every settle)
-        ops.ns.watch = self.answers
-        self.landing.start(self.entry_valid)
-        flusher = self.ops.flusher
-        flusher.error_hook = ring.flush_fails
-        ring.flush_fails(flusher.error is not None)
-        self.transport = "/dev/fuse, queue threads" if dev else "io_uring"
         ring.sleep(self.busy)  # (a task may already sleep in the slow path)
         if dev:
             ring.go()  # (set up: they may read /dev/fuse now)
@@ -621,42 +369,13 @@ class FastPath(RequestWait):
                  "CPU", "queue threads on /dev/fuse" if dev else "FUSE over io_uring",
                  ring.nqueues, ring.depth, payload >> 10, ring.counts()["ring_queues_pinned"])
 
-    def settle_ring(self) -> None:
-        """Take in what the queue threads answered (Intake.settle): before every request
-        served here, at every wake-up by them, on the idle tick, before the status."""
-        self.intake.settle()
-
-    def count_reads(self, reads: int) -> None:
-        """READs the queue threads answered from read windows (Intake.reads_served), counted
-        with those answered here."""
-        self.reads_direct += reads
-
-    def stop_ring(self) -> bool:
-        """Stop the queue threads; False if some did not stop."""
-        ring, self.ring = self.ring, None
-        if ring is None:
-            return True
-        self.landing.stop()
-        self.answers.close()
-        self.answers = self.landing = self.intake = None
-        self.ops.ns.watch = None
-        self.ops.flusher.error_hook = None
-        self.ops.reader.cache.land_lazily(False)
-        self.ring_uniques.clear()
-        try:
-            ring.stop()
-        except OSError as exc:
-            log.error("queue threads: %s", exc.strerror)
-            return False
-        return True
-
     # ------------------------------------------------------------ libfuse's side
     def forward(self, parts: list, opcode: int, unique: int, pid: int) -> None:
         """Hand the request just read (its bytes: `parts`) to libfuse."""
         if opcode == FUSE_INIT:
             self.init.offered(unique, self.head, sum(map(len, parts)))
-        if opcode == FUSE_SETATTR and self.ring is not None:
-            self.landing.setattr_seen(b"".join(map(bytes, parts)))
+        if opcode == FUSE_SETATTR and self.queues.ring is not None:
+            self.queues.landing.setattr_seen(b"".join(map(bytes, parts)))
         self.forwarded += 1
         self.forwarded_ops[opcode] = self.forwarded_ops.get(opcode, 0) + 1
         self.dev.forward(parts)
@@ -681,6 +400,7 @@ class FastPath(RequestWait):
                     continue
                 if self.interrupts.replied(unique):  # answered EINTR here when interrupted
                     continue
-            if self.ring is not None:  # (pyfuse3's handlers may change a directory in steps)
-                self.ring.dirs_changed()
+            ring = self.queues.ring
+            if ring is not None:  # (pyfuse3's handlers may change a directory in steps)
+                ring.dirs_changed()
             self.send(msg)

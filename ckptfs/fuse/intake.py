@@ -1,5 +1,5 @@
 """What the queue threads answered, taken in by the trio thread (trio thread only; one
-`Intake` exists while they run: FastPath.start_ring).
+`Intake` exists while they run: QueueThreads.start).
 
 The queue threads note what they answered in lists (fuse/ring.c); `settle` takes them in, in
 the order their antecedents need (before every request the trio thread serves, at every
@@ -35,7 +35,7 @@ class Intake:
         answer from; `landing`: their WRITEs and CREATEs; `hold(fhs)`: released handles
         whose work is held (Releases.hold), `release(fh)`: a released handle's work
         now (Releases.now); `tally(reads)`: counts READs the queue threads answered
-        with those the fast path answered (FastPath.count_reads)."""
+        with those the fast path answered (Dispatch.count_reads)."""
         self.ring = ring
         self.ops = ops
         self.answers = answers

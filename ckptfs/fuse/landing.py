@@ -1,7 +1,7 @@
 """A save's requests that the queue threads answered, made real on the trio thread: the
 landing zone (staging's tails, offered to them for the next WRITE payloads) and the writes
 that landed there, the handles whose WRITEs they may answer, the files they created (trio
-thread only; one `Landing` exists while they run: FastPath.start_ring).
+thread only; one `Landing` exists while they run: QueueThreads.start).
 
 A WRITE the queue threads landed is recorded here in the order it landed, as a WRITE read
 into the tails on /dev/fuse is recorded (InPlaceWrites.record): `claim` takes the tails
