@@ -63,9 +63,9 @@ def pieces(n: int, bufs: list) -> list:
 
 
 class Request:
-    """One request as either loop found it, for the handlers of the dispatch table: its
-    header's fields, the buffer holding its op part (`head`, from `at`), its length, and
-    where the rest is: on /dev/fuse read here (`entry` -1), the buffers it was read into
+    """One request as either loop of the fast path found it, for the handlers of the dispatch
+    table: its header's fields, the buffer holding its op part (`head`, from `at`), its
+    length, and where the rest is: read from /dev/fuse (`entry` -1), the buffers it was read into
     (`bufs`: the header, staging's tails `t1` and `t2` when offered, the overflow buffer); in
     a queue thread's entry `entry`, the op part's size and the payload buffer."""
 
