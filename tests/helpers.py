@@ -134,8 +134,9 @@ def as_user(argv: list[str], uid: int = NOBODY, gid: int = NOBODY, timeout: floa
 
 def py_as_user(code: str, uid: int = NOBODY, gid: int = NOBODY, umask: int = 0o022):
     """Run a snippet of Python (system interpreter, no ckptfs import) as another user; the
-    snippet sets `R` (a JSON-able object) which is returned."""
-    prog = (f"import os, json, errno, stat\nos.umask({umask})\nR = None\n{code}\n"
+    snippet sets `R` (a JSON-able object), or fills it in (a dict at first), which is
+    returned."""
+    prog = (f"import os, json, errno, stat\nos.umask({umask})\nR = {{}}\n{code}\n"
             "print(json.dumps(R))\n")
     py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
     res = as_user([py, "-c", prog], uid, gid)
@@ -654,6 +655,7 @@ def path_of(root: str, name: str) -> str:
 
 
 def save_all(root: str, sd: dict) -> None:
+    """One torch.save per tensor of `sd`, each in a file of its own under `root` (path_of)."""
     import torch
 
     for name, t in sd.items():
@@ -672,14 +674,16 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def check_all(root: str, sd: dict, uncached: bool = True) -> None:
+def check_all(root: str, sd: dict, uncached: bool = True, mmap: bool = False) -> None:
+    """Every tensor of `sd` that save_all saved under `root` loads bit-exact (`mmap`: by
+    torch.load(mmap=True), which maps the file MAP_PRIVATE)."""
     import torch
 
     for name, want in sd.items():
         p = path_of(root, name)
         if uncached:
             drop_cache(p)
-        got = torch.load(p, weights_only=True)
+        got = torch.load(p, weights_only=True, mmap=mmap)
         assert got.dtype == want.dtype, name
         assert got.shape == want.shape, name
         assert torch.equal(got, want), name

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
-from helpers import cli, tree_snapshot
+from helpers import CLI, as_user, cli, tree_snapshot
 
 from ckptfs import api
 from ckptfs.format import backingdir, records
@@ -116,9 +116,7 @@ def _unwritable(top, mode):
     os.chmod(mnt, 0o777)
     before = tree_snapshot(str(b))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
-    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                          *cli.__globals__["CLI"], "mount", *MODES[mode], str(b), str(mnt)],
-                         capture_output=True, text=True, timeout=60, env=env, cwd="/")
+    res = as_user(CLI + ["mount", *MODES[mode], str(b), str(mnt)], env=env, cwd="/")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("ckptfs: "), \
         res.stderr

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from ckptfs import system
 from ckptfs.bench import models, targets
@@ -30,9 +29,7 @@ def test_quick_run_is_complete_and_verified(tmp_path):
     out = tmp_path / "out.json"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
-                           "--dir", str(work), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "e2e", "--quick", "--dir", work, "--json", out, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert (tmp_path / "out.csv").read_text().count("\n") == len(res["summary"]) + 1
@@ -103,11 +100,9 @@ def test_warm_restore_reads_through_the_mount_that_saved(tmp_path):
     out = tmp_path / "out.json"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
-                           "--warm-restore", "--staging", "256M",
-                           "--contenders", "ckptfs,straight_fsync",
-                           "--dir", str(work), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "e2e", "--quick", "--warm-restore", "--staging", "256M",
+               "--contenders", "ckptfs,straight_fsync", "--dir", work, "--json", out,
+               timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["warm_restore"] is True
@@ -184,3 +179,4 @@ def test_targets_are_judged_against_the_runs_floor():
     # no tmpfs: no floor; no ckptfs: nothing to judge
     assert targets.floor(_summary(ckptfs=1.0, raw=1.0)) is None
     assert targets.judge(_summary(straight=1.0), []) == []
+

@@ -4,10 +4,9 @@ JSON and a PNG, judges the targets and leaves no mount behind. Speed is not test
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from ckptfs import system
 from ckptfs.bench import lifecycle
@@ -20,12 +19,10 @@ def test_a_few_small_steps(tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptfs", "bench", "lifecycle", "--steps", "4", "--tensors",
-         "40", "--interval", "1.2", "--remounts", "1", "--dir", str(work), "-o",
-         "staging-size=32M", "-o", "segment-size=1M", "-o", "log-size=4M", "-o",
-         "index-snapshot-min=4K", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "lifecycle", "--steps", "4", "--tensors", "40", "--interval", "1.2",
+               "--remounts", "1", "--dir", work, "-o", "staging-size=32M", "-o",
+               "segment-size=1M", "-o", "log-size=4M", "-o", "index-snapshot-min=4K",
+               "--json", out, "--plot", png, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

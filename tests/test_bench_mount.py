@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from ckptfs import api
 from ckptfs.bench import mount
@@ -24,8 +23,7 @@ def test_the_synthesised_tree_is_a_valid_backing_directory(tmp_path):
     # per file an INODE and an EXTENT, 3 directories, 7 COMMITs, and a SETATTR for the
     # last file of each directory in each group of 40 (8 of them: one group spans two)
     assert built["dirs"] == 3 and built["records"] == 2 * 250 + 3 + 7 + 8
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "verify", str(backing)],
-                          capture_output=True, text=True, timeout=120)
+    proc = cli("verify", backing)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with api.Mount(str(backing), str(mnt), writer_id=mount.WRITER) as m:
         st = m.status()  # (what the mount took to build the tree is a status figure)
@@ -67,10 +65,8 @@ def test_a_small_run(tmp_path):
     out = tmp_path / "out.json"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptfs", "bench", "mount", "--files", "300,600", "--per-dir",
-         "100", "--mounts", "1", "--dir", str(work), "--json", str(out)],
-        capture_output=True, text=True, timeout=200)
+    proc = cli("bench", "mount", "--files", "300,600", "--per-dir", "100", "--mounts", "1",
+               "--dir", work, "--json", out, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert [r["files"] for r in res["results"]] == [300, 600]

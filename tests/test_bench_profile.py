@@ -5,10 +5,9 @@ samples, requests and system calls where docs/benchmarks.md says."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from ckptfs.bench import profile
 from ckptfs.fuse import ring as fring
@@ -17,10 +16,8 @@ from ckptfs.fuse import ring as fring
 def test_alternating_variants_are_measured_and_verified(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "profile", "--small", "200",
-                           "--staging", "64M", "--variants", "request_spin=0;", "--dir",
-                           str(tmp_path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "profile", "--small", "200", "--staging", "64M", "--variants",
+               "request_spin=0;", "--dir", tmp_path, "--json", out, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [(r["phase"], r["options"].get("request_spin")) for r in runs] == [

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import cli
 
 from ckptfs.bench import transport
 
@@ -47,10 +46,8 @@ def test_the_transports_are_timed_and_nothing_is_left(tmp_path):
         # (a kernel with FUSE over io_uring, and a /sys that lets the run turn it on)
         variants.append("uring-percpu")
     out = tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "transport", "--files",
-                           "300", "--writes", "10", "--rounds", "1", "--variants",
-                           ",".join(variants), "--enable-uring", "--json", str(out)],
-                          capture_output=True, text=True, timeout=200)
+    proc = cli("bench", "transport", "--files", "300", "--writes", "10", "--rounds", "1",
+               "--variants", ",".join(variants), "--enable-uring", "--json", out, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     assert sorted(res) == sorted(variants)
@@ -70,6 +67,5 @@ def test_the_transports_are_timed_and_nothing_is_left(tmp_path):
 
 
 def test_bad_variants_are_refused():
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "transport", "--variants",
-                           "dev,nonsense"], capture_output=True, text=True, timeout=60)
+    proc = cli("bench", "transport", "--variants", "dev,nonsense", timeout=60)
     assert proc.returncode == 2 and "nonsense" in proc.stderr

@@ -9,15 +9,10 @@ import stat
 import subprocess
 
 import pytest
-from helpers import cli, content, md5_tree, walk_fds
+from helpers import cli, content, md5_tree, wait_for, walk_fds
 
 from ckptfs import api, system
 from ckptfs.tools.fdtree import remove_tree
-
-
-def run(*args, check=True, timeout=120):
-    """`ckptfs ARGS`, which must succeed unless check=False."""
-    return cli(*args, check=check, timeout=timeout)
 
 
 @pytest.fixture
@@ -25,8 +20,8 @@ def daemon_mount(tmp_path):
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     mnt.mkdir()
-    r = run("mount", backing, mnt, "--staging-size", "32M", "--segment-size", "1M",
-            "--no-populate", "--log-file", tmp_path / "daemon.log")
+    r = cli("mount", backing, mnt, "--staging-size", "32M", "--segment-size", "1M",
+            "--no-populate", "--log-file", tmp_path / "daemon.log", check=True)
     assert r.stdout.startswith("ready:"), r.stdout
     try:
         yield backing, mnt
@@ -37,7 +32,7 @@ def daemon_mount(tmp_path):
                 st = api.status(str(mnt))
             except OSError:
                 pass
-            run("umount", mnt, check=False)
+            cli("umount", mnt)
             if api.is_mounted(str(mnt)):
                 api.fusermount(str(mnt), lazy=True)
             if st:
@@ -49,8 +44,8 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     (mnt / "step_1").mkdir()
     data = os.urandom(3 << 20)
     (mnt / "step_1" / "w.bin").write_bytes(data)
-    run("sync", mnt)
-    st = json.loads(run("status", mnt, "--json").stdout)
+    cli("sync", mnt, check=True)
+    st = json.loads(cli("status", mnt, "--json", check=True).stdout)
     for key in ("pid", "engine", "io_mode", "bytes_written", "bytes_durable", "bytes_staged",
                 "segments_flushed", "flush_gbps", "errors", "queue_depth"):
         assert key in st, key
@@ -59,7 +54,7 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     assert st["errors"] == 0
     # this machine's idle-CPU polling, as the daemon read it (None off a KVM haltpoll guest)
     assert st["guest_halt_poll_ns"] == system.guest_halt_poll_ns()
-    text = run("status", mnt).stdout
+    text = cli("status", mnt, check=True).stdout
     assert "bytes_durable" in text and "engine" in text
     # a summary first: where, how much is durable (after the sync: all of it), errors
     head = text.splitlines()[:5]
@@ -72,19 +67,19 @@ def test_mount_sync_status_umount_cycle(daemon_mount, tmp_path):
     via_mount = json.loads(os.getxattr(mnt, api.XATTR_STATUS))
     assert via_socket is not None and sorted(via_socket) == sorted(via_mount)
     assert via_socket["pid"] == st["pid"] and via_socket["bytes_durable"] >= len(data)
-    out = run("umount", mnt).stdout
+    out = cli("umount", mnt, check=True).stdout
     assert "unmounted" in out
     assert not api.is_mounted(str(mnt))
     assert api.mount_device_of(str(mnt)) is None and api._status_socket(str(mnt), 10) is None
     assert api.wait_pid_exit(st["pid"], 10)
     # the backing directory holds a few files, and ls/verify see the tree unmounted
-    ls = run("ls", "-lR", backing).stdout
+    ls = cli("ls", "-lR", backing, check=True).stdout
     assert "/step_1/w.bin" in ls and str(len(data)) in ls
-    v = run("verify", backing)
+    v = cli("verify", backing, check=True)
     assert v.stdout.startswith("OK")
     # remount: same content
-    run("mount", backing, mnt, "--no-populate", "--staging-size", "32M", "--segment-size", "1M",
-        "--log-file", tmp_path / "daemon2.log")
+    cli("mount", backing, mnt, "--no-populate", "--staging-size", "32M", "--segment-size", "1M",
+        "--log-file", tmp_path / "daemon2.log", check=True)
     assert (mnt / "step_1" / "w.bin").read_bytes() == data
 
 
@@ -106,7 +101,7 @@ def test_verify_names_damaged_file(tmp_path, mounts):
         b = f.read(1)
         f.seek(off)
         f.write(bytes([b[0] ^ 0x55]))
-    r = run("verify", m.backing, check=False)
+    r = cli("verify", m.backing)
     assert r.returncode == 1
     assert "DAMAGED /bad" in r.stdout
     assert "/good" not in r.stdout.replace("DAMAGED /bad", "")
@@ -116,7 +111,7 @@ def test_umount_of_dead_daemon_detaches(mounts):
     m = mounts.mount()
     m.proc.kill()
     m.proc.wait()
-    r = run("umount", m.mountpoint, check=False)
+    r = cli("umount", m.mountpoint)
     assert r.returncode != 0
     assert "daemon is gone" in r.stderr
     assert not api.is_mounted(m.mountpoint)
@@ -132,15 +127,15 @@ def test_a_stuck_daemon_is_reported_and_left_mounted(mounts):
         f.write(b"x" * 1000)
     os.kill(m.pid, signal.SIGSTOP)
     try:
-        r = run("status", "--timeout", "2", m.mountpoint, check=False, timeout=60)
+        r = cli("status", "--timeout", "2", m.mountpoint, timeout=60)
         assert r.returncode != 0 and "does not answer" in r.stderr, r.stderr
         assert f"(pid {m.pid})" in r.stderr, r.stderr  # which process holds the socket
-        r = run("umount", "--timeout", "2", m.mountpoint, check=False, timeout=60)
+        r = cli("umount", "--timeout", "2", m.mountpoint, timeout=60)
         assert r.returncode != 0 and "not unmounted" in r.stderr, r.stderr
         assert api.is_mounted(m.mountpoint)
     finally:
         os.kill(m.pid, signal.SIGCONT)
-    assert json.loads(run("status", "--json", m.mountpoint).stdout)["pid"] == m.pid
+    assert json.loads(cli("status", "--json", m.mountpoint, check=True).stdout)["pid"] == m.pid
     m.stop()
     m2 = mounts.mount(m.backing)
     with open(os.path.join(m2.mountpoint, "f"), "rb") as f:
@@ -148,24 +143,24 @@ def test_a_stuck_daemon_is_reported_and_left_mounted(mounts):
 
 
 def test_help_lists_commands_and_defaults():
-    top = run("--help").stdout
+    top = cli("--help", check=True).stdout
     for cmd in ("mount", "umount", "sync", "status", "ls", "verify", "demo", "bench"):
         assert cmd in top
-    h = run("mount", "--help").stdout
+    h = cli("mount", "--help", check=True).stdout
     assert "--staging-size" in h and "default: 512M" in h
     assert "--queue-depth" in h and "--io" in h and "--writer-id" in h
 
 
 def test_bad_size_and_unknown_option_are_one_line_errors(tmp_path):
-    r = run("mount", tmp_path, tmp_path / "m", "--staging-size", "lots", check=False)
+    r = cli("mount", tmp_path, tmp_path / "m", "--staging-size", "lots")
     assert r.returncode == 2 and "not a size" in r.stderr
-    r = run("mount", tmp_path, tmp_path / "m", "--frobnicate", check=False)
+    r = cli("mount", tmp_path, tmp_path / "m", "--frobnicate")
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
 
 
 @pytest.mark.slow
 def test_demo_runs(tmp_path):
-    r = run("demo", "--size", "64M", "--dir", tmp_path, timeout=300)
+    r = cli("demo", "--size", "64M", "--dir", tmp_path, timeout=300, check=True)
     assert "restored and verified" in r.stdout
     assert "time until durable, ckptfs vs straight" in r.stdout
     assert os.listdir(tmp_path) == []
@@ -183,38 +178,38 @@ def test_gc_compact_export_keep_content(mounts, tmp_path):
         f.write(os.urandom(5000))
     os.truncate(f"{mp}/step_9/w", 2_000_000)  # a trailing hole
     os.symlink("step_10", f"{mp}/latest")
-    r = run("gc", mp, "--keep", "2", "--dry-run")
+    r = cli("gc", mp, "--keep", "2", "--dry-run", check=True)
     assert "would remove" in r.stdout and os.path.exists(f"{mp}/step_1")
-    r = run("gc", mp, "--keep", "2")
+    r = cli("gc", mp, "--keep", "2", check=True)
     assert sorted(os.listdir(mp)) == ["latest", "step_10", "step_9"]  # natural order: 9 < 10
     before = md5_tree(mp)
-    assert run("compact", m.backing, check=False).returncode == 1  # mounted: refused
+    assert cli("compact", m.backing).returncode == 1  # mounted: refused
     m.stop()
     wdir = os.path.join(m.backing, "writers")
     def size():
         return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(wdir)
                            for f in fs if f.startswith("data-"))
     size_before = size()
-    r = run("compact", m.backing)
+    r = cli("compact", m.backing, check=True)
     assert "MB live" in r.stdout
     assert size() < size_before - 1_000_000  # the two deleted steps are gone
-    assert run("verify", m.backing).returncode == 0
+    assert cli("verify", m.backing, check=True).returncode == 0
     exp = tmp_path / "export"
-    run("export", m.backing, exp)
+    cli("export", m.backing, exp, check=True)
     assert md5_tree(exp) == before
     # and back in: import into a fresh backing directory gives the same tree
     b2 = tmp_path / "reimported"
     b2.mkdir()
-    run("import", exp, b2, "copy")
+    cli("import", exp, b2, "copy", check=True)
     exp2 = tmp_path / "export2"
-    run("export", b2, exp2, "copy")
+    cli("export", b2, exp2, "copy", check=True)
     assert md5_tree(exp2) == before
     # a second writer, then everything merged into one writer
     m2 = mounts.mount(m.backing, writer_id="second")
     with open(f"{m2.mountpoint}/other", "wb") as f:
         f.write(b"x" * 10)
     m2.stop()
-    run("compact", "--merge", "--into", "all", m.backing)
+    cli("compact", "--merge", "--into", "all", m.backing, check=True)
     assert os.listdir(wdir) == ["all"]
     m3 = mounts.mount(m.backing, writer_id="all")
     after = md5_tree(m3.mountpoint)
@@ -236,7 +231,7 @@ def test_compaction_cuts_long_runs_into_checksum_blocks(mounts):
         f.write(data)
     m.stop()
     assert max(r.length for r in Snapshot(m.backing).lookup("/big").emap.runs()) > 4 << 20
-    run("compact", m.backing)
+    cli("compact", m.backing, check=True)
     runs = Snapshot(m.backing).lookup("/big").emap.runs()
     assert sum(r.length for r in runs) == len(data)
     assert max(r.length for r in runs) == CHECKSUM_BLOCK_BYTES
@@ -295,12 +290,12 @@ def test_export_import_and_gc_of_a_tree_deeper_than_path_max(mounts, tmp_path):
     m.stop()
     exp = str(tmp_path / "export")
     try:
-        r = run("export", m.backing, exp)
+        r = cli("export", m.backing, exp, check=True)
         assert f"exported {len(range(0, DEEP, 500)) + 1} files" in r.stdout, r.stdout
         assert _tree(exp) == want
         b2 = tmp_path / "reimported"
         b2.mkdir()
-        run("import", exp, b2)
+        cli("import", exp, b2, check=True)
     finally:  # (pytest's own clean-up of old temporary directories recurses per level)
         if os.path.isdir(exp):
             remove_tree(exp)
@@ -308,7 +303,7 @@ def test_export_import_and_gc_of_a_tree_deeper_than_path_max(mounts, tmp_path):
     assert _tree(m2.mountpoint) == want
     with open(f"{m2.mountpoint}/step_2", "wb") as f:
         f.write(b"kept")
-    r = run("gc", m2.mountpoint, "--keep", "1")
+    r = cli("gc", m2.mountpoint, "--keep", "1", check=True)
     assert "removed" in r.stdout, r.stdout
     assert os.listdir(m2.mountpoint) == ["step_2"]
     m2.stop()
@@ -336,16 +331,14 @@ def test_stats_file_and_prometheus(mounts, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     from ckptfs.metrics import METRICS, NOT_METRICS
-    deadline = __import__("time").monotonic() + 20
-    while True:
+    def exported() -> tuple[dict, dict] | None:
         fams = {f.name: f for f in text_string_to_metric_families(
             prom.read_text() if prom.exists() else "")}
         samples = {s.name: (f, s) for f in fams.values() for s in f.samples}
         durable = samples.get("ckptfs_durable_bytes_total")
-        if durable and durable[1].value >= 12345 or __import__("time").monotonic() > deadline:
-            break
-        __import__("time").sleep(0.2)
-    assert durable and durable[1].value >= 12345, prom.read_text()
+        return (fams, samples) if durable and durable[1].value >= 12345 else None
+
+    fams, samples = wait_for(exported, "the file's bytes in the exported figures", step=0.2)
     figures = {k for k, v in st.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)} - NOT_METRICS
     assert figures <= METRICS.keys(), f"status figures without a metric: {figures - METRICS.keys()}"

@@ -15,6 +15,7 @@ import os
 import random
 
 import pytest
+from helpers import check_all, save_all
 
 torch = pytest.importorskip("torch")
 
@@ -31,31 +32,17 @@ def _state():
     return models.state_dict(specs, seed=5)
 
 
-def _save(root: str, sd: dict) -> None:
-    for name, t in sd.items():
-        p = os.path.join(root, "step_1", models.file_name(name))
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        torch.save(t, p)
-
-
-def _check(root: str, sd: dict, **load_kw) -> None:
-    for name, t in sd.items():
-        got = torch.load(os.path.join(root, "step_1", models.file_name(name)),
-                         weights_only=True, **load_kw)
-        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
-
-
 def test_restore_through_direct_reads(mounts):
     backing = mounts.backing()
     sd = _state()
     w = mounts.mount(backing)
-    _save(w.mountpoint, sd)
+    save_all(w.mountpoint, sd)
     w.stop()
     for opts in ({"direct_reads": True}, {"direct_reads": True, "ro": True}):
         m = mounts.mount(backing, **opts)
         before = m.status()["read_requests"]
-        _check(m.mountpoint, sd)
-        _check(m.mountpoint, sd, mmap=True)  # torch maps MAP_PRIVATE: allowed
+        check_all(m.mountpoint, sd)
+        check_all(m.mountpoint, sd, mmap=True)  # torch maps MAP_PRIVATE: allowed
         assert m.status()["read_requests"] > before
         m.stop()
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 from helpers import (
-    CLI, MiB, NOBODY, cli, content, fsync_fails, read_all, status_reaches, sync_until_ok,
-    verify_and_remount,
+    CLI, MiB, as_user, cli, content, fsync_fails, read_all, status_reaches, sync_until_ok,
+    verify_and_remount, wait_for, write_file,
 )
 
 from ckptfs import api
@@ -26,23 +26,13 @@ from ckptfs.io.buffers import probe_direct
 
 pytestmark = pytest.mark.timeout(90)
 
-def write_fsync(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off:off + MiB])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.either_transport
 def test_failing_fs_itself(failing):
     """The helper file system: a mirror that fails writes/fsync with EIO while switched on."""
     mnt = failing.mountpoint
     p = os.path.join(mnt, "d", "f")
     os.mkdir(os.path.dirname(p))
-    write_fsync(p, b"x" * 100000)
+    write_file(p, b"x" * 100000, fsync=True)
     with open(os.path.join(failing.source, "d", "f"), "rb") as f:
         assert f.read() == b"x" * 100000
     os.rename(p, p + "2")
@@ -62,7 +52,7 @@ def test_failing_fs_itself(failing):
     with open(p + "2", "rb") as f:  # reads still work
         assert f.read() == b"x" * 100000
     failing.heal()
-    write_fsync(p + "2", b"z" * 10)
+    write_file(p + "2", b"z" * 10, fsync=True)
     with open(p + "2", "rb") as f:
         assert f.read() == b"z" * 10
     print("\nprobe_direct on failing_fs:", probe_direct(mnt))
@@ -78,7 +68,7 @@ def test_eio_then_recovery(failing, mounts):
     mnt = m.mountpoint
     try:
         # 1. a durable checkpoint
-        write_fsync(os.path.join(mnt, "a"), content("a", sizes["a"]))
+        write_file(os.path.join(mnt, "a"), content("a", sizes["a"]), fsync=True)
         # 2. the store fails: a writer's fsync gets EIO, the daemon stays up and says why
         failing.fail()
         fd = os.open(os.path.join(mnt, "b"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -110,7 +100,7 @@ def test_eio_then_recovery(failing, mounts):
         failing.heal()
         sync_until_ok(m, errno.EIO, 15, "staged data never landed after healing")
         assert read_all(os.path.join(mnt, "b")) == content("b", sizes["b"])
-        write_fsync(os.path.join(mnt, "c"), content("c", sizes["c"]))
+        write_file(os.path.join(mnt, "c"), content("c", sizes["c"]), fsync=True)
         assert m.status()["current_error"] == ""
     finally:
         failing.heal()  # lets the unmount drain even when an assertion failed above
@@ -136,7 +126,7 @@ def test_a_disk_that_fails_writes(failing_disk, mounts, io):
     m = mounts.mount(backing, **opts)
     mnt = m.mountpoint
     try:
-        write_fsync(os.path.join(mnt, "a"), content("a", sizes["a"]))
+        write_file(os.path.join(mnt, "a"), content("a", sizes["a"]), fsync=True)
         failing_disk.fail()
         fsync_fails(os.path.join(mnt, "b"), content("b", sizes["b"]))
         with pytest.raises(OSError) as ei:
@@ -146,7 +136,7 @@ def test_a_disk_that_fails_writes(failing_disk, mounts, io):
         assert read_all(os.path.join(mnt, "a")) == content("a", sizes["a"])
         failing_disk.heal()
         sync_until_ok(m, errno.EIO, 15, "staged data never landed after healing")
-        write_fsync(os.path.join(mnt, "c"), content("c", sizes["c"]))
+        write_file(os.path.join(mnt, "c"), content("c", sizes["c"]), fsync=True)
     finally:
         failing_disk.heal()
     m.stop()
@@ -203,8 +193,8 @@ def _blocked_child(code: str) -> subprocess.Popen:
 
 def _blocked_threads(proc: subprocess.Popen, n: int) -> None:
     """Wait until `n` threads of `proc` wait for an answer of a mount."""
-    deadline = time.monotonic() + 20
-    while True:
+    def blocked() -> bool:
+        assert proc.poll() is None, "the child ended instead of blocking"
         waiting = 0
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             try:
@@ -212,11 +202,9 @@ def _blocked_threads(proc: subprocess.Popen, n: int) -> None:
                     waiting += f.read().strip() == "request_wait_answer"
             except OSError:
                 pass
-        if waiting >= n:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, \
-            f"the child did not block (only {waiting} of {n} threads)"
-        time.sleep(0.05)
+        return waiting >= n
+
+    wait_for(blocked, f"{n} threads of the child to block in a request", timeout=20)
     time.sleep(0.2)
 
 
@@ -328,18 +316,16 @@ def test_killing_processes_when_every_request_task_is_held(failing, mounts):
         # Every request task waits for the store, so the mount answers nothing else now (its
         # status xattr would wait too); `ckptfs status` asks the daemon's status socket. Not
         # a user the mount is not open to: it gets no figures that way.
-        deadline = time.monotonic() + 20
-        while True:  # (blocked in the kernel before the daemon took each: it takes 32)
+        def figures() -> dict | None:
             res = cli("status", "--json", mnt, timeout=30)
             assert res.returncode == 0, res.stderr
             st = json.loads(res.stdout)
-            if st["fsyncs"] >= 32 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert st["fsyncs"] >= 32 and st["bytes_written"] >= 40_000, st
-        res = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                              "--clear-groups"] + CLI + ["status", mnt],
-                             capture_output=True, text=True, timeout=30)
+            return st if st["fsyncs"] >= 32 else None
+
+        # (blocked in the kernel before the daemon took each: it takes 32)
+        st = wait_for(figures, "32 fsyncs taken by the daemon", timeout=20, step=0.1)
+        assert st["bytes_written"] >= 40_000, st
+        res = as_user(CLI + ["status", mnt], timeout=30)
         assert res.returncode != 0 and "bytes_written" not in res.stdout, res.stdout
         quit_kid.send_signal(signal.SIGQUIT)
         many.kill()
@@ -495,7 +481,7 @@ def test_a_failed_fdatasync_in_buffered_mode_writes_the_segments_again(failing, 
     opts = dict(staging_size="8M", segment_size="1M", idle_flush=0.2, io="buffered")
     sizes = {"a": 2 * MiB + 4321, "b": 3 * MiB + 77}
     m = mounts.mount(backing, **opts)
-    write_fsync(os.path.join(m.mountpoint, "a"), content("a", sizes["a"]))
+    write_file(os.path.join(m.mountpoint, "a"), content("a", sizes["a"]), fsync=True)
     failing.fail("fsync-lose")
     fsync_fails(os.path.join(m.mountpoint, "b"), content("b", sizes["b"]))
     assert "writes lost" in failing.log_text()

@@ -9,13 +9,12 @@ on the rings as a whole with CKPTFS_TEST_FUSE_URING=1: `make test` does.)"""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import check_files, status_reaches, uring_switch, write_tree
+from helpers import check_files, cli, status_reaches, uring_switch, wait_for, write_tree
 
 from ckptfs.bench import drop_caches
 from ckptfs.fuse import answers, ring
@@ -95,9 +94,8 @@ def test_without_the_kernels_switch_requests_stay_on_dev_fuse(mounts, queue_thre
 def test_queue_threads_without_the_fast_path_are_refused(tmp_path, flag):
     os.makedirs(tmp_path / "b")
     os.makedirs(tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "mount", flag,
-                           "--no-fast-path", "--foreground", str(tmp_path / "b"),
-                           str(tmp_path / "m")], capture_output=True, text=True, timeout=60)
+    proc = cli("mount", flag, "--no-fast-path", "--foreground", tmp_path / "b", tmp_path / "m",
+               timeout=60)
     assert proc.returncode != 0
     assert f"{flag} needs the fast path" in proc.stderr
     assert not os.listdir(tmp_path / "b")  # (nothing written)
@@ -249,10 +247,10 @@ def test_many_files_created_on_the_rings_leave_nothing_open(mounts, transport):
         for i in range(n):
             with open(os.path.join(d, f"f{i}"), "wb") as f:
                 f.write(i.to_bytes(4, "little") * 100)
-        t0 = time.monotonic()  # (the kernel sends the last RELEASE after close() returned)
-        while (st := m.status())["open_handles"] or st["ring_writable_handles"]:
-            assert time.monotonic() - t0 < 5, st
-            time.sleep(0.05)
+        # (the kernel sends the last RELEASE after close() returned)
+        st = wait_for(lambda: not ((s := m.status())["open_handles"]
+                                   or s["ring_writable_handles"]) and s,
+                      "every handle released", timeout=5)
         assert st["ring_creates_answered_in_c"] >= n - 10, st
         assert st["ring_creates_not_made"] == 0
         last = st["ring_answered_in_c"]
@@ -289,10 +287,8 @@ def test_absent_names_on_the_rings_keep_the_refresh_contract(mounts, transport):
         with open(os.path.join(b.mountpoint, "x"), "wb") as f:
             f.write(b"from b")
         b.sync()
-        t0 = time.monotonic()
-        while not os.path.exists(os.path.join(a.mountpoint, "x")):
-            assert time.monotonic() - t0 < 1.0 + 4.0, "another writer's file never showed"
-            time.sleep(0.01)
+        wait_for(lambda: os.path.exists(os.path.join(a.mountpoint, "x")),
+                 "another writer's file", timeout=1.0 + 4.0, step=0.01)
         with open(os.path.join(a.mountpoint, "x"), "rb") as f:
             assert f.read() == b"from b"
         # (the names the queue threads held before the look went with it)
@@ -322,11 +318,10 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
         os.mkdir(os.path.join(am, "shared"))
         os.mkdir(os.path.join(bm, "shared"))
         b.sync()
-        t0 = time.monotonic()
-        while not a.status()["writers_joined"]:
-            os.listdir(os.path.join(am, "shared"))  # (a listing looks, once refresh is due)
-            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's changes never showed"
-            time.sleep(0.02)
+        # (a listing looks, once refresh is due)
+        wait_for(lambda: os.listdir(os.path.join(am, "shared")) is not None
+                 and a.status()["writers_joined"], "another writer's changes",
+                 timeout=0.3 + 4.0, step=0.02)
         os.mkdir(os.path.join(am, "own"))
 
         def make(d: str, n: int, tag: str) -> None:
@@ -341,10 +336,8 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
             f.write(b"b")
         os.mkdir(os.path.join(bm, "elsewhere"))
         b.sync()
-        t0 = time.monotonic()
-        while not os.path.exists(os.path.join(am, "shared", "from_b")):
-            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's file never showed"
-            time.sleep(0.02)
+        wait_for(lambda: os.path.exists(os.path.join(am, "shared", "from_b")),
+                 "another writer's file", timeout=0.3 + 4.0, step=0.02)
         built = a.status()["ring_name_filters_built"]
         make("own", 20, "b")  # (own's names outlived the look)
         s1 = a.status()
@@ -365,14 +358,13 @@ def test_name_filters_on_the_rings_outlive_other_writers_changes_where_they_can(
         with open(os.path.join(bm, "own", "intruder"), "wb") as f:
             f.write(b"b")
         b.sync()
-        t0, i = time.monotonic(), 0
-        while True:
-            i += 1
-            assert not os.path.exists(os.path.join(am, "shared", f"probe{i}"))
-            if os.path.exists(intruder):
-                break
-            assert time.monotonic() - t0 < 0.3 + 4.0, "another writer's file never showed"
-            time.sleep(0.02)
+        probes = itertools.count(1)
+
+        def shown() -> bool:
+            assert not os.path.exists(os.path.join(am, "shared", f"probe{next(probes)}"))
+            return os.path.exists(intruder)
+
+        wait_for(shown, "another writer's file", timeout=0.3 + 4.0, step=0.02)
         with open(intruder, "rb") as f:
             assert f.read() == b"b"
         drop_dentries()

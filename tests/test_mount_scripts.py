@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import CKPTFS, SCRIPTS, SMALL, SMALL_FLAGS, needs_fuse, needs_root, sh
+from helpers import CKPTFS, SCRIPTS, SMALL, SMALL_FLAGS, as_user, needs_fuse, needs_root, sh
 
 from ckptfs import api
 
@@ -209,9 +209,7 @@ def test_slurm_prolog_epilog_around_torch_save(tmp_path, track):
     # the job's user can write there (allow_other + ownership), via setpriv as uid 65534
     if shutil.which("setpriv"):
         # (cwd: pytest's tmp_path is not traversable by other users)
-        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-                            "sh", "-c", "echo hi > user.txt && mkdir own"], capture_output=True,
-                           text=True, timeout=30, cwd=mnt)
+        r = as_user(["sh", "-c", "echo hi > user.txt && mkdir own"], timeout=30, cwd=mnt)
         assert r.returncode == 0, r.stderr
         assert os.stat(mnt / "own").st_uid == 65534
     # the job: plain torch.save into the mount

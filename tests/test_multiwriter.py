@@ -9,8 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -249,9 +247,7 @@ def test_bench_scaling_quick_json(tmp_path):
     out = tmp_path / "scaling.json"
     work = tmp_path / "work"
     work.mkdir()
-    r = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "scaling", "--quick",
-                        "--dir", str(work), "--json", str(out)],
-                       capture_output=True, text=True, timeout=110)
+    r = cli("bench", "scaling", "--quick", "--dir", work, "--json", out, timeout=110)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["bench"] == "scaling" and res["config"]["writers"] == [1, 2, 4]

@@ -22,7 +22,7 @@ import time
 import pytest
 from helpers import (
     CRASH_WRITER_OPTS, MiB, check_tree, cli, content, kill_mid_write, read_all, read_journal,
-    status_reaches, wait_unmounted, writer_main,
+    status_reaches, wait_unmounted, write_file, writer_main,
 )
 
 from ckptfs import api
@@ -37,14 +37,7 @@ def _write(mnt: str, name: str, size: int, fsync: bool = False) -> bytes:
     data = content(name, size)
     path = os.path.join(mnt, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, size, MiB):
-            os.write(fd, data[off:off + MiB])
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file(path, data, fsync=fsync)
     return data
 
 

@@ -22,17 +22,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 
 import pytest
-from helpers import walk_fds
+from helpers import cli, py_as_user, walk_fds
 
 from ckptfs import api
 from ckptfs.format import records
@@ -723,18 +720,6 @@ def reread(h: Harness) -> None:
 
 
 # ---------------------------------------------------------------- another user
-def as_nobody(code: str) -> dict:
-    """Run a snippet of Python as `nobody` (uid and gid 65534, no other group, umask 022;
-    the system interpreter, without ckptfs): the dict R it fills in."""
-    prog = ("import os, json, errno, stat\nos.umask(0o022)\nR = {}\n"
-            f"{code}\nprint(json.dumps(R))\n")
-    py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-    res = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                          py, "-c", prog], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def prepare_shared(root: str) -> None:
     """What root leaves for the other user (umask 0): a 0755 directory of root's files, a
     world-writable one with root's set-ID files, a sticky one, a set-group-ID one of a group
@@ -927,7 +912,7 @@ def run_as_nobody(root: str, lim: Limits) -> dict:
     """The other user's steps on the tree at `root`, checked against the model."""
     want, state = nobody_expected(lim)
     consts = (f"ROOT = {root!r}\nMAXF = {lim.max_file}\nT2300 = {T2300}\nT1600 = {T1600}\n")
-    got = as_nobody(consts + NOBODY_STEPS)
+    got = py_as_user(consts + NOBODY_STEPS)
     wrong = {k: (got.get(k), v) for k, v in want.items() if got.get(k, "missing") != v}
     assert not wrong, f"step: (result, the model's) {wrong}"
     assert set(got) == set(want)
@@ -953,11 +938,6 @@ def umask0():
         yield
     finally:
         os.umask(old)
-
-
-def _ckptfs(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptfs", *map(str, args)], timeout=120,
-                          capture_output=True, encoding="utf-8", errors="surrogateescape")
 
 
 def _remount(mounts, m: api.Mount, stopped: bool = False) -> api.Mount:
@@ -986,9 +966,9 @@ def test_boundaries_as_root_against_the_model_and_after_a_remount(public, mounts
         h.t.close()
     assert m.stop() == 0
     # the offline tools walk the same tree (without recursion: it is 2,000 levels deep)
-    res = _ckptfs("verify", m.backing)
+    res = cli("verify", m.backing, encoding="utf-8", errors="surrogateescape")
     assert res.returncode == 0 and ", 0 damaged files, 0 index warnings" in res.stdout, res
-    res = _ckptfs("ls", "-R", m.backing)
+    res = cli("ls", "-R", m.backing, encoding="utf-8", errors="surrogateescape")
     assert res.returncode == 0, res.stderr
     listed = res.stdout.split("\n")  # (one name holds a newline)
     assert sum(1 for line in listed if line.startswith("/deep")) == DEEP + 2
