@@ -13,7 +13,7 @@ from helpers import cli
 from ckptfs import system
 from ckptfs.bench import models, targets
 from ckptfs.bench.e2e import DEFAULT_CONTENDERS, QUICK_SIZE
-from ckptfs.bench.peers import CONTENDERS
+from ckptfs.bench.peers import CONTENDERS, TorchSnapshot
 from ckptfs.fuse import ring
 
 pytest.importorskip("torch")
@@ -180,3 +180,18 @@ def test_targets_are_judged_against_the_runs_floor():
     assert targets.floor(_summary(ckptfs=1.0, raw=1.0)) is None
     assert targets.judge(_summary(straight=1.0), []) == []
 
+
+def test_a_contender_that_cannot_save_the_state_says_why_instead_of_failing(tmp_path):
+    """TorchSnapshot cannot save a bfloat16 tensor of an odd number of elements (--small's
+    tensors have such): asked for, the benchmark refuses at once and says why, rather than
+    failing every round in TorchSnapshot's own batcher; the default checkpoint has none."""
+    work = tmp_path / "work"
+    work.mkdir()
+    r = cli("bench", "e2e", "--small", "200", "--rounds", "1", "--no-warmup", "--contenders",
+            "torchsnapshot", "--dir", work, "--json", tmp_path / "out.json", timeout=240)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "cannot save a bfloat16 tensor of an odd number of elements" in r.stderr, r.stderr
+    assert "e.g. small." in r.stderr and "FAILED" not in r.stdout, r.stdout
+    assert os.listdir(work) == [] and not (tmp_path / "out.json").exists()
+    assert TorchSnapshot.cannot_save(models.tensor_specs("gpt2", QUICK_SIZE)) == ""
+    assert TorchSnapshot.cannot_save(models.tensor_specs("gpt2", 2 << 30)) == ""

@@ -500,7 +500,9 @@ def main(argv: list[str]) -> int:
     keys = a.contenders.split(",") if a.contenders else [
         k for k in DEFAULT_CONTENDERS if (k != "fio" or shutil.which("fio"))
         and (k != "ckptfs_uring" or uring_off is None)]
+    skipped = {}  # contender -> why it does not run (only from the default list)
     if not a.contenders and uring_off is not None:
+        skipped["ckptfs_uring"] = uring_off
         print(f"ckptfs_uring skipped: {uring_off}")
     bad = [k for k in keys if k not in CONTENDERS]
     if bad:
@@ -513,14 +515,23 @@ def main(argv: list[str]) -> int:
     if "fio" in keys and not shutil.which("fio"):
         print("fio is not installed", file=sys.stderr)
         return 2
+    specs = (models.small_tensor_specs(a.small, seed=a.seed) if a.small
+             else models.tensor_specs(a.arch, a.size))
+    for key in list(keys):
+        why = CONTENDERS[key].cannot_save(specs)
+        if why and a.contenders:
+            print(f"{key}: {why}", file=sys.stderr)
+            return 2
+        if why:
+            skipped[key] = why
+            keys.remove(key)
+            print(f"{key} skipped: {why}")
     os.makedirs(a.dir, exist_ok=True)
     fstype, dev = fs_type(a.dir)
     if fstype in ("tmpfs", "ramfs"):
         print(f"--dir {a.dir} is on {fstype}: pick a directory on a real disk", file=sys.stderr)
         return 2
 
-    specs = (models.small_tensor_specs(a.small, seed=a.seed) if a.small
-             else models.tensor_specs(a.arch, a.size))
     what = f"{a.small} small tensors" if a.small else f"{a.arch} ~{a.size / 1e9:.2f} GB"
     print(f"e2e: building the state dict ({what}) ...", flush=True)
     w = Workload(specs, a.seed)
@@ -582,6 +593,7 @@ def main(argv: list[str]) -> int:
               "arch": None if a.small else a.arch, "small": a.small, "size_arg": a.size,
               "payload_bytes": w.payload_bytes, "tensors": len(w.names),
               "rounds": a.rounds, "warmup": warmup, "contenders": keys,
+              "skipped": skipped,
               "warm_restore": a.warm_restore, "throttle_bytes_per_s": a.throttle,
               "mount_options": cfg.mount_options, "elapsed_s": time.time() - started,
               "ratio_definition": "time_vs_ckptfs = contender median time / ckptfs median "
