@@ -3,7 +3,8 @@ daemon's environment, the Nth time the code passes failpoint NAME it raises an u
 exception (RuntimeError). Never set in use. The failpoints: `flusher-commit` (the flusher
 thread's commit), `loader` (a loader thread's job), `cleaner` (a step of the maintenance),
 `drain` (a cycle of the node tier's drain), `handover` (the trio thread taking a request the
-queue threads handed over: FastPath.serve_ring).
+queue threads handed over: FastPath.serve_ring), `statfs` (a request handler pyfuse3 calls:
+CkptOperations.statfs).
 
 With CKPTFS_HOLD=NAME:PATH, the code waits at hold point NAME while the file PATH exists: the
 tests hold the node tier's drain (`drain`) to see changes that are node-durable only."""

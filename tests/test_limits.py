@@ -1,7 +1,7 @@
 """What is written can be read back: sizes, offsets and times at and past what the index can
-record, on a real mount and again after a remount; and a defect in a thread or task of the
-daemon (the flusher, a loader, the cleaner, the hand-over of the queue threads' requests) fails
-every barrier with EIO instead of hanging it."""
+record, on a real mount and again after a remount; a defect in a thread or task of the daemon
+(the flusher, a loader, the cleaner, the hand-over of the queue threads' requests) fails every
+barrier with EIO instead of hanging it; one in a request handler fails that request alone."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import os
 import subprocess
 import time
 
+import pyfuse3
 import pytest
-from helpers import cli, fsync_fails, wait_for
+from helpers import cli, fsync_fails, read_all, wait_for, write_file
 
 from ckptfs import api
 from ckptfs.format import records
+from ckptfs.fuse.ops import CkptOperations
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -208,3 +210,31 @@ def test_a_defect_in_a_loader_or_the_cleaner_fails_the_mount_and_says_why(mounts
     if api.is_mounted(m.mountpoint):
         cli("umount", "--force", m.mountpoint, timeout=60)
     m.proc.wait(timeout=30)
+
+
+def test_a_defect_in_a_request_handler_fails_that_request_and_nothing_else(mounts):
+    """An unexpected exception in a handler pyfuse3 calls (injected into the first STATFS)
+    would end pyfuse3's loop and the mount with it: the request fails with EIO instead, the
+    daemon's log has the traceback, and the mount serves on, not failed (a defect of one
+    request is no error of the store's)."""
+    m = mounts.mount(writer_id="w", env={"CKPTFS_FAILPOINT": "statfs:1"})
+    with pytest.raises(OSError) as e:
+        os.statvfs(m.mountpoint)
+    assert e.value.errno == errno.EIO
+    assert os.statvfs(m.mountpoint).f_namemax == records.NAME_MAX  # (the next is answered)
+    data = os.urandom(100_000)
+    write_file(os.path.join(m.mountpoint, "a.pt"), data, fsync=True)
+    assert read_all(os.path.join(m.mountpoint, "a.pt")) == data
+    assert m.status()["failed"] == 0
+    log = mounts.log(m)
+    assert "internal error in statfs" in log and "failpoint statfs reached" in log, log
+    assert m.stop() == 0
+
+
+def test_every_request_handler_is_guarded():
+    """Each handler pyfuse3 calls carries ops.guarded (the test above shows what it does):
+    a handler added without it would let a defect end the mount."""
+    handlers = [name for name, fn in vars(CkptOperations).items()
+                if name in dir(pyfuse3.Operations) and not name.startswith("_") and callable(fn)]
+    assert len(handlers) >= 28, handlers
+    assert [n for n in handlers if not hasattr(getattr(CkptOperations, n), "__wrapped__")] == []

@@ -184,7 +184,7 @@ class Dispatch:
         fh, off, size, _, _, _, _ = READ_IN.unpack_from(head, at)
         token = self.interrupts.serve(unique, pid)  # (a wait for the disk is held)
         try:
-            # guarded: only FUSEError escapes
+            # (ops.guarded: only FUSEError escapes)
             parts = await self.ops.read(fh, off, size, gather=True)
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
@@ -257,7 +257,7 @@ class Dispatch:
         except pyfuse3.FUSEError as exc:
             self.reply_error(unique, exc.errno)
             return
-        except Exception:  # (what ops._guard does for pyfuse3's calls)
+        except Exception:  # (what ops.guarded does for the handlers)
             log.exception("internal error in request %d", opcode)
             self.reply_error(unique, errno.EIO)
             return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import stat
@@ -39,7 +40,7 @@ from ckptfs.format.records import (
     SizeRec,
     UnlinkRec,
 )
-from ckptfs import metrics
+from ckptfs import failpoints, metrics
 from ckptfs.fuse import loop
 from ckptfs.fuse.adopt import OtherWriters
 from ckptfs.fuse.control import CTL_DIR_INO, CTL_NAME, CTL_STATS_INO, Control
@@ -71,6 +72,24 @@ def clamp_time(ns: int) -> int:
 
 def _err(e: int):
     return pyfuse3.FUSEError(e)
+
+
+def guarded(handler):
+    """A request handler that a defect must not end with the daemon: pyfuse3 lets any
+    exception but FUSEError end its loop, and the mount with it. An unexpected exception is
+    logged with its traceback and the request answered EIO; a FUSEError is the handler's
+    answer and passes. Every handler pyfuse3 (or the fast path) calls carries it."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
 
 
 class Context:
@@ -263,6 +282,7 @@ class CkptOperations(pyfuse3.Operations):
         self.dcp.saw_name(parent_inode, name, ino)
         return self.ns.inodes[ino]
 
+    @guarded
     async def lookup(self, parent_inode, name, ctx):
         if self.others.refresh_due():
             await self.others.refresh()
@@ -272,6 +292,7 @@ class CkptOperations(pyfuse3.Operations):
         x.lookups += 1
         return self._attr(x)
 
+    @guarded
     async def forget(self, inode_list):
         for ino, n in inode_list:
             x = self.ns.inodes.get(ino)
@@ -281,6 +302,7 @@ class CkptOperations(pyfuse3.Operations):
                 if self.view is not None and ino not in self.ns.inodes:
                     self.view.forgotten(ino)
 
+    @guarded
     async def getattr(self, inode, ctx):
         return self._attr(self._inode(inode))
 
@@ -288,6 +310,7 @@ class CkptOperations(pyfuse3.Operations):
         """The live inode `ino` (ENOENT if there is none)."""
         return self._inode(ino)
 
+    @guarded
     async def setattr(self, inode, attr, fields, fh, ctx):
         x = self._inode(inode)
         if fields.update_size and attr.st_size > MAX_FILE_BYTES:
@@ -329,13 +352,16 @@ class CkptOperations(pyfuse3.Operations):
             self.ns.change(SetattrRec(x.ino, mode, uid, gid, atime, mtime, now))
         return self._attr(x)
 
+    @guarded
     async def readlink(self, inode, ctx):
         x = self._inode(inode)
         if not stat.S_ISLNK(x.mode):
             raise _err(errno.EINVAL)
         return x.target
 
+    @guarded
     async def statfs(self, ctx):
+        failpoints.hit("statfs")
         st = os.statvfs(self.settings.backing)
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLOCK_BYTES
@@ -351,21 +377,25 @@ class CkptOperations(pyfuse3.Operations):
         return s
 
     # ------------------------------------------------------------ namespace changes
+    @guarded
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
                 or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
             raise _err(errno.EINVAL)
         return self._attr(self._new(parent_inode, name, mode & ~ctx.umask, ctx, rdev))
 
+    @guarded
     async def mkdir(self, parent_inode, name, mode, ctx):
         mode = stat.S_IFDIR | (mode & ~ctx.umask & MODE_BITS)
         return self._attr(self._new(parent_inode, name, mode, ctx))
 
+    @guarded
     async def symlink(self, parent_inode, name, target, ctx):
         if len(target) > 4096:
             raise _err(errno.ENAMETOOLONG)
         return self._attr(self._new(parent_inode, name, stat.S_IFLNK | 0o777, ctx, 0, target))
 
+    @guarded
     async def create(self, parent_inode, name, mode, flags, ctx):
         fi, x = self.create_open(parent_inode, name, mode, flags, ctx)
         return fi, self._attr(x)
@@ -382,6 +412,7 @@ class CkptOperations(pyfuse3.Operations):
         fh = self.handles.open(x, flags, ctx, fh)
         return self.handles.open_info(x, fh, flags), x
 
+    @guarded
     async def link(self, inode, new_parent_inode, new_name, ctx):
         x = self._inode(inode)
         if x.layer > 0 and not x.is_dir:
@@ -401,6 +432,7 @@ class CkptOperations(pyfuse3.Operations):
         x.lookups += 1
         return self._attr(x)
 
+    @guarded
     async def unlink(self, parent_inode, name, ctx):
         parent = self._dir(parent_inode)
         x = self.ns.child(parent, name)
@@ -424,6 +456,7 @@ class CkptOperations(pyfuse3.Operations):
         if self.view is not None:
             self.view.own_removed(parent)
 
+    @guarded
     async def rmdir(self, parent_inode, name, ctx):
         parent = self._dir(parent_inode)
         x = self.ns.child(parent, name)
@@ -446,6 +479,7 @@ class CkptOperations(pyfuse3.Operations):
         if self.view is not None:
             self.view.own_removed(parent)
 
+    @guarded
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         op = self._dir(parent_inode_old)
         np_ = self._dir(parent_inode_new)
@@ -494,6 +528,7 @@ class CkptOperations(pyfuse3.Operations):
             self._touch_dir(np_, now)
 
     # ------------------------------------------------------------ files (fuse/handles.py)
+    @guarded
     async def open(self, inode, flags, ctx):
         if self.others.refresh_due():
             await self.others.refresh()
@@ -523,10 +558,12 @@ class CkptOperations(pyfuse3.Operations):
         fh = self.handles.open(x, flags, ctx, plan=plan)
         return self.handles.open_info(x, fh, flags)
 
+    @guarded
     async def read(self, fh, off, size, gather=False):
         """pyfuse3's READ; `gather` (the fast path): a list of buffers instead of one."""
         return await self.handles.read(fh, off, size, gather)
 
+    @guarded
     async def write(self, fh, off, buf):
         handles = self.handles
         h, x, n = handles.write_target(fh, off, len(buf))
@@ -539,6 +576,7 @@ class CkptOperations(pyfuse3.Operations):
         handles.wrote(h, x, off + n, n)
         return n
 
+    @guarded
     async def flush(self, fh):
         # close() does not wait for durability (the product's promise); a handle that wrote
         # learns about a pending flusher error (ENOSPC, EIO) at close at the latest.
@@ -546,9 +584,11 @@ class CkptOperations(pyfuse3.Operations):
         if self.flusher.error is not None and h is not None and h.wrote:
             raise _err(self.flusher.error.errno or errno.EIO)
 
+    @guarded
     async def release(self, fh):
         self.handles.release_now(fh)
 
+    @guarded
     async def fsync(self, fh, datasync):
         self.fsyncs += 1
         await self._barrier()
@@ -568,37 +608,45 @@ class CkptOperations(pyfuse3.Operations):
             raise _err(errno.EINTR)
 
     # ------------------------------------------------------------ directories
+    @guarded
     async def opendir(self, inode, ctx):
         if self.others.refresh_due():
             await self.others.refresh()
         x = self._dir(inode)
         return self.handles.open_dir(x, self.listings.open(x))
 
+    @guarded
     async def readdir(self, fh, start_id, token):
         h = self.handles.by_fh.get(fh)
         if h is None:
             raise _err(errno.EBADF)
         self.listings.fill(h.flags, h.ino, start_id, token)
 
+    @guarded
     async def releasedir(self, fh):
         h = self.handles.by_fh.pop(fh, None)
         if h is not None:
             self.listings.close(h.flags)
 
+    @guarded
     async def fsyncdir(self, fh, datasync):
         self.fsyncs += 1
         await self._barrier()
 
     # ------------------------------------------------------------ xattrs (fuse/control.py)
+    @guarded
     async def getxattr(self, inode, name, ctx):
         return await self.control.getxattr(inode, name, ctx)
 
+    @guarded
     async def listxattr(self, inode, ctx):
         return self.control.listxattr(inode)
 
+    @guarded
     async def setxattr(self, inode, name, value, ctx):
         raise _err(errno.ENOTSUP)
 
+    @guarded
     async def removexattr(self, inode, name, ctx):
         raise _err(errno.ENOTSUP)
 
@@ -616,24 +664,3 @@ async def idle_sealer(ops: CkptOperations, idle_s: float) -> None:
         elif journal.entries and staging.open is None and flusher.inflight_segments == 0:
             flusher.kick()
 
-
-def _guard(fn):
-    """An unexpected exception in a handler must not take the daemon (and the mount) down:
-    log it with its traceback and answer EIO."""
-    import functools
-
-    @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
-        try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-    return wrapper
-
-
-for _name, _fn in list(vars(CkptOperations).items()):
-    if _name in dir(pyfuse3.Operations) and not _name.startswith("_") and callable(_fn):
-        setattr(CkptOperations, _name, _guard(_fn))

@@ -64,8 +64,8 @@ class Releases:
         self.held_at = time.perf_counter()
 
     def now(self, fh: int) -> None:
-        """A released handle's work, now; an error is logged, as ops._guard does for
-        pyfuse3's calls: the RELEASE was answered already."""
+        """A released handle's work, now; an error is logged, as ops.guarded does for the
+        handlers: the RELEASE was answered already."""
         try:
             self.release_now(fh)
         except Exception:
