@@ -35,6 +35,7 @@ from ckptfs.datapath.readplan import ReadPlan
 from ckptfs.datapath.staging import Staging
 from ckptfs.format.records import MAX_FILE_BYTES, SetattrRec
 from ckptfs.fuse.control import CTL_STATS_INO, Control
+from ckptfs.fuse.listings import Listing, Listings
 from ckptfs.fuse.refresh import ATTRS
 from ckptfs.namespace import CONTROL_LAYER, Inode, Namespace
 
@@ -82,13 +83,15 @@ class Handles:
     handed out, what they read and wrote (the status's counts)."""
 
     def __init__(self, ns: Namespace, staging: Staging, journal: Journal, reader: Reader,
-                 dcp: DcpReads, control: Control, settings, refresher=None) -> None:
+                 dcp: DcpReads, control: Control, settings, refresher=None,
+                 listings: Listings | None = None) -> None:
         """`ns`: the tree; `staging` and `journal`: where a WRITE's bytes and their extent
         entries go; `reader`: the read path; `dcp`: which opens get a read plan
         (datapath/dcpreads.py); `control`: the control files (a stats.json handle reads its
         snapshot); `settings`: the mount's (ops.Settings: readonly, direct_writes,
         direct_reads, checksum_block); `refresher`: sends the kernel's invalidations
-        (fuse/refresh.py; None: pyfuse3 sends them)."""
+        (fuse/refresh.py; None: pyfuse3 sends them); `listings`: what directory handles
+        list (fuse/listings.py)."""
         self.ns = ns
         self.staging = staging
         self.journal = journal
@@ -97,6 +100,7 @@ class Handles:
         self.control = control
         self.settings = settings
         self.refresher = refresher
+        self.listings = listings
         self.negotiated = Negotiated(direct_reads=bool(settings.direct_reads))
         self.by_fh: dict[int, Handle] = {}
         self.next_fh = 1
@@ -141,8 +145,10 @@ class Handles:
         x.opens += 1
         return fh
 
-    def open_dir(self, x: Inode, listing) -> int:
-        """A handle of directory x that lists `listing` (fuse/listings.py): its number."""
+    def open_dir(self, x: Inode) -> int:
+        """A handle of directory x, which lists x as it is now (Listings.open): its number. It
+        is no open of x's (`opens` counts files' handles: they read and write)."""
+        listing = self.listings.open(x)
         fh = self.reserve_handle()
         self.by_fh[fh] = Handle(x, listing)
         return fh
@@ -370,14 +376,25 @@ class Handles:
             h.inode.opens -= 1
             self.ns.maybe_forget(h.inode)
 
+    def release_dir(self, fh) -> None:
+        """RELEASEDIR's work: the directory handle goes, and its listing with its last
+        handle."""
+        h = self.by_fh.pop(fh, None)
+        if h is not None:
+            self.listings.close(h.flags)
+
     def release_all(self) -> None:
         """When the request loop has ended: every handle still open is released, as its
         RELEASE would have. The kernel sends RELEASE without waiting for it, and an unmount
         aborts the requests not read yet (it sends a FUSE mount no DESTROY to wait for
         them), so a file let go of just before the unmount has its RELEASE dropped; what
-        the release journals (the written file's times) goes into the last commit instead."""
-        for fh in list(self.by_fh):
+        the release journals (the written file's times) goes into the last commit instead.
+        A directory's handle is released as its RELEASEDIR would have (release_dir)."""
+        for fh, h in list(self.by_fh.items()):
             try:
-                self.release_now(fh)
+                if isinstance(h.flags, Listing):
+                    self.release_dir(fh)
+                else:
+                    self.release_now(fh)
             except Exception:  # (the others are still released; the last commit still comes)
                 log.exception("unmount: releasing handle %d", fh)

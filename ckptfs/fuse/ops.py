@@ -167,11 +167,11 @@ class CkptOperations(pyfuse3.Operations):
                                lambda: metrics.status(self), refresher)
         # the DCP read policy: which read-only opens get a read plan (datapath/dcpreads.py)
         self.dcp = DcpReads(ns, reader, IO_BLOCK_BYTES)
-        # the open handles, their reads and writes (fuse/handles.py)
-        self.handles = Handles(ns, staging, journal, reader, self.dcp, self.control, settings,
-                               refresher)
         # the listings open directory handles hold (fuse/listings.py)
         self.listings = Listings(ns, self._attr, self.dcp.saw_name)
+        # the open handles, their reads and writes (fuse/handles.py)
+        self.handles = Handles(ns, staging, journal, reader, self.dcp, self.control, settings,
+                               refresher, self.listings)
         # the wait for the next request, for its figures in the status: the daemon installs it
         # right after pyfuse3.init(), which these handlers are built for (loop.install)
         self.request_wait: loop.RequestWait | None = None
@@ -612,8 +612,7 @@ class CkptOperations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         if self.others.refresh_due():
             await self.others.refresh()
-        x = self._dir(inode)
-        return self.handles.open_dir(x, self.listings.open(x))
+        return self.handles.open_dir(self._dir(inode))
 
     @guarded
     async def readdir(self, fh, start_id, token):
@@ -624,9 +623,7 @@ class CkptOperations(pyfuse3.Operations):
 
     @guarded
     async def releasedir(self, fh):
-        h = self.handles.by_fh.pop(fh, None)
-        if h is not None:
-            self.listings.close(h.flags)
+        self.handles.release_dir(fh)
 
     @guarded
     async def fsyncdir(self, fh, datasync):
