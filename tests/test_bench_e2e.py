@@ -126,10 +126,8 @@ def test_node_tier_contender_reports_each_level(tmp_path):
     work, local = tmp_path / "work", tmp_path / "local"
     work.mkdir()
     local.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "ckptfs", "bench", "e2e", "--quick",
-                           "--contenders", "ckptfs,ckptfs_tier", "--local-base", str(local),
-                           "--dir", str(work), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "e2e", "--quick", "--contenders", "ckptfs,ckptfs_tier", "--local-base",
+               local, "--dir", work, "--json", out, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     tier = {r["contender"]: r for r in res["runs"]}["ckptfs_tier"]
