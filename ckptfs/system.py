@@ -72,6 +72,23 @@ def steal_seconds() -> float:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
+def cpu_seconds_named(prefix: str) -> float:
+    """CPU seconds the running processes whose name (comm) starts with `prefix` have used so
+    far (e.g. "gluster": a GlusterFS client's and its bricks' on this machine)."""
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if not f.read().startswith(prefix):
+                    continue
+        except OSError:
+            continue
+        total += cpu_seconds(pid) or 0.0
+    return total
+
+
 def busy_seconds() -> float:
     """CPU seconds all of this machine's CPUs have spent busy so far (/proc/stat: everything
     but idle and iowait); a difference over a wall-clock interval is the average number of

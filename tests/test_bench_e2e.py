@@ -74,7 +74,7 @@ def test_quick_run_is_complete_and_verified(tmp_path):
             assert "daemon_save_cpu_s_per_gb" not in m, key
         # the machine's busy CPUs during each save: something ran (the save itself), and
         # never more than the machine has
-        assert 0 < m["busy_cpus_save"] <= os.cpu_count(), key
+        assert 0 < m["busy_cpus_save"] <= os.cpu_count() + 0.05, key
     assert ck["status_bytes_durable"] >= payload
     assert res["summary"]["ckptfs"]["time_vs_ckptfs"]["durable_s"] == pytest.approx(1.0)
     # the performance targets are judged from the same medians, every one of them (all
@@ -133,8 +133,13 @@ def test_node_tier_contender_reports_each_level(tmp_path):
     tier = {r["contender"]: r for r in res["runs"]}["ckptfs_tier"]
     assert tier["ok"] and tier["verified"] is True, tier.get("error")
     assert tier["blocked_s"] <= tier["durable_s"] <= tier["backing_durable_s"], tier
-    assert 0 < tier["busy_cpus_save"] <= os.cpu_count(), tier
-    assert 0 < tier["busy_cpus_backing"] <= os.cpu_count(), tier
+    # where the CPU went: the save ran in the bench's process, the daemon worked until the
+    # drain was done; the machine's busy CPUs within what it has (a clock tick's slack)
+    assert tier["bench_save_cpu_s"] > 0 and tier["daemon_backing_cpu_s"] > 0, tier
+    assert tier["busy_backing_cpu_s"] >= tier["busy_save_cpu_s"] > 0, tier
+    m = res["summary"]["ckptfs_tier"]["median"]
+    assert 0 < m["busy_cpus_save"] <= os.cpu_count() + 0.05, m
+    assert 0 < m["busy_cpus_backing"] <= os.cpu_count() + 0.05, m
     assert "busy CPUs" in proc.stdout
     assert _our_mounts(str(tmp_path)) == []
     assert os.listdir(work) == [] and os.listdir(local) == []

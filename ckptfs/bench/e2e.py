@@ -41,10 +41,10 @@ import traceback
 
 from ckptfs import api, bench
 from ckptfs.bench import models, targets
-from ckptfs.bench.peers import CONTENDERS
+from ckptfs.bench.peers import CONTENDERS, cpu_now, cpu_since
 from ckptfs.bench.throttle import Throttle
 from ckptfs.fuse import ring
-from ckptfs.system import busy_seconds, guest_halt_poll_ns, libc, status_bytes
+from ckptfs.system import guest_halt_poll_ns, libc, status_bytes
 
 
 DEFAULT_CONTENDERS = ("straight", "straight_fsync", "ckptfs", "ckptfs_pc", "ckptfs_uring", "dcp",
@@ -183,7 +183,8 @@ class Run:
         self.extra: dict = {}
         self.override: dict = {}  # times a contender measures itself (fio)
         self.t_blocked: float | None = None
-        self.busy0 = 0.0  # busy_seconds() when the save started
+        self.cpu0: dict[str, float] = {}  # peers.cpu_now() when the save started
+        self.daemon_cpu0: float | None = None  # the daemon's CPU seconds then
         self.bytes_moved = w.payload_bytes
         os.makedirs(self.backing)
 
@@ -209,11 +210,12 @@ def run_one(cfg: Config, w: Workload, key: str, tag: str) -> dict:
         c.setup(run)
         res["caches_dropped_save"] = drop_caches()
         rss0 = reset_peak_rss()
-        run.busy0 = busy_seconds()
+        run.cpu0 = cpu_now()
         t0 = time.perf_counter()
         c.save(run)
         t1 = time.perf_counter()
-        res["busy_cpus_save"] = (busy_seconds() - run.busy0) / (t1 - t0)
+        res.update(cpu_since(run.cpu0, "save"))
+        res["save_wall_s"] = t1 - t0  # (durable_s may be what the contender measured itself)
         res["blocked_s"] = (run.t_blocked or t1) - t0
         res["durable_s"] = t1 - t0
         res["rss_before_save_bytes"] = rss0
@@ -276,7 +278,9 @@ FIELDS = ("blocked_s", "durable_s", "backing_durable_s", "restore_s", "files_cre
           "dirs_created", "fsyncs",
           "rss_peak_save_bytes", "rss_peak_restore_bytes", "daemon_peak_rss_bytes",
           "daemon_restore_peak_rss_bytes", "unmount_s", "remount_s", "bytes_in_files",
-          "daemon_save_cpu_s", "daemon_restore_cpu_s", "busy_cpus_save", "busy_cpus_backing")
+          "daemon_save_cpu_s", "daemon_restore_cpu_s", "daemon_backing_cpu_s",
+          "busy_save_cpu_s", "bench_save_cpu_s", "gluster_save_cpu_s",
+          "busy_backing_cpu_s", "bench_backing_cpu_s", "gluster_backing_cpu_s")
 
 
 def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
@@ -301,9 +305,17 @@ def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
             med["blocked_gbps"] = nbytes / med["blocked_s"] / 1e9
         if med.get("restore_s"):
             med["restore_gbps"] = nbytes / med["restore_s"] / 1e9
-        for f in ("daemon_save_cpu_s", "daemon_restore_cpu_s"):  # per GB of payload
+        for f in ("daemon_save_cpu_s", "daemon_restore_cpu_s", "daemon_backing_cpu_s",
+                  "bench_save_cpu_s", "gluster_save_cpu_s", "bench_backing_cpu_s",
+                  "gluster_backing_cpu_s"):  # per GB of payload
             if med.get(f) is not None:
                 med[f + "_per_gb"] = med[f] / (nbytes / 1e9)
+        for step, span in (("save", "save_wall_s"), ("backing", "backing_durable_s")):
+            # the machine's CPUs busy on average over the step: near their number, they bound it
+            vals = [r[f"busy_{step}_cpu_s"] / r[span] for r in good
+                    if r.get(f"busy_{step}_cpu_s") is not None and r.get(span)]
+            if vals:
+                med[f"busy_cpus_{step}"] = statistics.median(vals)
         cls = CONTENDERS[key]
         out[key] = {"label": cls.label, "limit": cls.limit, "durable": cls.durable,
                     "runs_ok": len(good), "runs": len(rs), "bytes": nbytes,

@@ -27,12 +27,27 @@ import warnings
 
 from ckptfs import api
 from ckptfs.bench import models
-from ckptfs.system import busy_seconds, cpu_seconds, status_bytes
+from ckptfs.system import busy_seconds, cpu_seconds, cpu_seconds_named, status_bytes
 
 MiB = 1 << 20
 
 
 # ------------------------------------------------------------------------ shared helpers
+def cpu_now() -> dict[str, float]:
+    """CPU seconds used so far: by the machine's CPUs ("busy"), by this process ("bench": the
+    save and the restore run here), by the GlusterFS processes on this machine ("gluster":
+    its client and bricks; 0 without them). Their differences over a step say where the CPU
+    went, and against its wall time whether the CPUs bound it."""
+    return {"busy": busy_seconds(), "bench": cpu_seconds("self") or 0.0,
+            "gluster": cpu_seconds_named("gluster")}
+
+
+def cpu_since(before: dict[str, float], step: str) -> dict[str, float]:
+    """{"busy_<step>_cpu_s": ..., "bench_<step>_cpu_s": ..., ...} since `before` (cpu_now())."""
+    now = cpu_now()
+    return {f"{k}_{step}_cpu_s": now[k] - before[k] for k in now}
+
+
 def _cpu_delta(pid: int, before: float | None) -> float | None:
     after = cpu_seconds(pid)
     return None if before is None or after is None else after - before
@@ -223,7 +238,7 @@ class Ckptfs(Contender):
         save_per_tensor(run.w, run.mountpoint)
 
     def save(self, run) -> None:
-        cpu0 = cpu_seconds(run.mount.pid)
+        cpu0 = run.daemon_cpu0 = cpu_seconds(run.mount.pid)
         with Watchdog(run.mount, run.cfg.step_timeout, "save + sync"):
             self._save(run)
             if run.t_blocked is None:  # (an asynchronous save marks it when its call returns)
@@ -396,8 +411,8 @@ class CkptfsTier(Ckptfs):
         with Watchdog(run.mount, run.cfg.step_timeout, "sync --level backing"):
             run.mount.sync("backing")
         run.extra["backing_durable_s"] = time.perf_counter() - run.t_save
-        run.extra["busy_cpus_backing"] = ((busy_seconds() - run.busy0)
-                                          / run.extra["backing_durable_s"])
+        run.extra.update(cpu_since(run.cpu0, "backing"))
+        run.extra["daemon_backing_cpu_s"] = _cpu_delta(run.mount.pid, run.daemon_cpu0)
         super().after_save(run)
 
     def cleanup(self, run) -> None:
