@@ -25,7 +25,7 @@ import trio
 from ckptfs import options
 from ckptfs.api import mount_at, status_socket_name
 from ckptfs.datapath import cleaner, tier
-from ckptfs.datapath.flusher import Flusher
+from ckptfs.datapath.flusher import ErrorNotices, Flusher
 from ckptfs.datapath.journal import Journal
 from ckptfs.datapath.maintainer import Maintainer
 from ckptfs.datapath.readcache import ReadCache
@@ -44,7 +44,7 @@ from ckptfs import metrics, system
 from ckptfs.metrics import stats_exporter
 from ckptfs.fuse.refresh import Refresher
 from ckptfs.io import probe_direct, probe_direct_read
-from ckptfs.namespace import Namespace
+from ckptfs.namespace import ChangeNotices, Namespace
 from ckptfs.options import format_size
 from ckptfs.replay import replay, validate_extents
 from ckptfs.peers import Peers
@@ -297,8 +297,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     journal = Journal()
     # the live bytes of the own data logs: every own extent map reports what it lets go of
     space = cleaner.LogSpace(facts["align"]) if wd is not None else None
+    # what the tree's changes and the flusher's errors are told to: the queue threads listen
+    # while they run (fuse/queues.py)
+    change_notices = ChangeNotices()
+    flush_errors = ErrorNotices()
     ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid(),
-                   on_dead=space.dead if space is not None else None)
+                   on_dead=space.dead if space is not None else None, notices=change_notices)
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
@@ -365,12 +369,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # (the flusher has the pool faulted in once the mount serves: a mount does not wait for
     # hundreds of ms of the kernel's page faults, on a VM whose memory is backed lazily)
     staging = Staging(seg_bytes, staging_bytes, lambda seg: flusher.seal_hook(seg))
-    flusher = Flusher(own.dir if wd else None, cfg.writer_id, staging, journal,
-                      engine=cfg.engine, depth=cfg.queue_depth, direct=facts["direct"],
-                      align=facts["align"], log_bytes=facts.get("log_bytes", cfg.log_bytes),
-                      next_log=next_log, index=index,
-                      io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
-                      stripe_bytes=cfg.stripe_bytes, fixed_buffers=cfg.populate)
+
+    # A defect in the read cache's loader threads or the node tier's drain fails the mount:
+    # the flusher holds that state, and is made after them (it takes the tier)
+    def fail(exc: BaseException, where: str) -> None:
+        flusher.fail(exc, where)
+
     # requests whose caller is being killed, answered early (the fast path, the barriers, the
     # reader's disk waits)
     interrupts = Interrupts()
@@ -378,7 +382,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # threads)
     cache = ReadCache(RunReader(union.writer_dirs, direct=facts["direct"],
                                 fallback={0: mirror.path} if mirror else None),
-                      cfg.read_cache_bytes, background=True, on_fatal=flusher.fail)
+                      cfg.read_cache_bytes, background=True, on_fatal=fail)
     reader = Reader(cache, cfg.prefetch_bytes, interruptible=interrupts.waiting,
                     in_memory=staging.in_memory)
     node_tier = None
@@ -389,16 +393,22 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                               engine=cfg.engine,
                               depth=cfg.queue_depth, direct=facts["backing_direct"],
                               io_chunk_bytes=cfg.io_chunk_bytes, local_direct=facts["direct"],
-                              on_fatal=flusher.fail, open_logs=flusher.open_logs, cache=cache)
-        flusher.tier = node_tier
-        flusher.durability = cfg.durability
+                              on_fatal=fail, open_logs=lambda: flusher.open_logs(),
+                              cache=cache)
+    flusher = Flusher(own.dir if wd else None, cfg.writer_id, staging, journal,
+                      engine=cfg.engine, depth=cfg.queue_depth, direct=facts["direct"],
+                      align=facts["align"], log_bytes=facts.get("log_bytes", cfg.log_bytes),
+                      next_log=next_log, index=index,
+                      io_chunk_bytes=cfg.io_chunk_bytes, data_logs=cfg.data_logs,
+                      stripe_bytes=cfg.stripe_bytes, fixed_buffers=cfg.populate,
+                      flush_errors=flush_errors, tier=node_tier, durability=cfg.durability,
+                      written_hook=lambda seg: cache.invalidate(
+                          0, seg.log, seg.loff, round_up(seg.used, facts["align"])),
+                      durable_hook=space.durable if space is not None else None)
     replayed = list(ns.inodes.values())  # (their runs noted once the mount serves)
-    flusher.written_hook = lambda seg: cache.invalidate(0, seg.log, seg.loff,
-                                                        round_up(seg.used, facts["align"]))
     maintainer = None
     if space is not None:
         space.count(ns, {**backingdir.data_logs(wd.path), **backingdir.data_logs(own.path)})
-        flusher.durable_hook = space.durable
         maintainer = Maintainer(
             ns, journal, flusher, cache, staging, space, own.dir, cfg, tier=node_tier,
             mirror=mirror.dir if mirror is not None else None,
@@ -418,7 +428,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         log.info("this VM's idle CPUs halt without polling (cpuidle haltpoll, "
                  "guest_halt_poll_ns 0): each FUSE round trip pays a wake-up through the "
                  "hypervisor; docs/tuning.md says what polling is worth here")
-    refresher = Refresher(peers, journal, cache, cfg.backing, cfg.refresh_s)
+    refresher = Refresher(peers, journal, cache, change_notices, cfg.backing, cfg.refresh_s)
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
                          view=view, refresher=refresher, maintainer=maintainer)
@@ -458,7 +468,8 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
         attach = (lambda fd, spin_s: FastPath.attach(
-            fd, ops, spin_s, interrupts, cfg.fuse_uring, cfg.queue_threads is not False)) \
+            fd, ops, spin_s, interrupts, change_notices, flush_errors, cfg.fuse_uring,
+            cfg.queue_threads is not False)) \
             if cfg.fast_path else loop.RequestWait
         ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
         if ops.request_wait is not None:

@@ -113,8 +113,7 @@ def status(ops) -> dict:
         "shared_mmap_of_direct_files": ops.handles.negotiated.shared_mmap_direct,
         **(ops.request_wait.counts() if ops.request_wait else loop.NO_COUNTS),
         **(ops.maintainer.status() if ops.maintainer is not None else {}),
-        **({"durability": ops.flusher.durability, **ops.flusher.tier.status()}
-           if ops.flusher.tier is not None else {}),
+        **ops.flusher.tier_status(),
     }
 
 

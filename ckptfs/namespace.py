@@ -109,9 +109,10 @@ class Inode:
 _DIR_CHANGES = frozenset((InodeRec, RenameRec, UnlinkRec, LinkRec, XUnlinkRec))
 
 
-class Watch(Protocol):
-    """What is told of the tree's changes (fuse/ring.Ring: what its queue threads answer from
-    a copy of the trio thread's answers goes when the tree changes under it)."""
+class ChangeListener(Protocol):
+    """What listens to the tree's changes (fuse/answers.AnswerCache while the queue threads
+    run: what they answer from a copy of the trio thread's answers goes when the tree changes
+    under it)."""
 
     def dirs_changed(self) -> None:
         """A directory's attributes or entries changed."""
@@ -126,16 +127,54 @@ class Watch(Protocol):
         """A file's attributes changed (a SETATTR, a size)."""
 
 
+class ChangeNotices:
+    """Where the mount's tree changes are told: by its Namespace (each change it makes) and
+    its Refresher (a look that brings other writers' changes). The mount makes one and gives
+    it to both; a listener is attached while it runs (the answer cache, for the queue
+    threads' life: fuse/queues.py), and until then the notices go to no one. Trio thread."""
+
+    def __init__(self) -> None:
+        self._listener: ChangeListener | None = None
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
+    def attach(self, listener: ChangeListener) -> None:
+        self._listener = listener
+
+    def detach(self) -> None:
+        self._listener = None
+
+    def dirs_changed(self) -> None:
+        if self._listener is not None:
+            self._listener.dirs_changed()
+
+    def name_added(self, parent: int, name: bytes) -> None:
+        if self._listener is not None:
+            self._listener.name_added(parent, name)
+
+    def view_changed(self) -> None:
+        if self._listener is not None:
+            self._listener.view_changed()
+
+    def files_changed(self) -> None:
+        if self._listener is not None:
+            self._listener.files_changed()
+
+
 class Namespace:
-    """The tree. `journal_hook(rec)` receives every change made through `change()`; `watch`,
-    if set, is told after each of them that changed a directory or a file's attributes;
+    """The tree. `journal_hook(rec)` receives every change made through `change()`; `notices`
+    (the mount's own tree) are told after each of them that changed a directory or a file's
+    attributes;
     `on_dead(run, n)` is given to the extent map of every file the tree makes (a mount's own
     tree: cleaner.LogSpace.dead, which counts the bytes of its data logs that no map points
     at any more; staging.ExtentMap)."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
                  gid: int = 0, now_ns: int | None = None,
-                 on_dead: Callable[[Run, int], None] | None = None) -> None:
+                 on_dead: Callable[[Run, int], None] | None = None,
+                 notices: ChangeNotices | None = None) -> None:
         now = time.time_ns() if now_ns is None else now_ns
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 0, now, now, now)
         root.nlink = 2
@@ -144,7 +183,7 @@ class Namespace:
         self.next_ino = ROOT_INO + 1
         self.journal_hook = journal_hook
         self.on_dead = on_dead
-        self.watch: Watch | None = None
+        self.notices = notices
         self.layer = 0  # the writer layer that replayed records belong to (replay.py)
         self.retired: set[int] = set()  # data logs a RETIRE record named
         self.last_log = 0  # the highest data log number a record named (never reused)
@@ -225,8 +264,8 @@ class Namespace:
         if not in_range(rec):
             check(rec)
         self.apply(rec)
-        w = self.watch
-        if w is not None:
+        w = self.notices
+        if w is not None and w.listening:
             t = type(rec)
             if t in _DIR_CHANGES or (t is SetattrRec and (x := self.inodes.get(rec.ino))
                                      is not None and x.children is not None):

@@ -58,6 +58,33 @@ def test_failing_fs_itself(failing):
     print("\nprobe_direct on failing_fs:", probe_direct(mnt))
 
 
+def test_the_flushers_error_is_told_as_it_comes_and_to_a_listener_that_attaches_later():
+    """The flusher tells its error notices when it has an error; a listener (the ring's, while
+    the queue threads run: they answer FLUSH only while there is none) attached after it came
+    is told at once. No mount: a flusher that is not started, failed by a defect."""
+    import trio
+
+    from ckptfs.datapath.flusher import ErrorNotices, Flusher
+    from ckptfs.datapath.journal import Journal
+    from ckptfs.datapath.staging import Staging
+
+    async def main() -> None:
+        notices, before, after = ErrorNotices(), [], []
+        staging = Staging(64 << 10, 128 << 10, lambda seg: None)
+        flusher = Flusher(None, "w0", staging, Journal(), engine="posix", depth=1,
+                          direct=False, align=4096, log_bytes=MiB, next_log=1, index=None,
+                          io_chunk_bytes=64 << 10, flush_errors=notices)
+        notices.attach(before.append)
+        flusher.fail(RuntimeError("a defect"), "a test")
+        notices.detach()
+        notices.attach(after.append)
+        assert before == [False, True] and after == [True]
+        assert flusher.error is flusher.failed is not None
+        staging.close()
+
+    trio.run(main)
+
+
 def test_eio_then_recovery(failing, mounts):
     backing = os.path.join(failing.mountpoint, "b")
     os.mkdir(backing)

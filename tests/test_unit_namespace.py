@@ -22,7 +22,7 @@ from ckptfs.format.records import (
     SizeRec,
     UnlinkRec,
 )
-from ckptfs.namespace import RENAME_EXCHANGE, ROOT_INO, Namespace
+from ckptfs.namespace import RENAME_EXCHANGE, ROOT_INO, ChangeNotices, Namespace
 
 REG, DIR, LNK = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777
 
@@ -257,6 +257,56 @@ def test_failed_change_is_not_journaled(ns):
     with pytest.raises(FormatError):
         ns.change(UnlinkRec(1, b"missing"))
     assert seen == []
+
+
+class Heard:
+    """A listener of the change notices (as the answer cache is while the queue threads run):
+    what it was told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list = []
+
+    def dirs_changed(self) -> None:
+        self.told.append("dirs")
+
+    def files_changed(self) -> None:
+        self.told.append("files")
+
+    def view_changed(self) -> None:
+        self.told.append("view")
+
+    def name_added(self, parent: int, name: bytes) -> None:
+        self.told.append(("name", parent, name))
+
+
+def test_change_notices_tell_the_listener_attached_what_each_change_changed():
+    """The namespace made with change notices tells them each change of a directory (and
+    every name a directory gains) or of a file's attributes, and the refresher's view
+    changes come the same way; the listener attached hears them, none before it is
+    attached or after it is detached."""
+    notices, heard = ChangeNotices(), Heard()
+    n = Namespace(now_ns=1, notices=notices)
+    n.change(mk(2, 1, b"a"))
+    n.change(mk(3, 1, b"d", DIR))
+    assert not notices.listening and heard.told == []
+    notices.attach(heard)
+    n.change(mk(4, 3, b"b"))
+    n.change(LinkRec(4, 1, b"h"))
+    n.change(RenameRec(3, b"b", 1, b"c"))
+    n.change(RenameRec(1, b"a", 1, b"c", RENAME_EXCHANGE))
+    n.change(SetattrRec(3, DIR, 5, 6, 1, 1, 1))  # a directory's attributes
+    n.change(SetattrRec(2, REG, 5, 6, 1, 1, 1))  # a file's
+    n.change(SizeRec(2, 5, 2, 2))
+    n.change(UnlinkRec(1, b"h"))
+    notices.view_changed()
+    assert heard.told == ["dirs", ("name", 3, b"b"), "dirs", ("name", 1, b"h"),
+                          "dirs", ("name", 1, b"c"),
+                          "dirs", ("name", 1, b"c"), ("name", 1, b"a"),
+                          "dirs", "files", "files", "dirs", "view"]
+    notices.detach()
+    n.change(UnlinkRec(1, b"c"))
+    notices.view_changed()
+    assert len(heard.told) == 14 and names(n) == {b"a": 4, b"d": 3}
 
 
 def test_replaying_the_same_records_builds_the_same_tree(ns):

@@ -260,7 +260,7 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
     takes 0.3 s."""
     trio = pytest.importorskip("trio")
     from ckptfs.fuse.refresh import Refresher
-    from ckptfs.namespace import Namespace
+    from ckptfs.namespace import ChangeNotices, Namespace
     from ckptfs.peers import Peers
     from ckptfs.view import Union
 
@@ -276,7 +276,7 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
 
     async def main() -> None:
         r = Refresher(Peers(Namespace(now_ns=0), Union(), str(tmp_path), "w0"), Journal(), None,
-                      str(tmp_path), REFRESH)
+                      ChangeNotices(), str(tmp_path), REFRESH)
         r._look = slow_look
         r.last = r.fresh = trio.current_time() - REFRESH  # (the view is --refresh old)
         async with trio.open_nursery() as nursery:

@@ -83,13 +83,47 @@ class FlushStats:
         self.swap_seconds = 0.0  # how long the last index snapshot held the commits up
 
 
+class ErrorNotices:
+    """Whether the flusher has an error now (a failed write or sync, not yet healed), told by
+    the flusher as it changes to who listens: the queue threads while they run (they answer
+    FLUSH themselves only while there is none: fuse/ring.py, Ring.flush_fails). The mount
+    makes one and gives it to the flusher and to the queue threads' owner (fuse/queues.py).
+    Trio thread."""
+
+    def __init__(self) -> None:
+        self.failing = False
+        self._listener: Callable[[bool], None] | None = None
+
+    def report(self, failing: bool) -> None:
+        """The flusher: it has an error from now on (True), or no more (False)."""
+        self.failing = failing
+        if self._listener is not None:
+            self._listener(failing)
+
+    def attach(self, listener: Callable[[bool], None]) -> None:
+        """`listener(failing)` is told the state now, then every change of it."""
+        self._listener = listener
+        listener(self.failing)
+
+    def detach(self) -> None:
+        self._listener = None
+
+
 class Flusher:
     """Owns the flusher thread and the barrier logic. Create and use from the trio thread."""
 
     def __init__(self, where, writer_id: str, staging: Staging, journal: Journal,
                  *, engine: str, depth: int, direct: bool, align: int, log_bytes: int,
                  next_log: int, index: IndexWriter | None, io_chunk_bytes: int,
-                 data_logs: int = 1, stripe_bytes: int = 0, fixed_buffers: bool = True) -> None:
+                 data_logs: int = 1, stripe_bytes: int = 0, fixed_buffers: bool = True,
+                 flush_errors: ErrorNotices, tier=None, durability: str = "backing",
+                 written_hook: Callable[[Segment], None] | None = None,
+                 durable_hook: Callable[[Segment], None] | None = None) -> None:
+        """`flush_errors`: told when `error` is set and when it clears; `tier`: the node tier
+        (datapath/tier.py; None without --local-dir), told each commit, asked for local room
+        before segments are written; `durability`: the level fsync and a barrier without one
+        wait for ("backing" or "node"); `written_hook(seg)` and `durable_hook(seg)`: called
+        (trio thread) with each segment once it is on disk, once it is durable."""
         self.where = where  # the writer's directory, held open (backingdir.Dir; None: read-only)
         self.writer_id = writer_id
         self.staging = staging
@@ -106,8 +140,8 @@ class Flusher:
         # can be reused before the fdatasync. Buffered writes can still fail at fdatasync
         # (ENOSPC at writeback), so their buffers are kept until then.
         self.release_early = direct
-        self.written_hook = None  # called (trio thread) with each segment once it is on disk
-        self.durable_hook = None  # called (trio thread) with each segment once it is durable
+        self.written_hook = written_hook
+        self.durable_hook = durable_hook
         self.in_flight: set[Segment] = set()  # sealed, not yet durable (trio thread)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: OSError | None = None
@@ -115,9 +149,7 @@ class Flusher:
         # defect): every barrier, fsync, sync and the unmount fail with it (EIO) from then on,
         # and nothing waits for a commit that cannot come.
         self.failed: OSError | None = None
-        # told when `error` is set and when it clears (FUSE over io_uring's queue threads answer
-        # FLUSH themselves while there is none: fuse/ring.py)
-        self.error_hook: Callable[[bool], None] | None = None
+        self.flush_errors = flush_errors
         self.committed = trio.Event()
         self.stats = FlushStats()
         self.engine_name = "?"
@@ -135,11 +167,8 @@ class Flusher:
         self.logs: LogWriter | None = None
         self.writer: SegmentWriter | None = None
         self._committed_upto = 0  # (the flusher thread's own count: the last upto appended)
-        # The node tier (datapath/tier.py; None without --local-dir): told each commit, asked
-        # for local room before segments are written; `durability`: the level fsync and a
-        # barrier without one wait for ("backing" or "node")
-        self.tier = None
-        self.durability = "backing"
+        self.tier = tier
+        self.durability = durability
 
     # ------------------------------------------------------------ trio side
     def start(self) -> None:
@@ -194,6 +223,12 @@ class Flusher:
                 await self.committed.wait()
         if self.tier is not None and (level or self.durability) == "backing":
             await self.tier.wait_backing(target)
+
+    def tier_status(self) -> dict:
+        """The node tier's figures and the level barriers wait for ({} without the tier)."""
+        if self.tier is None:
+            return {}
+        return {"durability": self.durability, **self.tier.status()}
 
     def level(self, seq: int) -> str:
         """Where a change with sequence number `seq` is durable: "staged" (not yet), "node"
@@ -251,14 +286,12 @@ class Flusher:
         if self.error is not None and self.failed is None:
             self.error = None
             self.staging.error = None
-            if self.error_hook is not None:
-                self.error_hook(False)
+            self.flush_errors.report(False)
 
     def _on_error(self, exc: OSError) -> None:
         self.error = exc
         self.staging.error = exc
-        if self.error_hook is not None:
-            self.error_hook(True)
+        self.flush_errors.report(True)
         self.stats.errors += 1
         self.stats.last_error = f"{exc.__class__.__name__}: {exc}"
         self.staging.free_event.set()  # wake writers waiting for a segment: they see the error

@@ -10,10 +10,12 @@ takes back when it may no longer be true (trio thread only; one exists while the
   next read-only OPEN (`prepare_open`).
 
 Everything that makes them stale goes through one entry point, `invalidate`: the namespace's
-changes (this object is the namespace's watch: dirs_changed, files_changed), an extent map's
-change (emap_changed), a handle that can write (inode), a release (fh), a look that brought
-other writers' changes (view_changed). docs/architecture.md, "What the queue threads answer",
-lists each answer with what invalidates it; fuse/ring_dirs.c and ring_reads.c answer from it.
+changes (dirs_changed, files_changed), an extent map's change (emap_changed), a handle that
+can write (inode), a release (fh), a look that brought other writers' changes (view_changed).
+The namespace and the refresher tell their changes to the mount's change notices
+(namespace.ChangeNotices), which this cache listens to while it exists (fuse/queues.py).
+docs/architecture.md, "What the queue threads answer", lists each answer with what
+invalidates it; fuse/ring_dirs.c and ring_reads.c answer from it.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ class AnswerCache:
     # ------------------------------------------------------------ directories
     def dir_attrs(self, d, nodeid: int, attr_out: bytes) -> None:
         """The queue threads answer GETATTR of directory d with `attr_out`
-        until a directory changes (Namespace.watch, the refresher's look at other
-        writers, a request pyfuse3 served). Only this writer's own directories, under the
+        until a directory changes (the namespace's change notices, the refresher's look at
+        other writers, a request pyfuse3 served). Only this writer's own directories, under the
         number the kernel knows them by."""
         if d.layer == 0 and d.ino == nodeid:
             self.ring.attr_put(nodeid, attr_out, self.ops.inherited_gid(d))
@@ -122,7 +124,7 @@ class AnswerCache:
     def dir_names(self, nodeid: int) -> None:
         """After a LOOKUP of a name not in directory `nodeid`: the queue threads
         answer the next ones (a new file's open(O_CREAT) asks for its name first) from its
-        names (they learn those it gains: Namespace.watch), until a look at other writers is
+        names (they learn those it gains: name_added), until a look at other writers is
         due. Only this writer's own directories, under the number the kernel knows them by;
         one with another writer's directory merged into it loses them at every look that
         brings changes (view_changed), the others keep them."""
@@ -276,7 +278,7 @@ class AnswerCache:
             self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
             self.settle()  # (the files they created are in the tree before others' names)
 
-    # namespace.Watch: what the queue threads answer from follows the tree
+    # namespace.ChangeListener: what the queue threads answer from follows the tree
     def dirs_changed(self) -> None:
         self.invalidate(dirs=True)
 

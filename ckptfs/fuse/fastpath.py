@@ -53,6 +53,7 @@ import struct
 import trio
 
 from ckptfs import failpoints
+from ckptfs.datapath.flusher import ErrorNotices
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.devfuse import DevFuse
 from ckptfs.fuse.dispatch import Dispatch, Request, pieces
@@ -75,6 +76,7 @@ from ckptfs.fuse.protocol import (
 from ckptfs.fuse.queues import QueueThreads
 from ckptfs.fuse.releases import Releases
 from ckptfs.fuse.replies import valid
+from ckptfs.namespace import ChangeNotices
 
 log = logging.getLogger("ckptfs")
 
@@ -92,6 +94,7 @@ class FastPath(RequestWait):
     returns True (pyfuse3 then reads it)."""
 
     def __init__(self, dev: DevFuse, ops, spin_s: float, interrupts: Interrupts,
+                 change_notices: ChangeNotices, flush_errors: ErrorNotices,
                  uring: bool = False, queue_threads: bool = False) -> None:
         super().__init__(dev.fd, spin_s)
         self.dev = dev  # /dev/fuse and the socket pair toward libfuse (fuse/devfuse.py)
@@ -113,7 +116,8 @@ class FastPath(RequestWait):
         # The queue threads (fuse/queues.py): on FUSE over io_uring (--fuse-uring) where the
         # kernel offers it, else on /dev/fuse (--queue-threads); running once INIT is answered
         # (as the negotiation settled)
-        self.queues = QueueThreads(ops, self.entry_valid, self.writes, self.releases)
+        self.queues = QueueThreads(ops, self.entry_valid, self.writes, self.releases,
+                                   change_notices, flush_errors)
         self.ring_turn = 0
         # the requests answered here, by opcode, for both loops (serve_one, serve_ring)
         self.dispatch = Dispatch(ops, self.queues, interrupts, self.writes, self.releases,
@@ -128,9 +132,11 @@ class FastPath(RequestWait):
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts,
+               change_notices: ChangeNotices, flush_errors: ErrorNotices,
                uring: bool = False, queue_threads: bool = False) -> "FastPath":
         """Take /dev/fuse over from libfuse (whose descriptor `lib_fd` becomes a socket)."""
-        return cls(DevFuse.attach(lib_fd), ops, spin_s, interrupts, uring, queue_threads)
+        return cls(DevFuse.attach(lib_fd), ops, spin_s, interrupts, change_notices,
+                   flush_errors, uring, queue_threads)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""

@@ -173,7 +173,8 @@ class Landing:
         would have made them here, with their numbers and time: the INODE record, the open
         handle (the queue threads put it in the writable set themselves; it may be released
         already). The queue threads have the directory's names and attributes as they are
-        after it already (the watch is not told)."""
+        after it already (the answer cache lets the notices of their directories' changes
+        pass meanwhile: `making_created`)."""
         ops, ring, answers = self.ops, self.ring, self.answers
         answers.making_created = True
         try:

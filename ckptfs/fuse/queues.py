@@ -7,6 +7,9 @@ leaves with them and takes in from them: the answer cache (fuse/answers.py), the
 (fuse/landing.py: their WRITEs and CREATEs made real) and the intake (fuse/intake.py: what they
 noted, taken in at every settle), and which request handed over came in which ring entry (its
 answer goes there). Outside that time `ring`, `answers`, `landing` and `intake` are None.
+While they run, the answer cache listens to the mount's change notices (what the namespace and
+the refresher tell of the tree's changes: namespace.ChangeNotices) and the ring to the
+flusher's error notices (datapath/flusher.ErrorNotices); both are the mount's, given here.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ckptfs.datapath.flusher import ErrorNotices
 from ckptfs.fuse import ring as fring
 from ckptfs.fuse.answers import AnswerCache
 from ckptfs.fuse.inplace import InPlaceWrites
 from ckptfs.fuse.intake import Intake
 from ckptfs.fuse.landing import Landing
 from ckptfs.fuse.releases import Releases
+from ckptfs.namespace import ChangeNotices
 
 log = logging.getLogger("ckptfs")
 
@@ -28,14 +33,19 @@ class QueueThreads:
     """The queue threads' life on the trio thread's side: start, figures, stop."""
 
     def __init__(self, ops, entry_valid: tuple[int, int], writes: InPlaceWrites,
-                 releases: Releases) -> None:
-        """`ops`: the handlers (their tree, handles, reader, flusher); `entry_valid`: the
-        mount's entry timeout as the protocol's; `writes`: the WRITEs the trio thread serves
-        (landed ones are counted with them); `releases`: the RELEASEs' work held."""
+                 releases: Releases, change_notices: ChangeNotices,
+                 flush_errors: ErrorNotices) -> None:
+        """`ops`: the handlers (their tree, handles, reader); `entry_valid`: the mount's entry
+        timeout as the protocol's; `writes`: the WRITEs the trio thread serves (landed ones
+        are counted with them); `releases`: the RELEASEs' work held; `change_notices`: the
+        tree's changes, told to the answer cache while they run; `flush_errors`: whether the
+        flusher has an error, told to the ring while they run."""
         self.ops = ops
         self.entry_valid = entry_valid
         self.writes = writes
         self.releases = releases
+        self.change_notices = change_notices
+        self.flush_errors = flush_errors
         self.ring: fring.Ring | None = None
         self.answers: AnswerCache | None = None
         self.landing: Landing | None = None
@@ -64,11 +74,9 @@ class QueueThreads:
         self.intake = Intake(ring, ops, self.answers, self.landing, self.releases.hold,
                              self.releases.now, count_reads)
         ops.reader.cache.land_lazily(True)  # (chunk loads land at every settle)
-        ops.ns.watch = self.answers
+        self.change_notices.attach(self.answers)
         self.landing.start(self.entry_valid)
-        flusher = ops.flusher
-        flusher.error_hook = ring.flush_fails
-        ring.flush_fails(flusher.error is not None)
+        self.flush_errors.attach(ring.flush_fails)  # (told the flusher's state now)
         self.transport = "/dev/fuse, queue threads" if dev else "io_uring"
         return ring
 
@@ -85,8 +93,8 @@ class QueueThreads:
         self.landing.stop()
         self.answers.close()
         self.answers = self.landing = self.intake = None
-        self.ops.ns.watch = None
-        self.ops.flusher.error_hook = None
+        self.change_notices.detach()
+        self.flush_errors.detach()
         self.ops.reader.cache.land_lazily(False)
         self.uniques.clear()
         try:

@@ -39,6 +39,7 @@ import trio
 
 from ckptfs.format import backingdir, records
 from ckptfs.format.records import FormatError, RetireRec, XExtentRec
+from ckptfs.namespace import ChangeNotices
 from ckptfs.replay import bulk_load, read_tail, read_writer
 from ckptfs.peers import Peers
 from ckptfs.view import ENTRY, INODE
@@ -77,11 +78,15 @@ def notification(kind: int, a: int, name: bytes = b"") -> bytes:
 class Refresher:
     """Brings other writers' commits into the view (see the module's docstring)."""
 
-    def __init__(self, peers: Peers, journal, cache, backing: str, delay_s: float) -> None:
+    def __init__(self, peers: Peers, journal, cache, notices: ChangeNotices, backing: str,
+                 delay_s: float) -> None:
+        """`notices`: the mount's change notices, told when a look's changes come into the
+        view (namespace.ChangeNotices: what the queue threads answer from goes)."""
         self.peers = peers
         self.view = peers.view
         self.journal = journal
         self.cache = cache
+        self.notices = notices
         self.backing = backing
         self.delay = delay_s
         self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
@@ -358,11 +363,11 @@ class Refresher:
         if found:  # (a look that found nothing changes nothing: answers prepared stand)
             self.applying = True
             try:
-                self._view_changed()
+                self.notices.view_changed()  # (what the queue threads answer from goes)
                 again = await self._apply_found(found)
             finally:
                 self.applying = False
-                self._view_changed()  # (and what was answered while it paused)
+                self.notices.view_changed()  # (and what was answered while it paused)
         for w in peers.union.warnings[self._warned:]:
             log.warning("%s", w)
         self._warned = len(peers.union.warnings)
@@ -466,12 +471,6 @@ class Refresher:
         if layer in peers.trees:
             peers.index_ids[layer] = REREAD
         return wid
-
-    def _view_changed(self) -> None:
-        """Directories may change: what was left with the ring's queue threads goes."""
-        w = self.view.ns.watch
-        if w is not None:
-            w.view_changed()
 
     def _account(self, t0: float) -> None:
         dt = time.perf_counter() - t0

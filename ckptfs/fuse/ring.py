@@ -478,8 +478,8 @@ class Ring:
         if self.handle is not None:
             lib.ck_fring_absent_until(self.handle, t)
 
-    # what the queue threads answer from goes when the tree changes (FastPath, the
-    # namespace's watch, calls these)
+    # what the queue threads answer from goes when the tree changes (FastPath, Landing and the
+    # answer cache call these)
     def dirs_changed(self) -> None:
         """Every GETATTR of a directory goes to the trio thread again until attr_put."""
         if self.handle is not None:
