@@ -207,11 +207,23 @@ def read_uncached(path: str) -> bytes:
         os.close(fd)
 
 
-def check_files(files: dict[str, bytes], old_root: str, new_root: str) -> None:
-    """Every file of `files` (paths under old_root) reads back the same under new_root."""
-    for p, data in files.items():
-        with open(p.replace(old_root, new_root, 1), "rb") as f:
-            assert f.read() == data, p
+def check_files(files: dict[str, bytes], root: str, new_root: str | None = None,
+                absent: tuple[str, ...] = ()) -> None:
+    """Every file of `files` reads back the same under new_root (under root itself when None),
+    and nothing named in `absent` is there. The keys and the names in `absent` are paths under
+    root or names relative to it: a file saved through one mount is looked for at the same
+    place under another."""
+    new_root = root if new_root is None else new_root
+
+    def there(key: str) -> str:
+        return os.path.join(new_root, os.path.relpath(os.path.join(root, key), root))
+
+    for key, data in files.items():
+        got = read_all(there(key))
+        assert got == data, (f"{key}: {len(got)} bytes read back, {len(data)} written, first "
+                             f"difference at {first_mismatch(got, data)}")
+    for key in absent:
+        assert not os.path.lexists(there(key)), f"{key} should not be there"
 
 
 def set_uring_switch(value: str) -> tuple[str | None, str | None]:

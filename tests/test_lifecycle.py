@@ -12,8 +12,8 @@ import time
 
 import pytest
 from helpers import (
-    KiB, cli, content, kill_mid_write, proc_status, read_all, read_journal_with_deletes, wait_for,
-    write_file,
+    KiB, check_files, cli, content, kill_mid_write, proc_status, read_all,
+    read_journal_with_deletes, wait_for, write_file,
 )
 
 from ckptfs.format import backingdir, records
@@ -69,11 +69,6 @@ def save_step(mnt: str, step: int, files: int = 4, size: int = 700 * KiB) -> dic
     return out
 
 
-def check(mnt: str, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        assert read_all(os.path.join(mnt, name)) == data, name
-
-
 def test_rotation_retires_logs_while_mounted(mounts):
     backing = mounts.backing()
     m = mounts.mount(backing, **OPTS)
@@ -98,12 +93,12 @@ def test_rotation_retires_logs_while_mounted(mounts):
     assert scan.version == 2 and retired and not set(retired) & set(logs_of(backing))
     m = mounts.mount(backing, **OPTS)
     for files in live.values():
-        check(m.mountpoint, files)
+        check_files(files, m.mountpoint)
     # a new log never takes the number of a retired one
     more = save_step(m.mountpoint, 99)
     m.sync()
     assert min(logs_of(backing)) > 0 and max(logs_of(backing)) > max(retired)
-    check(m.mountpoint, more)
+    check_files(more, m.mountpoint)
     m.stop()
 
 
@@ -120,7 +115,7 @@ def test_a_mount_finishes_dead_and_half_retired_logs(mounts):
         f.write(records.data_log_header("w", top + 1) + bytes(8192))
     m = mounts.mount(backing, **OPTS)
     wait_for(lambda: top + 1 not in logs_of(backing), "the dead log to be retired")
-    check(m.mountpoint, files)
+    check_files(files, m.mountpoint)
     m.stop()
     with open(os.path.join(w, backingdir.data_log_name(top + 1)), "wb") as f:
         f.write(records.data_log_header("w", top + 1))
@@ -173,7 +168,7 @@ def test_index_snapshot_keeps_the_index_near_the_live_tree(mounts):
     assert not os.path.exists(index + ".fresh")
     m = mounts.mount(backing, **opts)
     for files in live.values():
-        check(m.mountpoint, files)
+        check_files(files, m.mountpoint)
     for n, st0 in before.items():
         st1 = os.stat(os.path.join(m.mountpoint, n))
         assert (st1.st_ino, st1.st_size, st1.st_mtime_ns, st1.st_mode) == \
@@ -366,12 +361,12 @@ def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
     m.sync()  # (moved bytes count for their new log once durable)
     st = m.status()
     assert st["live_bytes"] == sum(len(v) for v in kept.values()), st
-    check(m.mountpoint, kept)
+    check_files(kept, m.mountpoint)
     m.stop()
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     m = mounts.mount(backing, **opts)
-    check(m.mountpoint, kept)
+    check_files(kept, m.mountpoint)
     m.stop()
 
 
@@ -592,13 +587,13 @@ def test_dead_checkpoints_are_punched_out_of_a_log_still_in_use(mounts):
     prealloc = (64 << 20) - st["data_log_bytes"]  # (the log is allocated ahead of its end)
     assert disk < kept + prealloc + (1 << 20), (disk, kept, prealloc)
     for files in live.values():
-        check(m.mountpoint, files)
+        check_files(files, m.mountpoint)
     m.stop()
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     m = mounts.mount(backing, **opts)
     for files in live.values():
-        check(m.mountpoint, files)
+        check_files(files, m.mountpoint)
     m.stop()
 
 
@@ -637,5 +632,5 @@ def test_compact_writes_aligned_segments_above_every_retired_number(mounts):
     assert res.returncode == 0, res.stdout + res.stderr
     m = mounts.mount(backing, **OPTS)
     for files in live.values():
-        check(m.mountpoint, files)
+        check_files(files, m.mountpoint)
     m.stop()

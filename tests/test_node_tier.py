@@ -21,7 +21,7 @@ import time
 
 import pytest
 from helpers import (
-    CRASH_WRITER_OPTS, MiB, check_tree, cli, content, kill_mid_write, read_all, read_journal,
+    CRASH_WRITER_OPTS, MiB, check_files, check_tree, cli, content, kill_mid_write, read_journal,
     status_reaches, wait_unmounted, write_file, writer_main,
 )
 
@@ -39,14 +39,6 @@ def _write(mnt: str, name: str, size: int, fsync: bool = False) -> bytes:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_file(path, data, fsync=fsync)
     return data
-
-
-def _check(mnt: str, files: dict[str, bytes], absent: tuple = ()) -> None:
-    for name, data in files.items():
-        got = read_all(os.path.join(mnt, name))
-        assert got == data, f"{name}: {len(got)} bytes read back, {len(data)} written"
-    for name in absent:
-        assert not os.path.exists(os.path.join(mnt, name)), f"{name} should not be there"
 
 
 def _blocks(d: str) -> int:
@@ -69,7 +61,7 @@ def test_a_save_drains_into_an_ordinary_backing_directory(mounts, tmp_path):
     st = api.status(m.mountpoint)
     assert st["tier_backlog_bytes"] == 0 and st["tier_drained_bytes"] > 0, st
     assert st["tier_backing_seq"] == st["tier_node_seq"] > 0, st
-    _check(m.mountpoint, files)
+    check_files(files, m.mountpoint)
     m.stop()
     own = os.path.join(backing, "writers", "w")
     assert os.path.exists(os.path.join(local, "writers", "w", "index.log"))
@@ -77,7 +69,7 @@ def test_a_save_drains_into_an_ordinary_backing_directory(mounts, tmp_path):
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, files)
+    check_files(files, ro.mountpoint)
     ro.stop()
     with open(os.path.join(own, "index.log"), "rb") as b, \
             open(os.path.join(local, "writers", "w", "index.log"), "rb") as lo:
@@ -125,21 +117,21 @@ def test_levels_and_a_killed_daemon_with_node_durability(mounts, tmp_path):
     fresh = str(tmp_path / "fresh-local")
     os.mkdir(fresh)
     n = mounts.mount(lost, local_dir=fresh, **OPTS)
-    _check(n.mountpoint, step0, absent=("step1",))
+    check_files(step0, n.mountpoint, absent=("step1",))
     n.stop()
     ro = mounts.mount(lost, ro=True)
-    _check(ro.mountpoint, step0, absent=("step1",))
+    check_files(step0, ro.mountpoint, absent=("step1",))
     ro.stop()
 
     # the same node again: everything node-durable is back, and drains
     again = mounts.mount(backing, local_dir=local, env=env, **OPTS)
-    _check(again.mountpoint, {**step0, **step1})
+    check_files({**step0, **step1}, again.mountpoint)
     assert api.level(os.path.join(again.mountpoint, "step1")) == "node"
     os.unlink(hold)
     api.wait_level(os.path.join(again.mountpoint, "step1"), "backing", timeout=60)
     again.stop()
     ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, {**step0, **step1})
+    check_files({**step0, **step1}, ro.mountpoint)
     ro.stop()
 
 
@@ -203,10 +195,10 @@ def test_local_space_is_bounded_and_writers_wait_for_the_drain(mounts, tmp_path)
     st = api.status(m.mountpoint)
     assert st["tier_evicted_logs"] > 0 and st["tier_backlog_bytes"] == 0, st
     assert _blocks(os.path.join(local, "writers", "w")) <= 12 * MiB
-    _check(m.mountpoint, files)
+    check_files(files, m.mountpoint)
     m.stop()
     again = mounts.mount(backing, local_dir=local, **OPTS)
-    _check(again.mountpoint, files)
+    check_files(files, again.mountpoint)
     again.stop()
 
 
@@ -227,10 +219,10 @@ def test_the_cleaner_removes_retired_logs_from_both_copies(mounts, tmp_path):
     for d in (os.path.join(backing, "writers", "w"), os.path.join(local, "writers", "w")):
         left = set(n for n in os.listdir(d) if n.startswith("data-"))
         assert logs[0] not in left, (d, left)
-    _check(m.mountpoint, {"new.pt": keep})
+    check_files({"new.pt": keep}, m.mountpoint)
     m.stop()
     ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, {"new.pt": keep}, absent=("old",))
+    check_files({"new.pt": keep}, ro.mountpoint, absent=("old",))
     ro.stop()
 
 
@@ -324,7 +316,7 @@ def _failing_backing_catches_up(mounts, tmp_path, root: str, fail, heal, **extra
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, files)
+    check_files(files, ro.mountpoint)
     ro.stop()
 
 
@@ -429,14 +421,14 @@ def test_index_snapshots_reach_the_backing_directory(mounts, tmp_path):
 
     os.unlink(hold)
     again = mounts.mount(backing, local_dir=local, env=env, **opts)
-    _check(again.mountpoint, live)
+    check_files(live, again.mountpoint)
     api.wait_level(again.mountpoint, "backing", timeout=60)
     again.stop()
     assert not os.path.exists(os.path.join(own_l, "index.pre-swap"))
     res = cli("verify", backing)
     assert res.returncode == 0, res.stdout + res.stderr
     ro = mounts.mount(backing, ro=True)
-    _check(ro.mountpoint, live)
+    check_files(live, ro.mountpoint)
     names = {os.path.relpath(os.path.join(d, f), ro.mountpoint)
              for d, _, fs in os.walk(ro.mountpoint) for f in fs}
     assert names == set(live), sorted(names ^ set(live))[:5]
