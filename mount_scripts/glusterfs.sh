@@ -156,8 +156,11 @@ install_packages() {
 }
 
 # ---------------------------------------------------------------- the loopback host
-# (nothing, not an exit under pipefail, when the name does not resolve: the callers say so)
-resolve4() { { getent ahostsv4 "$1" 2>/dev/null || true; } | awk '{print $1; exit}'; }
+# The first IPv4 address of a name (nothing, not an exit under pipefail, when it does not
+# resolve: the callers say so). From ahosts: ahostsv4 asks for IPv4 alone with AI_ADDRCONFIG,
+# and finds nothing where the loopback holds the only IPv4 address (no network, or a network
+# namespace of its own).
+resolve4() { { getent ahosts "$1" 2>/dev/null || true; } | awk '$1 ~ /^[0-9.]+$/ {print $1; exit}'; }
 OCTET='(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])'
 # A dotted quad in 127.0.0.0/8; nothing else passes, so ADDR is safe in sed and glusterd.vol.
 is_loopback4() { [[ "$1" =~ ^127\.$OCTET\.$OCTET\.$OCTET$ ]]; }

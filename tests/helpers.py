@@ -144,6 +144,17 @@ def py_as_user(code: str, uid: int = NOBODY, gid: int = NOBODY, umask: int = 0o0
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def loopback_only(script: str, *unshare: str) -> list[str]:
+    """The command that runs the shell `script` (under `set -e`) in a network namespace of its
+    own whose only interface is the loopback, up: it reaches nothing off the machine, and none
+    of the machine's sockets (a glusterd listening on 127.0.0.1:24007 is not there). `unshare`:
+    more options of unshare(1), e.g. a mount namespace too. Skips the test where root, unshare
+    or ip is missing."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        pytest.skip("needs root, unshare and ip (a network namespace with loopback only)")
+    return ["unshare", "--net", *unshare, "sh", "-c", f"set -e; ip link set lo up; {script}"]
+
+
 def proc_status(pid: int) -> dict[str, int]:
     """VmRSS, VmHWM ... of a process, in bytes."""
     out = {}
@@ -956,21 +967,19 @@ def run_dcp_job(a, b, out: str, steps: int = 5, kill_at: int = 3, timeout: float
     namespace of its own that has only the loopback interface (the rendezvous and gloo can
     reach nothing else), restarted once (--max-restarts 1) after one rank is killed."""
     import socket
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
-        pytest.skip("needs root, unshare and ip (a network namespace with loopback only)")
     with socket.socket() as s:  # (a free port number; the namespace has its own ports anyway)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_rotation_job.py")
-    cmd = (f"ip link set lo up && exec {torchrun} --nnodes 1 --nproc-per-node 4 "
+    cmd = (f"exec {torchrun} --nnodes 1 --nproc-per-node 4 "
            f"--max-restarts 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} "
            "--local-addr 127.0.0.1 "
            f"{job} {a.mountpoint} {b.mountpoint} {steps} {kill_at} {out}")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
-    r = subprocess.run(["unshare", "--net", "sh", "-c", cmd], capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    r = subprocess.run(loopback_only(cmd), capture_output=True, text=True, timeout=timeout,
+                       env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
     return r
 
