@@ -27,7 +27,7 @@ from helpers import (
     check_tree, cli, content, dcp_save_load, fill, four_writers, gpt_state_dict, kill_mid_write,
     kill_quietly,
     listed, listed_mount, md5_tree, pids_in, rank_paths, read_all, read_fd, read_journal,
-    save_all, save_ranks, sync_until_ok, verify_and_remount, verify_ok, write_ckpt,
+    save_all, save_ranks, sync_until_ok, verify_and_remount, verify_ok, wait_for, write_ckpt,
     writer_main,
 )
 
@@ -401,18 +401,19 @@ def test_script_recovers_from_a_run_killed_halfway(gluster):
     vol = Volume(GLUSTER_DIR="/var/tmp/ckptfs-gluster-dead", GLUSTER_VOLUME="ckptfs-dead",
                  GLUSTER_BRICKS="1")
 
+    def dead() -> bool:
+        try:
+            os.stat(vol.mount)
+        except OSError as exc:
+            assert exc.errno == errno.ENOTCONN, exc
+            return True
+        return False
+
     def kill_client() -> None:
         (client,) = pids_in(os.path.join(vol.dir, "state", "client.pid"))
         kill_quietly(client)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                os.stat(vol.mount)
-            except OSError as exc:
-                assert exc.errno == errno.ENOTCONN, exc
-                break
-            assert time.monotonic() < deadline, "the mount still answers after its client died"
-            time.sleep(0.1)
+        wait_for(dead, "the mount to fail with ENOTCONN once its client died", timeout=30,
+                 step=0.1)
         assert listed_mount(vol.mount) and not os.path.ismount(vol.mount)
         res = vol.script("status", 60)
         assert res.returncode == 1 and "mounted: dead" in res.stdout, res.stdout + res.stderr
