@@ -46,7 +46,7 @@ def test_requests_are_served_on_the_rings_bit_exact(mounts):
         os.getxattr(m.mountpoint, "user.ckptfs.sync")
         with open(os.path.join(m.mountpoint, "moved", "s3"), "r+b") as f:
             os.fsync(f.fileno())
-        check_files(files, m.mountpoint, m.mountpoint)
+        check_files(files, m.mountpoint)
         back = torch.load(path)
         assert back.keys() == state.keys()
         assert all(torch.equal(back[k], state[k]) for k in state)
@@ -573,8 +573,7 @@ def test_opens_answered_from_prepared_windows_follow_every_change_of_the_file(mo
         assert st["ring_opens_not_made"] == 0 and st["ring_error"] == "", st
         m.stop()
     m2 = mounts.mount(m.backing, fuse_uring=False, queue_threads=False)
-    check_files({os.path.join(m.mountpoint, n): d for n, d in data.items()}, m.mountpoint,
-                m2.mountpoint)
+    check_files(data, m.mountpoint, m2.mountpoint)
 
 
 @pytest.mark.parametrize("transport", ["uring", "dev"])

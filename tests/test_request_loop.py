@@ -37,7 +37,7 @@ def test_every_request_goes_through_the_wait(mounts):
     m = mounts.mount()
     files = _write_files(m.mountpoint, 200)
     time.sleep(0.05)  # far longer than the spin: the next request finds the loop parked
-    check_files(files, m.mountpoint, m.mountpoint)
+    check_files(files, m.mountpoint)
     st = m.status()
     waited, queued = st["requests_waited_for"], st["requests_found_queued"]
     assert waited > 0
@@ -88,8 +88,8 @@ def test_spinning_catches_a_busy_clients_requests(mounts):
     files2 = _write_files(m2.mountpoint, 300)
     st2 = m2.status()
     assert st2["requests_caught_spinning"] == 0 and st2["requests_waited_for"] > 0
-    check_files(files, m.mountpoint, m.mountpoint)
-    check_files(files2, m2.mountpoint, m2.mountpoint)
+    check_files(files, m.mountpoint)
+    check_files(files2, m2.mountpoint)
 
 
 def test_queued_requests_are_taken_without_parking(mounts):
@@ -221,7 +221,7 @@ def test_pyfuse3_own_wait_still_works(mounts):
     st = m.status()
     assert st["requests_waited_for"] == 0 and st["requests_found_queued"] == 0
     assert st["requests_caught_spinning"] == 0
-    check_files(files, mp, mp)
+    check_files(files, mp)
     m.stop()
     m2 = mounts.mount(backing)
     check_files(files, mp, m2.mountpoint)
@@ -328,7 +328,7 @@ def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
     assert not any(t.is_alive() for t in threads), "clients stuck"
     assert not errors
     assert m.status()["fsyncs"] >= n
-    check_files(data, m.mountpoint, m.mountpoint)
+    check_files(data, m.mountpoint)
 
 
 def test_install_takes_only_a_session_fd_it_can_be_sure_of():
