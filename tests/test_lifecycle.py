@@ -311,6 +311,34 @@ def test_a_small_tree_gets_its_index_snapshot_without_idle_writers(mounts):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_a_tree_that_shrank_gets_its_index_snapshot(mounts):
+    """The fresh index's size is estimated when the tree is large (a job's new checkpoint
+    saved, the old ones not yet deleted); once most of the tree is deleted, the index is
+    compared with what a fresh index of the smaller tree would take, not with the estimate
+    of the larger one, which it would not pass again for a long time."""
+    backing = mounts.backing()
+    m = mounts.mount(backing, **dict(OPTS, clean_idle=0.2, index_snapshot_min="4K"))
+    index = os.path.join(wdir(backing), backingdir.INDEX_NAME)
+    for step in range(6):
+        save_step(m.mountpoint, step, files=40, size=KiB)
+    m.sync()
+    # (two whole turns of the maintainer with the writers idle: the tree's fresh index is
+    # estimated, large)
+    st = after_cleaner_turns(m)
+    assert st["index_fresh_bytes"] > 0, st
+    before, snapshots = os.path.getsize(index), st["index_snapshots"]
+    for step in range(5):
+        shutil.rmtree(os.path.join(m.mountpoint, f"step_{step}"))
+    m.sync()
+    st = after_cleaner_turns(m)
+    assert st["index_snapshots"] > snapshots, st
+    # (a sixth of the tree is left: its fresh index is about a sixth of the index before)
+    assert os.path.getsize(index) < before / 3, (before, st)
+    m.stop()
+    res = cli("verify", backing)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_the_cleaner_moves_what_is_left_in_mostly_dead_logs(mounts):
     """Logs a third live, in holes too small to punch, are left alone with --clean-below 0
     and emptied with the default: their live bytes move into the current log while a reader

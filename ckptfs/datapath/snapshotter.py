@@ -53,6 +53,7 @@ class Snapshotter:
         self.settled = settled
         self.doing = "idle"
         self.fresh_bytes: int | None = None  # a fresh index's size: estimated, or the last
+        self.fresh_inodes = 0  # the tree's inodes when fresh_bytes was taken
         self.snapshots = 0
         self.seconds = 0.0  # the last one's
         self.peak_rss = 0  # the last one's process: its peak resident memory
@@ -66,25 +67,36 @@ class Snapshotter:
             len(self.ns.inodes) * FRESH_BYTES_PER_INODE
         return fresh < SNAPSHOT_ANYTIME_BYTES
 
+    def expected(self) -> float:
+        """The fresh index's size as last taken, scaled down to the inodes the tree has now
+        when it has fewer: a job's tree is largest while a new checkpoint is saved and the
+        old ones are not deleted yet, and an estimate taken then would let the index grow to
+        ratio times that larger tree's."""
+        n = len(self.ns.inodes)
+        if self.fresh_inodes and n < self.fresh_inodes:
+            return self.fresh_bytes * n / self.fresh_inodes
+        return self.fresh_bytes
+
     async def due(self) -> bool:
         idx = self.flusher.index
         ratio = self.ratio
         if not ratio or idx.size < self.min_bytes:
             return False
-        if self.fresh_bytes is None or idx.size > ratio * self.fresh_bytes:
-            self.fresh_bytes = await self.estimate()  # (the tree may have grown: look again)
+        if self.fresh_bytes is None or idx.size > ratio * self.expected():
+            # (the tree may have grown or shrunk: look again)
+            self.fresh_bytes, self.fresh_inodes = await self.estimate()
         return idx.size > ratio * self.fresh_bytes
 
-    async def estimate(self) -> int:
-        """About the size of a fresh index of the own tree, in slices (other tasks run in
-        between: a slice of 2,000 inodes takes ~1 ms)."""
+    async def estimate(self) -> tuple[int, int]:
+        """About the size of a fresh index of the own tree, and the inodes it has, in slices
+        (other tasks run in between: a slice of 2,000 inodes takes ~1 ms)."""
         ns = self.ns
         xs = list(ns.inodes.values())
         total = 0
         for i in range(0, len(xs), ESTIMATE_SLICE):
             total += mover.fresh_index_bytes(xs[i:i + ESTIMATE_SLICE], ns)
             await trio.sleep(0)
-        return total
+        return total, len(xs)
 
     async def snapshot(self) -> None:
         """Write an index snapshot and have the flusher put it in place."""
@@ -131,7 +143,7 @@ class Snapshotter:
             for key in drop:
                 del since[key]
         self.snapshots += 1
-        self.fresh_bytes = size
+        self.fresh_bytes, self.fresh_inodes = size, len(self.ns.inodes)
         log.info("index snapshot: %d -> %d bytes (%.3f s to write, commits held %.3f s)",
                  before, idx.size, self.seconds, self.flusher.stats.swap_seconds)
 
