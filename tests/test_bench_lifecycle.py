@@ -33,6 +33,7 @@ def test_a_few_small_steps(tmp_path):
         assert 0 < s["written_s"] <= s["durable_s"] and s["flush_s"] >= 0
         assert s["app_cpu_s"] >= 0 and s["daemon_cpu_s"] >= 0 and s["steal_s"] >= 0
         assert s["live_bytes"] > 0 and s["rss_bytes"] > 0
+        assert s["index_fresh_bytes"] >= 0 and s["local_index_bytes"] is None  # (no tier)
     assert res["steps"][-1]["live_bytes"] <= 2 * res["checkpoint_bytes"] + (1 << 20)
     for series in (res, res["fresh"]):  # (the times themselves belong to the benchmark)
         assert series["remount_s"] > 0 and series["replay_s"] >= 0

@@ -18,7 +18,9 @@ as between a real job's checkpoints). At the end of each step it records:
                 the backing directory (the reference the save-time drift is read against)
   disk_bytes    the backing directory's allocated blocks (du: st_blocks, not sizes)
   live_bytes    the bytes the live tree's extents point at in the data logs (daemon status)
-  index_bytes   the size of the writer's index
+  index_bytes   the size of the writer's index (with the node tier: its backing copy, which
+                takes an index snapshot once the drain reaches it; local_index_bytes: the
+                local one); index_fresh_bytes: the daemon's estimate of a fresh index's size
   rss_bytes     the daemon's resident memory (VmRSS)
   and the daemon's lifecycle counters (logs retired, bytes punched and moved, snapshots)
 
@@ -354,7 +356,9 @@ def main(argv: list[str]) -> int:
                  "live_bytes": st["live_bytes"], "index_bytes": os.path.getsize(index),
                  "rss_bytes": rss(m.pid), "file_bytes": st["file_bytes"],
                  # (the node tier's local directory: bounded by --local-size)
-                 "local_disk_bytes": du(opts["local_dir"]) if opts.get("local_dir") else None}
+                 "local_disk_bytes": du(opts["local_dir"]) if opts.get("local_dir") else None,
+                 "local_index_bytes": st["index_size_bytes"] if opts.get("local_dir") else None,
+                 "index_fresh_bytes": st["index_fresh_bytes"]}
             for key in ("data_logs", "logs_retired", "bytes_punched", "bytes_moved",
                         "index_snapshots", "dead_bytes", "bytes_reclaimed"):
                 s[key] = st.get(key, 0)
@@ -364,7 +368,8 @@ def main(argv: list[str]) -> int:
                   f"live {s['live_bytes'] / 1e6:7.1f} MB  index {s['index_bytes'] / 1e3:7.1f} kB"
                   f"  rss {s['rss_bytes'] / 1e6:6.1f} MB  logs {s['data_logs']}"
                   f"  retired {s['logs_retired']}  snapshots {s['index_snapshots']}"
-                  + (f"  local {s['local_disk_bytes'] / 1e6:.1f} MB"
+                  + (f"  local {s['local_disk_bytes'] / 1e6:.1f} MB, index "
+                     f"{s['local_index_bytes'] / 1e3:.1f} kB"
                      if s["local_disk_bytes"] is not None else ""), flush=True)
         t0 = time.perf_counter()
         m.stop()
