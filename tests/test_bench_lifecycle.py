@@ -50,6 +50,32 @@ def test_a_few_small_steps(tmp_path):
         assert str(work) not in f.read()
 
 
+def test_with_the_node_tier(tmp_path):
+    """With -o local-dir=...: each step records the local directory and its index, and the
+    aged backing directory is also remounted with its tier, as the job's restart on the node
+    mounts it, judged against the fresh copy's remount too."""
+    out, work, local = tmp_path / "out.json", tmp_path / "work", tmp_path / "local"
+    work.mkdir()
+    local.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfs", "bench", "lifecycle", "--steps", "2", "--tensors",
+         "20", "--interval", "0.5", "--remounts", "1", "--probe-every", "0", "--dir", str(work),
+         "-o", "staging-size=32M", "-o", "segment-size=1M", "-o", "log-size=4M", "-o",
+         f"local-dir={local}", "--json", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for s in res["steps"]:
+        assert s["local_disk_bytes"] > 0 and s["local_index_bytes"] > 16
+    assert res["tier"]["remount_s"] > 0 and len(res["tier"]["remounts_s"]) == 1
+    assert [v["what"] for v in res["targets"]] == [
+        "remount <= 1.2 x the fresh copy's", "remount with the node tier <= 1.2 x the fresh "
+        "copy's"]
+    assert "with the node tier" in proc.stdout
+    with open("/proc/self/mountinfo") as f:
+        assert str(work) not in f.read()
+
+
 def test_the_drift_windows(tmp_path):
     steps = [{"step": k, "durable_s": 1.0 if k <= 30 else 1.2, "written_s": 0.5,
               "flush_s": 0.4 if k <= 30 else 0.6, "disk_probe_s": (0.3 if k <= 30 else 0.45)
@@ -75,3 +101,6 @@ def test_the_targets_arithmetic():
     assert got["save"]["held"] is True and got["save"]["value"] == 1.05
     assert got["remount"]["held"] is True and got["remount"]["limit"] == pytest.approx(1.08)
     assert got["rss"]["held"] is True and got["rss"]["value"] == 1059
+    tier = [v for v in lifecycle.judge(steps, 6, 1.0, 0.9, 20, tier_remount_s=1.2)
+            if "node tier" in v["what"]]
+    assert [(v["value"], v["held"]) for v in tier] == [(1.2, False)]
