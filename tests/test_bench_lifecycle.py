@@ -57,12 +57,10 @@ def test_with_the_node_tier(tmp_path):
     out, work, local = tmp_path / "out.json", tmp_path / "work", tmp_path / "local"
     work.mkdir()
     local.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptfs", "bench", "lifecycle", "--steps", "2", "--tensors",
-         "20", "--interval", "0.5", "--remounts", "1", "--probe-every", "0", "--dir", str(work),
-         "-o", "staging-size=32M", "-o", "segment-size=1M", "-o", "log-size=4M", "-o",
-         f"local-dir={local}", "--json", str(out)],
-        capture_output=True, text=True, timeout=240)
+    proc = cli("bench", "lifecycle", "--steps", "2", "--tensors", "20", "--interval", "0.5",
+               "--remounts", "1", "--probe-every", "0", "--dir", work, "-o", "staging-size=32M",
+               "-o", "segment-size=1M", "-o", "log-size=4M", "-o", f"local-dir={local}",
+               "--json", out, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     for s in res["steps"]:
