@@ -196,7 +196,9 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
     """The daemon's figures from its status socket; None where the mount is to be asked
     instead: no socket, or one that another user's process holds (an abstract name can be
     bound by anyone first: only an answer from the user who mounted, or root, and from the
-    process whose pid it reports, is taken)."""
+    process whose pid it reports, is taken), or one the daemon of a detached mount still
+    holds (lazily unmounted with files open: it serves on, and a new mount may have the same
+    device number; only an answer for this mount point is taken)."""
     e = ckptfs_mount_at(mountpoint)
     if e is None:
         return None
@@ -235,6 +237,8 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
         return None
     if not isinstance(st, dict) or st.get("pid") != peer_pid:
         return None  # (not the process that answers for itself)
+    if st.get("mountpoint") != e.mountpoint:
+        return None  # (the daemon of a detached mount that had this device number before)
     return st
 
 

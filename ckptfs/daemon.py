@@ -416,7 +416,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             shared=lambda: len(union.writer_dirs) > 1,  # (a writer may join later)
             settled=lambda: peers.whiteouts.settled(ns.xunlinks))
     info = {"writer": cfg.writer_id if wd else "", "readonly": wd is None,
-            "mountpoint": os.path.abspath(cfg.mountpoint),
+            "mountpoint": os.path.realpath(cfg.mountpoint),  # (as the mount table spells it)
             "io_mode": "direct" if facts["direct"] else "buffered",
             "queue_depth": cfg.queue_depth, "segment_bytes": cfg.segment_bytes,
             "writers": len(union.writer_dirs), "replay_warnings": len(union.warnings),

@@ -107,7 +107,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("index-snapshot-ratio", "index_snapshot_ratio", "float", 2.0,
            "write an index snapshot when the index is this many times the size of a fresh "
            "index of the live tree; 0: never"),
-    Option("index-snapshot-min", "index_snapshot_min_bytes", "size", 64 << 10,
+    Option("index-snapshot-min", "index_snapshot_min_bytes", "size", 16 << 10,
            "no index snapshot while the index is smaller than this"),
     Option("data-logs", "data_logs", "int", 1,
            "data logs written at once, segments round robin (parallel file systems: one per "

@@ -159,7 +159,8 @@ s.listen(8)
 print("bound", flush=True)
 while True:
     c, _ = s.accept()
-    c.sendall(json.dumps({"pid": 1 << 22, "bytes_durable": 0, "backing": "/",
+    c.sendall(json.dumps({"pid": int(sys.argv[2]) if sys.argv[2] != "self" else os.getpid(),
+                          "mountpoint": sys.argv[3], "bytes_durable": 0, "backing": "/",
                           "uncommitted_changes": 0}).encode() + b"\n")
     c.close()
 """
@@ -176,14 +177,20 @@ def _next_anon_dev(tmp_path) -> str:
         subprocess.run(["umount", str(probe)], check=True)
 
 
-def test_a_status_socket_another_user_bound_first_is_not_believed(tmp_path, mounts):
-    """A user binds the status socket's name of the next mount before its daemon does and
-    answers "pid 4194304, nothing uncommitted": status and umount ask the mount instead."""
+@pytest.mark.parametrize("who", ["another_user", "a_detached_mounts_daemon"])
+def test_a_status_socket_bound_first_is_not_believed(tmp_path, mounts, who):
+    """The status socket's name of the next mount is bound before its daemon binds it: by a
+    user, who answers "pid 4194304, nothing uncommitted"; or by root's daemon of a mount
+    detached earlier (a hung daemon serves on; the next mount may get its device number),
+    which answers with its own pid for its own mount point. Status and umount ask the mount
+    instead."""
+    as_user = (lambda: (os.setgid(USER), os.setuid(USER))) if who == "another_user" else None
+    pid, where = ("4194304", "/") if who == "another_user" else ("self", str(tmp_path))
     for _ in range(5):
         dev = _next_anon_dev(tmp_path)
-        squatter = subprocess.Popen(["/usr/bin/python3", "-c", _SQUATTER, dev], cwd="/",
-                                    stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=lambda: (os.setgid(USER), os.setuid(USER)))
+        squatter = subprocess.Popen(["/usr/bin/python3", "-c", _SQUATTER, dev, pid, where],
+                                    cwd="/", stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=as_user)
         try:
             if squatter.stdout.readline().strip() != "bound":
                 continue  # (a mount that came meanwhile holds that device number's name)
