@@ -89,6 +89,22 @@ def cpu_seconds_named(prefix: str) -> float:
     return total
 
 
+def disk_busy_seconds() -> dict[str, float]:
+    """Seconds each disk of this machine has been busy so far (/proc/diskstats io_ticks: time
+    with at least one request in flight), by device name; loop, RAM and zram devices left out
+    (their work is some other device's or memory's). A difference over a step near its wall
+    time says that disk bound the step."""
+    out = {}
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            name = fields[2]
+            if name.startswith(("loop", "ram", "zram")) or not os.path.isdir(f"/sys/block/{name}"):
+                continue  # (partitions: their disk counts them)
+            out[name] = int(fields[12]) / 1000
+    return out
+
+
 def busy_seconds() -> float:
     """CPU seconds all of this machine's CPUs have spent busy so far (/proc/stat: everything
     but idle and iowait); a difference over a wall-clock interval is the average number of

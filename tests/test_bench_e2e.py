@@ -140,6 +140,9 @@ def test_node_tier_contender_reports_each_level(tmp_path):
     m = res["summary"]["ckptfs_tier"]["median"]
     assert 0 < m["busy_cpus_save"] <= os.cpu_count() + 0.05, m
     assert 0 < m["busy_cpus_backing"] <= os.cpu_count() + 0.05, m
+    if system.disk_busy_seconds():  # (the busiest disk's share: the local one was written)
+        assert tier["disk_save"] in system.disk_busy_seconds(), tier
+        assert 0 < m["disk_busy_save"] <= 1.05 and 0 < m["disk_busy_backing"] <= 1.05, m
     assert "busy CPUs" in proc.stdout
     assert _our_mounts(str(tmp_path)) == []
     assert os.listdir(work) == [] and os.listdir(local) == []

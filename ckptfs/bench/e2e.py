@@ -279,8 +279,9 @@ FIELDS = ("blocked_s", "durable_s", "backing_durable_s", "restore_s", "files_cre
           "rss_peak_save_bytes", "rss_peak_restore_bytes", "daemon_peak_rss_bytes",
           "daemon_restore_peak_rss_bytes", "unmount_s", "remount_s", "bytes_in_files",
           "daemon_save_cpu_s", "daemon_restore_cpu_s", "daemon_backing_cpu_s",
-          "busy_save_cpu_s", "bench_save_cpu_s", "gluster_save_cpu_s",
-          "busy_backing_cpu_s", "bench_backing_cpu_s", "gluster_backing_cpu_s")
+          "busy_save_cpu_s", "bench_save_cpu_s", "gluster_save_cpu_s", "disk_save_busy_s",
+          "busy_backing_cpu_s", "bench_backing_cpu_s", "gluster_backing_cpu_s",
+          "disk_backing_busy_s")
 
 
 def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
@@ -311,11 +312,14 @@ def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
             if med.get(f) is not None:
                 med[f + "_per_gb"] = med[f] / (nbytes / 1e9)
         for step, span in (("save", "save_wall_s"), ("backing", "backing_durable_s")):
-            # the machine's CPUs busy on average over the step: near their number, they bound it
-            vals = [r[f"busy_{step}_cpu_s"] / r[span] for r in good
-                    if r.get(f"busy_{step}_cpu_s") is not None and r.get(span)]
-            if vals:
-                med[f"busy_cpus_{step}"] = statistics.median(vals)
+            # the machine's CPUs busy on average over the step, and the busiest disk's share
+            # of it: near the CPUs' number, or 1, they bound it
+            for what, field in (("busy_cpus", f"busy_{step}_cpu_s"),
+                                ("disk_busy", f"disk_{step}_busy_s")):
+                vals = [r[field] / r[span] for r in good
+                        if r.get(field) is not None and r.get(span)]
+                if vals:
+                    med[f"{what}_{step}"] = statistics.median(vals)
         cls = CONTENDERS[key]
         out[key] = {"label": cls.label, "limit": cls.limit, "durable": cls.durable,
                     "runs_ok": len(good), "runs": len(rs), "bytes": nbytes,
@@ -344,7 +348,7 @@ MiB = 1 << 20
 def format_table(summary: dict, payload: int, ntensors: int) -> str:
     hdr = ("contender", "blocked s", "durable s", "GB/s", "restore s", "GB/s",
            "durable vs ckptfs", "restore vs ckptfs", "files", "fsyncs", "+RSS save MB",
-           "daemon MB", "daemon CPU s/GB", "busy CPUs", "ok")
+           "daemon MB", "daemon CPU s/GB", "busy CPUs", "disk busy", "ok")
     rows = []
     for key, s in summary.items():
         m, r = s["median"], s["time_vs_ckptfs"]
@@ -365,6 +369,8 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
                      if m.get("daemon_save_cpu_s_per_gb") is not None else "-",
                      f("busy_cpus_save") + ("/" + f("busy_cpus_backing")
                                             if m.get("busy_cpus_backing") is not None else ""),
+                     f("disk_busy_save") + ("/" + f("disk_busy_backing")
+                                            if m.get("disk_busy_backing") is not None else ""),
                      "%d/%d%s" % (s["runs_ok"], s["runs"],
                                   " FAILED" if not s["runs_ok"] else
                                   "" if s["verified"] or s["limit"] else " NOT VERIFIED")))
@@ -376,7 +382,8 @@ def format_table(summary: dict, payload: int, ntensors: int) -> str:
                  "'vs ckptfs' = contender time / ckptfs time (>1: ckptfs faster); "
                  "* tmpfs is never durable; daemon CPU s/GB: save (until durable) / "
                  "restore, request spin included; busy CPUs: the machine's CPUs busy on "
-                 "average from the save's start until durable (/until backing-durable)"
+                 "average from the save's start until durable (/until backing-durable); disk "
+                 "busy: the busiest disk's share of that time with requests in flight"
                  % (payload / 1e9, ntensors))
     return "\n".join(lines)
 
@@ -387,7 +394,7 @@ def write_csv(path: str, summary: dict) -> None:
             "files_created", "dirs_created", "fsyncs", "rss_extra_save_bytes",
             "rss_extra_restore_bytes", "daemon_peak_rss_bytes", "unmount_s", "remount_s",
             "daemon_save_cpu_s_per_gb", "daemon_restore_cpu_s_per_gb", "busy_cpus_save",
-            "busy_cpus_backing"]
+            "busy_cpus_backing", "disk_busy_save", "disk_busy_backing"]
     with open(path, "w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(cols)

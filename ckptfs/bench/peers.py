@@ -27,25 +27,35 @@ import warnings
 
 from ckptfs import api
 from ckptfs.bench import models
-from ckptfs.system import busy_seconds, cpu_seconds, cpu_seconds_named, status_bytes
+from ckptfs.system import (
+    busy_seconds, cpu_seconds, cpu_seconds_named, disk_busy_seconds, status_bytes,
+)
 
 MiB = 1 << 20
 
 
 # ------------------------------------------------------------------------ shared helpers
-def cpu_now() -> dict[str, float]:
+def cpu_now() -> dict:
     """CPU seconds used so far: by the machine's CPUs ("busy"), by this process ("bench": the
     save and the restore run here), by the GlusterFS processes on this machine ("gluster":
-    its client and bricks; 0 without them). Their differences over a step say where the CPU
-    went, and against its wall time whether the CPUs bound it."""
+    its client and bricks; 0 without them); and each disk's busy seconds ("disks"). Their
+    differences over a step say where the time went, and against its wall time whether the
+    CPUs or a disk bound it."""
     return {"busy": busy_seconds(), "bench": cpu_seconds("self") or 0.0,
-            "gluster": cpu_seconds_named("gluster")}
+            "gluster": cpu_seconds_named("gluster"), "disks": disk_busy_seconds()}
 
 
-def cpu_since(before: dict[str, float], step: str) -> dict[str, float]:
-    """{"busy_<step>_cpu_s": ..., "bench_<step>_cpu_s": ..., ...} since `before` (cpu_now())."""
+def cpu_since(before: dict, step: str) -> dict:
+    """{"busy_<step>_cpu_s": ..., "bench_<step>_cpu_s": ..., "gluster_<step>_cpu_s": ...,
+    "disk_<step>_busy_s": the busiest disk's busy seconds, "disk_<step>": its name} since
+    `before` (cpu_now())."""
     now = cpu_now()
-    return {f"{k}_{step}_cpu_s": now[k] - before[k] for k in now}
+    out = {f"{k}_{step}_cpu_s": now[k] - before[k] for k in ("busy", "bench", "gluster")}
+    disks = {d: now["disks"][d] - before["disks"].get(d, 0.0) for d in now["disks"]}
+    if disks:
+        name = max(disks, key=disks.get)
+        out.update({f"disk_{step}_busy_s": disks[name], f"disk_{step}": name})
+    return out
 
 
 def _cpu_delta(pid: int, before: float | None) -> float | None:
