@@ -169,12 +169,15 @@ class Namespace:
     attributes;
     `on_dead(run, n)` is given to the extent map of every file the tree makes (a mount's own
     tree: cleaner.LogSpace.dead, which counts the bytes of its data logs that no map points
-    at any more; staging.ExtentMap)."""
+    at any more; staging.ExtentMap). `layer`: the writer layer its replayed records belong
+    to; `layer_of(writer)`: the layer of a writer id in this mount or tool, for XEXTENT
+    records (bytes in another writer's data logs; None: not known here)."""
 
     def __init__(self, journal_hook: Callable[[Record], None] | None = None, uid: int = 0,
                  gid: int = 0, now_ns: int | None = None,
                  on_dead: Callable[[Run, int], None] | None = None,
-                 notices: ChangeNotices | None = None) -> None:
+                 notices: ChangeNotices | None = None, layer: int = 0,
+                 layer_of: Callable[[str], int | None] = lambda writer: None) -> None:
         now = time.time_ns() if now_ns is None else now_ns
         root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, uid, gid, 0, now, now, now)
         root.nlink = 2
@@ -184,7 +187,7 @@ class Namespace:
         self.journal_hook = journal_hook
         self.on_dead = on_dead
         self.notices = notices
-        self.layer = 0  # the writer layer that replayed records belong to (replay.py)
+        self.layer = layer  # (another number when its writer's tree is installed anew)
         self.retired: set[int] = set()  # data logs a RETIRE record named
         self.last_log = 0  # the highest data log number a record named (never reused)
         # Per data log, the highest end of any EXTENT record applied (an upper bound of where
@@ -194,9 +197,8 @@ class Namespace:
         # Changes of this writer to other writers' trees (view.View applies them): the
         # entries it removed there (XUNLINK records) ...
         self.xunlinks: list[XUnlinkRec] = []
-        # ... and, for XEXTENT records (bytes in another writer's data logs), the layer of a
-        # writer id in this mount or tool (view.Union.layer_of); None: not known here
-        self.layer_of: Callable[[str], int | None] = lambda writer: None
+        # ... and XEXTENT records: bytes in another writer's data logs
+        self.layer_of = layer_of
         # The files an XEXTENT record gave bytes of another writer's data logs (some may have
         # none left): where to look for the logs this tree keeps in use in other writers'
         # directories (cleaner.logs_named_by_others), instead of in every file

@@ -34,9 +34,7 @@ class TreeBuild:
     stamp join the view's when it is installed (Peers._install)."""
 
     def __init__(self, layer: int, layer_of, where: str) -> None:
-        self.tree = Namespace(now_ns=0)
-        self.tree.layer = layer
-        self.tree.layer_of = layer_of
+        self.tree = Namespace(now_ns=0, layer=layer, layer_of=layer_of)
         self.where = where
         self.warnings: list[str] = []
         self.max_stamp = 0

@@ -21,6 +21,7 @@ from ckptfs.format.records import (
     SetattrRec,
     SizeRec,
     UnlinkRec,
+    XExtentRec,
 )
 from ckptfs.namespace import RENAME_EXCHANGE, ROOT_INO, ChangeNotices, Namespace
 
@@ -307,6 +308,19 @@ def test_change_notices_tell_the_listener_attached_what_each_change_changed():
     n.change(UnlinkRec(1, b"c"))
     notices.view_changed()
     assert len(heard.told) == 14 and names(n) == {b"a": 4, b"d": 3}
+
+
+def test_a_tree_is_made_with_its_writer_layers():
+    """A tree gets the layer its records' runs belong to and the layers of other writers
+    (for XEXTENT records: bytes in their data logs) when it is made; a writer it does not
+    know is refused."""
+    n = Namespace(now_ns=1, layer=3, layer_of={"w1": 5}.get)
+    n.apply(mk(2, 1, b"a"))
+    n.apply(ExtentRec(2, 0, 10, 1, 4096, 0))
+    n.apply(XExtentRec(2, 10, 20, "w1", 7, 8192, 40, 0, 5))
+    assert [(p.run.layer, p.run.log) for p in n.inodes[2].emap.pieces] == [(3, 1), (5, 7)]
+    with pytest.raises(FormatError, match="w2"):
+        n.apply(XExtentRec(2, 30, 5, "w2", 7, 8192, 40, 0, 0))
 
 
 def test_replaying_the_same_records_builds_the_same_tree(ns):

@@ -199,11 +199,10 @@ def build_snapshot(index_path: str, upto: int, writer_id: str, uid: int, gid: in
     if len(data) != upto:
         raise OSError(errno.EIO, f"{index_path}: {len(data)} bytes read, {upto} committed")
     layers: dict[str, int] = {writer_id: 0}
-    ns = Namespace(uid=uid, gid=gid, now_ns=root_time_ns)
 
     def layer_of(writer: str) -> int:
         return layers.setdefault(writer, len(layers))
-    ns.layer_of = layer_of
+    ns = Namespace(uid=uid, gid=gid, now_ns=root_time_ns, layer_of=layer_of)
     warnings: list = []
     last_time = 0  # the last commit's stamp: the snapshot ends with it
 
