@@ -21,10 +21,11 @@ invalidates it; fuse/ring_dirs.c and ring_reads.c answer from it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ckptfs.datapath.readcache import CHUNK_BYTES
 from ckptfs.fuse import ring as fring
@@ -74,8 +75,8 @@ class AnswerCache:
             prepared).
         name_order: directory -> (its names in creation order, name -> position).
         names_refused: directories too large for a name filter.
-        making_created: the trio thread makes the files the queue threads created, whose
-            changes they know already (Landing.make_created).
+        creating: the trio thread makes the files the queue threads created, whose
+            changes they know already (`making_created`).
     """
 
     def __init__(self, ring: fring.Ring, ops, entry_valid: tuple[int, int],
@@ -87,7 +88,7 @@ class AnswerCache:
         self.ops = ops
         self.entry_valid = entry_valid
         self.settle = settle
-        self.making_created = False
+        self.creating = False
         self.names_refused: set[int] = set()
         self.name_filters_built = 0  # directories' names left with the queue threads
         self.windows: dict[int, tuple] = {}
@@ -263,7 +264,7 @@ class AnswerCache:
             self.drop_window(fh)
             return
         if dirs:
-            if self.making_created:
+            if self.creating:
                 return
             self.ring.dirs_changed()
         self.drop_lookups()
@@ -277,6 +278,17 @@ class AnswerCache:
             self.names_refused.clear()
             self.ring.view_changed(self.keeps_names)  # (no more creates there from here)
             self.settle()  # (the files they created are in the tree before others' names)
+
+    @contextlib.contextmanager
+    def making_created(self) -> Iterator[None]:
+        """While the trio thread makes the files the queue threads created (Landing.make_created):
+        the queue threads have their directories' names and attributes as they are after it,
+        so the notices of those changes take nothing back."""
+        self.creating = True
+        try:
+            yield
+        finally:
+            self.creating = False
 
     # namespace.ChangeListener: what the queue threads answer from follows the tree
     def dirs_changed(self) -> None:
@@ -296,7 +308,7 @@ class AnswerCache:
     def name_added(self, parent: int, name: bytes) -> None:
         """Not an invalidation: the directory's name filter takes the name before any answer
         says it exists."""
-        if not self.making_created:
+        if not self.creating:
             self.ring.name_added(parent, name)
 
     # read windows: the queue threads answer a handle's READs from the read cache

@@ -174,10 +174,9 @@ class Landing:
         handle (the queue threads put it in the writable set themselves; it may be released
         already). The queue threads have the directory's names and attributes as they are
         after it already (the answer cache lets the notices of their directories' changes
-        pass meanwhile: `making_created`)."""
+        pass meanwhile: `AnswerCache.making_created`)."""
         ops, ring, answers = self.ops, self.ring, self.answers
-        answers.making_created = True
-        try:
+        with answers.making_created():
             for parent, name, ino, fh, mode, uid, gid, flags, pid, now in created:
                 answers.name_order.pop(parent, None)  # (a name more in its order)
                 try:
@@ -189,8 +188,6 @@ class Landing:
                     self.creates_not_made += 1
                     ring.writable(fh, False)  # (its next WRITEs come here: EBADF)
                     ring.dirs_changed()  # (the directory's attributes as the tree has them)
-        finally:
-            answers.making_created = False
         if ring.reserve_left() < fring.RESERVE // 4:
             ring.reserve(*ops.handles.reserve(fring.RESERVE), fring.RESERVE)
 
