@@ -42,7 +42,7 @@ from ckptfs.fuse.interrupts import Interrupts
 from ckptfs.fuse.ops import CkptOperations, Settings, idle_sealer
 from ckptfs import metrics, system
 from ckptfs.metrics import stats_exporter
-from ckptfs.fuse.refresh import Refresher
+from ckptfs.fuse.refresh import Invalidations, Refresher
 from ckptfs.io import probe_direct, probe_direct_read
 from ckptfs.namespace import ChangeNotices, Namespace
 from ckptfs.options import format_size
@@ -294,14 +294,19 @@ def serve(cfg: MountConfig, ready=None, prepared=None) -> int:
 
 async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                  local: WriterDir | None = None) -> int:
-    journal = Journal()
     # the live bytes of the own data logs: every own extent map reports what it lets go of
     space = cleaner.LogSpace(facts["align"]) if wd is not None else None
     # what the tree's changes and the flusher's errors are told to: the queue threads listen
     # while they run (fuse/queues.py)
     change_notices = ChangeNotices()
     flush_errors = ErrorNotices()
-    ns = Namespace(journal_hook=journal.add, uid=os.getuid(), gid=os.getgid(),
+
+    # The tree's changes go into the journal, which is made once the replay of the tree says
+    # where it goes on from (the replay applies records without journaling them)
+    def journal_add(rec) -> None:
+        journal.add(rec)
+
+    ns = Namespace(journal_hook=journal_add, uid=os.getuid(), gid=os.getgid(),
                    on_dead=space.dead if space is not None else None, notices=change_notices)
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
@@ -317,13 +322,18 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # then gets a copy of it: datapath/tier.py)
     own = local or wd
     mirror = wd if local is not None else None
+    last_seq, valid = 0, 0
     if wd is not None:
         index_path = os.path.join(own.path, backingdir.INDEX_NAME)
-        last_seq, valid = 0, 0
         if os.path.exists(index_path):
             last_seq, valid, union.warnings = replay(ns, index_path)
         union.warnings += validate_extents(ns, own.path, also=mirror.path if mirror else None)
-        journal.last_seq = journal.committed_seq = journal.unsent_upto = last_seq
+    # The own COMMIT stamps follow this writer's last one and every stamp seen (a hybrid
+    # logical clock: journal.py); the view notes the stamps of the own inodes' commits
+    journal = Journal(last_seq, stamp_hook=view.stamped,
+                      last_stamp=max((x.commit_ns for x in ns.inodes.values() if x.layer == 0),
+                                     default=0))
+    if wd is not None:
         if local is not None and facts["drained_index"] < valid:  # (their level: node)
             scan, _ = records.read_index_tail(
                 index_path, max(facts["drained_index"], records.INDEX_HEADER.size))
@@ -343,11 +353,7 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         union.writer_ids[0] = cfg.writer_id
     peers.load()
     union.conflicts = view.conflict_list()
-    # The own COMMIT stamps follow every stamp seen (a hybrid logical clock: flusher.py)
-    journal.seen_ns = peers.max_stamp
-    journal.last_stamp = max((x.commit_ns for x in ns.inodes.values() if x.layer == 0),
-                             default=0)
-    journal.stamp_hook = view.stamped
+    journal.saw(peers.max_stamp)
     if wd is not None:
         view.adopt_pending()  # other writers removed own entries while this one was away
     for w in union.warnings:
@@ -428,11 +434,21 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         log.info("this VM's idle CPUs halt without polling (cpuidle haltpoll, "
                  "guest_halt_poll_ns 0): each FUSE round trip pays a wake-up through the "
                  "hypervisor; docs/tuning.md says what polling is worth here")
-    refresher = Refresher(peers, journal, cache, change_notices, cfg.backing, cfg.refresh_s)
+    # The background looks go on while files or directories are open: the handle table is
+    # the handlers', which are made after the refresher (they take it)
+    def in_use() -> bool:
+        return bool(ops.handles.by_fh)
+
+    # (the fast path writes the kernel's invalidations itself once it has /dev/fuse)
+    invalidations = Invalidations()
+    refresher = Refresher(peers, journal, cache, change_notices, cfg.backing, cfg.refresh_s,
+                          in_use=in_use, invalidations=invalidations)
+    # the wait for the next request in pyfuse3's place, installed once the session is open
+    wait_hook = loop.WaitHook()
     ops = CkptOperations(ns, staging, journal, flusher, reader,
                          Settings.of(cfg, info, readonly=wd is None), interrupts=interrupts,
-                         view=view, refresher=refresher, maintainer=maintainer)
-    refresher.in_use = lambda: bool(ops.handles.by_fh)
+                         wait_hook=wait_hook, view=view, refresher=refresher,
+                         maintainer=maintainer)
     if wd is not None:
         flusher.start()
         if node_tier is not None:
@@ -468,16 +484,12 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     # keeps pyfuse3's own, for comparison.
     if os.environ.get("CKPTFS_PYFUSE3_WAIT") != "1":
         attach = (lambda fd, spin_s: FastPath.attach(
-            fd, ops, spin_s, interrupts, change_notices, flush_errors, cfg.fuse_uring,
-            cfg.queue_threads is not False)) \
-            if cfg.fast_path else loop.RequestWait
-        ops.request_wait = loop.install(cfg.request_spin_us / 1e6, fds_before, attach)
-        if ops.request_wait is not None:
-            ops.request_wait.idle_work = staging.checksums
-        if isinstance(ops.request_wait, FastPath):  # (libfuse's descriptor is its socket now)
-            # (its own descriptor: an invalidation still waiting in the kernel at unmount is
-            # abandoned, and must not write to a number reused since)
-            refresher.notify_fd = os.dup(ops.request_wait.fd)
+            fd, ops, spin_s, interrupts, change_notices, flush_errors, invalidations,
+            cfg.fuse_uring, cfg.queue_threads is not False)) \
+            if cfg.fast_path else (lambda fd, spin_s: loop.RequestWait(
+                fd, spin_s, idle_work=staging.checksums))
+        wait_hook.install(cfg.request_spin_us / 1e6, fds_before, attach)
+    request_wait = wait_hook.wait
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(idle_sealer, ops, cfg.idle_flush_s)
@@ -492,23 +504,23 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
             del replayed
             if cfg.prometheus_file:
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
-            nursery.start_soon(_signals, nursery, ops.request_wait)
+            nursery.start_soon(_signals, nursery, request_wait)
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
             status_sock = open_status_socket(real_mountpoint)
             if status_sock is not None:  # (bound before "ready": a client may ask at once)
                 nursery.start_soon(serve_status, ops, status_sock)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
-            if ops.request_wait is not None:
+            if request_wait is not None:
                 await pyfuse3.main(max_tasks=loop.MAX_TASKS)
             else:
                 await pyfuse3.main()
             nursery.cancel_scope.cancel()
     finally:
         _hold_signals()  # (also where the loop ended before _signals ran)
-        if ops.request_wait is not None:
+        if request_wait is not None:
             try:
-                ops.request_wait.quiesce()  # (what it held back goes into the last commit)
+                request_wait.quiesce()  # (what it held back goes into the last commit)
             except Exception:  # (the last commit still comes)
                 log.exception("unmount: holding back requests' work")
         ops.handles.release_all()  # (handles whose RELEASE the unmount cut off)
@@ -524,10 +536,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
         except OSError as exc:
             log.error("unmount: NOT everything could be made durable: %s", exc)
             status = 1
-        if ops.request_wait is not None:
-            ops.request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
+        if request_wait is not None:
+            request_wait.detach()  # libfuse's own /dev/fuse descriptor back, to unmount
         pyfuse3.close(unmount=True)
-        loop.uninstall()
+        wait_hook.uninstall()
         cache.close()
         staging.close()
         if index is not None:

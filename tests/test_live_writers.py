@@ -202,9 +202,27 @@ def crafted_writer(backing: str, wid: str, files: dict[str, bytes], stamp: int) 
 def test_commit_stamps_follow_every_stamp_seen():
     from ckptfs.datapath.journal import Journal
     j = Journal()
-    j.seen_ns = time.time_ns() + 3600 * 10**9  # another writer's clock is an hour ahead
+    ahead = time.time_ns() + 3600 * 10**9
+    j.saw(ahead)  # another writer's clock is an hour ahead
+    j.saw(0)  # (an older stamp read later changes nothing)
     first = j.stamp()
-    assert first > j.seen_ns and j.stamp() > first
+    assert first > ahead and j.stamp() > first
+
+
+def test_commit_stamps_go_on_from_the_writers_last_one_and_are_told_with_their_records():
+    """A journal made where a replay left off: its first commit follows the sequence number
+    and the COMMIT stamp the index ended with (this writer's clock was an hour ahead then),
+    and the records of each commit group are told with the stamp they get."""
+    from ckptfs.datapath.journal import Journal
+    from ckptfs.format import records
+    last = time.time_ns() + 3600 * 10**9
+    told = []
+    j = Journal(7, last_stamp=last, stamp_hook=lambda recs, stamp: told.append((recs, stamp)))
+    rec = records.InodeRec(2, 1, b"f", 0o100644, 0, 0, 0, 1, 1, 1)
+    j.add(rec)
+    blob, upto = j.take_committable()
+    assert upto == 8 and len(told) == 1 and told[0][0] == [rec] and told[0][1] > last
+    assert blob.endswith(records.encode(records.CommitRec(8, told[0][1])))
 
 
 @pytest.mark.timeout(60)

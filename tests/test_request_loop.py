@@ -333,23 +333,29 @@ def test_many_handlers_waiting_at_once_do_not_stall_the_mount(mounts):
 
 def test_install_takes_only_a_session_fd_it_can_be_sure_of():
     """The wait is installed on the one /dev/fuse fd that appeared since `fds_before`, never on
-    a guess; uninstall puts pyfuse3's own wait back."""
+    a guess, and made with what `attach` gives it; the hook the handlers were made with has
+    it from then on. uninstall puts pyfuse3's own wait back."""
     import pyfuse3
 
+    from ckptfs.datapath.staging import Checksums
     from ckptfs.fuse import loop
 
     own = pyfuse3._wait_fuse_readable
-    assert loop.install(0.0, loop.fuse_fds()) is None  # nothing new
+    hook = loop.WaitHook()
+    assert hook.install(0.0, loop.fuse_fds()) is None  # nothing new
     before = loop.fuse_fds()
     a = os.open("/dev/fuse", os.O_RDWR)
     b = os.open("/dev/fuse", os.O_RDWR)
+    owed = Checksums()
     try:
-        assert loop.install(0.0, before) is None  # two candidates: not sure, not installed
-        assert pyfuse3._wait_fuse_readable is own
-        w = loop.install(0.0, before | {b})
+        assert hook.install(0.0, before) is None  # two candidates: not sure, not installed
+        assert pyfuse3._wait_fuse_readable is own and hook.wait is None
+        w = hook.install(0.0, before | {b},
+                         lambda fd, spin_s: loop.RequestWait(fd, spin_s, idle_work=owed))
         assert w is not None and w.fd == a and pyfuse3._wait_fuse_readable is w
+        assert hook.wait is w and w.idle_work is owed
     finally:
-        loop.uninstall()
+        hook.uninstall()
         os.close(a)
         os.close(b)
     assert pyfuse3._wait_fuse_readable is own

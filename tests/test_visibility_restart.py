@@ -259,13 +259,11 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
     durable since the look before it started. No mount: the refresher alone, a look that
     takes 0.3 s."""
     trio = pytest.importorskip("trio")
+    from ckptfs.datapath.journal import Journal
     from ckptfs.fuse.refresh import Refresher
     from ckptfs.namespace import ChangeNotices, Namespace
     from ckptfs.peers import Peers
     from ckptfs.view import Union
-
-    class Journal:
-        seen_ns = 0
 
     looks = []
 
@@ -291,3 +289,63 @@ def test_a_request_during_a_look_waits_for_it_once_the_view_is_older_than_refres
         assert not r.due() and r.waits == 1
 
     trio.run(main)
+
+
+def test_the_background_looks_go_on_while_something_is_open_and_pause_while_nothing_is(
+        tmp_path):
+    """Nobody asks (no open, lookup or listing): the background looker goes on looking every
+    --refresh while the mount has something open, which the refresher is told by the
+    function it is made with, and pauses at the first period while nothing is. No mount: the
+    refresher alone, its looks counted (a pause is counted too: the looker had its chance)."""
+    trio = pytest.importorskip("trio")
+    from ckptfs.datapath.journal import Journal
+    from ckptfs.fuse.refresh import Refresher
+    from ckptfs.namespace import ChangeNotices, Namespace
+    from ckptfs.peers import Peers
+    from ckptfs.view import Union
+
+    async def looks_while(open_now: bool) -> tuple[int, int]:
+        looks = []
+        r = Refresher(Peers(Namespace(now_ns=0), Union(), str(tmp_path), "w0"), Journal(), None,
+                      ChangeNotices(), str(tmp_path), 0.05, in_use=lambda: open_now)
+        r._look = lambda known, names, unread: looks.append(1) or []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(r.run)
+                while len(looks) < 3 and r.idle_pauses == 0:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        return len(looks), r.idle_pauses
+
+    assert trio.run(looks_while, True) == (3, 0)
+    assert trio.run(looks_while, False) == (0, 1)
+
+
+def test_the_kernels_invalidations_go_to_the_descriptor_the_fast_path_gives(tmp_path):
+    """Once the fast path has /dev/fuse (libfuse's descriptor is a socket toward it), the
+    refresher's invalidations are written to the descriptor it gave their channel, in order,
+    each counted. No mount: a pipe stands in for /dev/fuse."""
+    trio = pytest.importorskip("trio")
+    from ckptfs.datapath.journal import Journal
+    from ckptfs.fuse.refresh import ATTRS, Invalidations, Refresher, notification
+    from ckptfs.namespace import ChangeNotices, Namespace
+    from ckptfs.peers import Peers
+    from ckptfs.view import ENTRY, INODE, Union
+
+    changes = [(ENTRY, 1, b"step_9"), (INODE, 12), (ATTRS, 13)]
+    r_fd, w_fd = os.pipe()
+
+    async def main() -> None:
+        invalidations = Invalidations()
+        r = Refresher(Peers(Namespace(now_ns=0), Union(), str(tmp_path), "w0"), Journal(), None,
+                      ChangeNotices(), str(tmp_path), REFRESH, invalidations=invalidations)
+        invalidations.write_to(w_fd)
+        r.send(changes)
+        assert r.notifications == 3
+
+    try:
+        trio.run(main)
+        assert os.read(r_fd, 4096) == b"".join(notification(*c) for c in changes)
+    finally:
+        os.close(r_fd)
+        os.close(w_fd)

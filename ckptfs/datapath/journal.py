@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ckptfs.datapath.staging import Run
 from ckptfs.format import records
@@ -52,7 +53,12 @@ _TOUCHES_PARENT = {InodeRec: ("parent",), UnlinkRec: ("parent",), LinkRec: ("par
 class Journal:
     """Changes not yet in the index, in order. Trio thread only."""
 
-    def __init__(self, committed_seq: int = 0) -> None:
+    def __init__(self, committed_seq: int = 0, *, last_stamp: int = 0,
+                 stamp_hook: Callable[[list, int], None] | None = None) -> None:
+        """`committed_seq`: the last change already in the index (a mount's replay says it);
+        `last_stamp`: this writer's newest COMMIT stamp in it; `stamp_hook(records, stamp)`:
+        called with the records of each commit group and the stamp it gets (the view notes
+        its inodes' commit times: view.View.stamped)."""
         self.entries: deque = deque()
         self.last_seq = committed_seq  # sequence number of the newest change
         self.committed_seq = committed_seq
@@ -64,13 +70,18 @@ class Journal:
         # has seen in another writer's index (`seen_ns`, raised as their tails are read), so
         # a change made after seeing another writer's change is ordered after it, whatever
         # the two hosts' clocks say.
-        self.last_stamp = 0
+        self.last_stamp = last_stamp
         self.seen_ns = 0
-        self.stamp_hook = None  # called with (the records of a commit group, its stamp)
+        self.stamp_hook = stamp_hook
         # inode -> sequence number of its newest change not known to be in the backing
         # directory (a directory's too when an entry of it changed): the levels
         self.touched: dict[int, int] = {}
         self._prune_at = 4096
+
+    def saw(self, stamp: int) -> None:
+        """A COMMIT stamp read in another writer's index: the own stamps come after it."""
+        if stamp > self.seen_ns:
+            self.seen_ns = stamp
 
     def stamp(self) -> int:
         """The next COMMIT stamp (trio thread)."""

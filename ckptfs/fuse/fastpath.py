@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import select
 import struct
 
@@ -74,6 +75,7 @@ from ckptfs.fuse.protocol import (
     OUT_HEADER,
 )
 from ckptfs.fuse.queues import QueueThreads
+from ckptfs.fuse.refresh import Invalidations
 from ckptfs.fuse.releases import Releases
 from ckptfs.fuse.replies import valid
 from ckptfs.namespace import ChangeNotices
@@ -95,8 +97,11 @@ class FastPath(RequestWait):
 
     def __init__(self, dev: DevFuse, ops, spin_s: float, interrupts: Interrupts,
                  change_notices: ChangeNotices, flush_errors: ErrorNotices,
-                 uring: bool = False, queue_threads: bool = False) -> None:
-        super().__init__(dev.fd, spin_s)
+                 invalidations: Invalidations, uring: bool = False,
+                 queue_threads: bool = False) -> None:
+        """`invalidations`: where the refresher tells the kernel what to forget; written to
+        /dev/fuse from now on (a descriptor of its own), which libfuse no longer has."""
+        super().__init__(dev.fd, spin_s, idle_work=ops.staging.checksums)
         self.dev = dev  # /dev/fuse and the socket pair toward libfuse (fuse/devfuse.py)
         self.ops = ops
         self.staging = ops.staging
@@ -129,14 +134,16 @@ class FastPath(RequestWait):
             self.epoll = select.epoll()
             self.epoll.register(dev.fd, select.EPOLLIN)
             self.wait_fd = self.epoll.fileno()
+        invalidations.write_to(os.dup(dev.fd))
 
     @classmethod
     def attach(cls, lib_fd: int, ops, spin_s: float, interrupts: Interrupts,
                change_notices: ChangeNotices, flush_errors: ErrorNotices,
-               uring: bool = False, queue_threads: bool = False) -> "FastPath":
+               invalidations: Invalidations, uring: bool = False,
+               queue_threads: bool = False) -> "FastPath":
         """Take /dev/fuse over from libfuse (whose descriptor `lib_fd` becomes a socket)."""
         return cls(DevFuse.attach(lib_fd), ops, spin_s, interrupts, change_notices,
-                   flush_errors, uring, queue_threads)
+                   flush_errors, invalidations, uring, queue_threads)
 
     def detach(self) -> None:
         """Give libfuse its /dev/fuse descriptor back (before pyfuse3.close() unmounts)."""

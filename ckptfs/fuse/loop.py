@@ -87,13 +87,13 @@ def fuse_fds() -> set[int]:
 
 
 class RequestWait:
-    def __init__(self, fd: int, spin_s: float = 0.0) -> None:
+    def __init__(self, fd: int, spin_s: float = 0.0, idle_work=None) -> None:
+        """`idle_work`: work for the moments no request waits, the staging's owed checksums
+        (datapath/staging.Checksums; None: none)."""
         self.fd = fd
         self.wait_fd = fd  # what the slow path sleeps on (readable: a request may wait)
         self.spin_s = spin_s
-        # Work for the moments no request waits: the staging's owed checksums
-        # (datapath/staging.Checksums), set by the daemon once the wait is installed.
-        self.idle_work = None
+        self.idle_work = idle_work
         self.poller = select.poll()
         self.poller.register(fd, select.POLLIN)
         self.busy = False  # a task is in wait_readable(fd)
@@ -260,29 +260,40 @@ def pyfuse3_hookable() -> str | None:
     return None
 
 
-def install(spin_s: float, fds_before: set[int],
-            attach: Callable[[int, float], RequestWait] = RequestWait) -> RequestWait | None:
-    """Replace pyfuse3's wait, right after pyfuse3.init(); `fds_before`: fuse_fds() before
-    pyfuse3.init() (the session's fd is the one that is new). `spin_s`: how long to poll for
-    the next request before parking. `attach(fd, spin_s)` makes the wait: RequestWait only
-    waits; the daemon passes the fast path's (fastpath.py: it reads requests itself and
-    serves the common ones). Returns the installed wait, or None (pyfuse3's own wait stays)
-    when this pyfuse3 cannot be hooked or the session's fd is not known for sure."""
-    reason = pyfuse3_hookable()
-    if reason:
-        log.info("%s: its own request wait is used", reason)
-        return None
-    new = fuse_fds() - fds_before
-    if len(new) != 1:
-        log.info("/dev/fuse descriptor of the session not found (%d new): pyfuse3's own "
-                 "request wait is used", len(new))
-        return None
-    wait = attach(new.pop(), spin_s)
-    pyfuse3._wait_fuse_readable = wait
-    return wait
+class WaitHook:
+    """pyfuse3's request wait as a mount has it: `wait`, the one `install` put in place of
+    pyfuse3's own (None: pyfuse3's own serves). The mount makes it before its handlers, which
+    get it by constructor (the status shows the wait's figures; the idle sealer has it take in
+    what the queue threads answered: fuse/ops.py), and installs the wait once pyfuse3.init()
+    has opened the session."""
 
+    def __init__(self) -> None:
+        self.wait: RequestWait | None = None
 
-def uninstall() -> None:
-    """Put pyfuse3's own wait back (after pyfuse3.main() returned)."""
-    if _PYFUSE3_WAIT is not None:
-        pyfuse3._wait_fuse_readable = _PYFUSE3_WAIT
+    def install(self, spin_s: float, fds_before: set[int],
+                attach: Callable[[int, float], RequestWait] = RequestWait) -> RequestWait | None:
+        """Replace pyfuse3's wait, right after pyfuse3.init(); `fds_before`: fuse_fds() before
+        pyfuse3.init() (the session's fd is the one that is new). `spin_s`: how long to poll
+        for the next request before parking. `attach(fd, spin_s)` makes the wait:
+        RequestWait only waits; the daemon passes the fast path's (fastpath.py: it reads
+        requests itself and serves the common ones). Returns the installed wait, or None
+        (pyfuse3's own wait stays) when this pyfuse3 cannot be hooked or the session's fd is
+        not known for sure."""
+        reason = pyfuse3_hookable()
+        if reason:
+            log.info("%s: its own request wait is used", reason)
+            return None
+        new = fuse_fds() - fds_before
+        if len(new) != 1:
+            log.info("/dev/fuse descriptor of the session not found (%d new): pyfuse3's own "
+                     "request wait is used", len(new))
+            return None
+        self.wait = attach(new.pop(), spin_s)
+        pyfuse3._wait_fuse_readable = self.wait
+        return self.wait
+
+    def uninstall(self) -> None:
+        """Put pyfuse3's own wait back (after pyfuse3.main() returned); `wait` stays, for its
+        figures."""
+        if _PYFUSE3_WAIT is not None:
+            pyfuse3._wait_fuse_readable = _PYFUSE3_WAIT

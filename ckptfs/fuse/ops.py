@@ -141,12 +141,15 @@ class CkptOperations(pyfuse3.Operations):
     supports_dot_lookup = True
 
     def __init__(self, ns: Namespace, staging: Staging, journal: Journal, flusher: Flusher,
-                 reader: Reader, settings: Settings, *, interrupts: Interrupts, view=None,
-                 refresher=None, maintainer=None) -> None:
+                 reader: Reader, settings: Settings, *, interrupts: Interrupts,
+                 wait_hook: loop.WaitHook, view=None, refresher=None,
+                 maintainer=None) -> None:
         """`interrupts`: the mount's (fuse/interrupts.py: a barrier whose caller is being
-        killed is answered early); `view` and `refresher`: other writers' changes, the merged
-        tree and what reads their index tails (view.View, fuse/refresh.py); `maintainer`:
-        the cleaner of a mount that writes (its figures in the status)."""
+        killed is answered early); `wait_hook`: the wait for the next request the mount
+        installs once pyfuse3.init() has these handlers (loop.WaitHook: its figures in the
+        status); `view` and `refresher`: other writers' changes, the merged tree and what
+        reads their index tails (view.View, fuse/refresh.py); `maintainer`: the cleaner of a
+        mount that writes (its figures in the status)."""
         super().__init__()
         self.ns = ns
         self.staging = staging
@@ -172,11 +175,14 @@ class CkptOperations(pyfuse3.Operations):
         # the open handles, their reads and writes (fuse/handles.py)
         self.handles = Handles(ns, staging, journal, reader, self.dcp, self.control, settings,
                                refresher, self.listings)
-        # the wait for the next request, for its figures in the status: the daemon installs it
-        # right after pyfuse3.init(), which these handlers are built for (loop.install)
-        self.request_wait: loop.RequestWait | None = None
+        self.wait_hook = wait_hook
         self.started = time.time()
         self.fsyncs = 0
+
+    @property
+    def request_wait(self) -> loop.RequestWait | None:
+        """The wait for the next request in pyfuse3's place (None: pyfuse3's own)."""
+        return self.wait_hook.wait
 
     # ------------------------------------------------------------ helpers
     def _attr(self, x: Inode) -> pyfuse3.EntryAttributes:

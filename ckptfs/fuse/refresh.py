@@ -34,6 +34,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -75,13 +76,44 @@ def notification(kind: int, a: int, name: bytes = b"") -> bytes:
     return OUT_HEADER.pack(OUT_HEADER.size + len(body), code, 0) + body
 
 
+class Invalidations:
+    """Where the kernel is told to forget entries and inodes (Refresher.send): pyfuse3's
+    calls, until the fast path takes the session's /dev/fuse over from libfuse (libfuse's
+    descriptor is a socket toward it from then on: fuse/devfuse.py) and gives this its own
+    descriptor of /dev/fuse to write them to. Its own: an invalidation still waiting in the
+    kernel at unmount is abandoned, and must not write to a number reused since. The mount
+    makes one and gives it to the refresher and to the fast path."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def write_to(self, fd: int) -> None:
+        """From now on, to `fd` (a descriptor of /dev/fuse, kept open till the process ends)."""
+        self.fd = fd
+
+    def send(self, c: tuple) -> None:
+        """Tell the kernel to forget `c` (see notification); raises OSError."""
+        if self.fd >= 0:
+            os.write(self.fd, notification(*c))
+            return
+        import pyfuse3  # (loaded by the mount anyway; not by the offline tools)
+        if c[0] == ENTRY:
+            pyfuse3.invalidate_entry(c[1], c[2])
+        else:
+            pyfuse3.invalidate_inode(c[1], attr_only=c[0] == ATTRS)
+
+
 class Refresher:
     """Brings other writers' commits into the view (see the module's docstring)."""
 
     def __init__(self, peers: Peers, journal, cache, notices: ChangeNotices, backing: str,
-                 delay_s: float) -> None:
+                 delay_s: float, *, in_use: Callable[[], bool] = lambda: False,
+                 invalidations: Invalidations | None = None) -> None:
         """`notices`: the mount's change notices, told when a look's changes come into the
-        view (namespace.ChangeNotices: what the queue threads answer from goes)."""
+        view (namespace.ChangeNotices: what the queue threads answer from goes); `in_use()`:
+        whether files or directories are open on the mount (the background looks go on while
+        they are); `invalidations`: where the kernel is told what changed (a new one: through
+        pyfuse3)."""
         self.peers = peers
         self.view = peers.view
         self.journal = journal
@@ -89,7 +121,8 @@ class Refresher:
         self.notices = notices
         self.backing = backing
         self.delay = delay_s
-        self.notify_fd = -1  # /dev/fuse of the fast path (else pyfuse3 writes them)
+        self.in_use = in_use
+        self.invalidations = invalidations if invalidations is not None else Invalidations()
         # When the last look started (the background looks' clock), and when the last look
         # whose changes are all in the view started: how fresh the view is, what a request's
         # --refresh counts from (a look still reading or applying has brought nothing yet, or
@@ -104,7 +137,6 @@ class Refresher:
         # Set by every open, lookup and listing (due()): the background looker goes on only
         # while they come, and waits for this while nobody uses the mount.
         self.asked = trio.Event()
-        self.in_use = lambda: False  # files or directories open on the mount (the daemon's)
         # While a look's changes go into the view (they may pause for requests between
         # groups): answers prepared for the queue threads would say what is half applied.
         self.applying = False
@@ -371,8 +403,7 @@ class Refresher:
         for w in peers.union.warnings[self._warned:]:
             log.warning("%s", w)
         self._warned = len(peers.union.warnings)
-        if peers.max_stamp > self.journal.seen_ns:
-            self.journal.seen_ns = peers.max_stamp
+        self.journal.saw(peers.max_stamp)
         return again
 
     async def _apply_found(self, found: list[tuple]) -> bool:
@@ -523,14 +554,7 @@ class Refresher:
         for c in changes:
             self.notifications += 1
             try:
-                if self.notify_fd >= 0:
-                    os.write(self.notify_fd, notification(*c))
-                else:
-                    import pyfuse3  # (loaded by the mount anyway; not by the offline tools)
-                    if c[0] == ENTRY:
-                        pyfuse3.invalidate_entry(c[1], c[2])
-                    else:
-                        pyfuse3.invalidate_inode(c[1], attr_only=c[0] == ATTRS)
+                self.invalidations.send(c)
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
                     log.warning("invalidating %r in the kernel: %s", c, exc)
