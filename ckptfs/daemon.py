@@ -306,12 +306,15 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
     def journal_add(rec) -> None:
         journal.add(rec)
 
+    # the writers of the backing directory, as layers of the tree (its XEXTENT records name
+    # them by id)
+    union = Union()
     ns = Namespace(journal_hook=journal_add, uid=os.getuid(), gid=os.getgid(),
-                   on_dead=space.dead if space is not None else None, notices=change_notices)
+                   on_dead=space.dead if space is not None else None, notices=change_notices,
+                   layer_of=union.layer_of)
     t0 = time.perf_counter()
     seg_bytes = cfg.segment_bytes if wd else 64 * 1024
     staging_bytes = cfg.staging_bytes if wd else 2 * seg_bytes
-    union = Union()
     # (layers for every writer before the own index is replayed: it may name their logs)
     peers = Peers(ns, union, cfg.backing, cfg.writer_id if wd else None)
     view = peers.view

@@ -59,7 +59,9 @@ class Peers:
     """The other writers' trees (`trees[layer]`), each built from its own index and kept up
     to date as it grows; `offsets` and `index_ids` say how far each index was read and which
     file it was. `view` is the union of the trees with the own one (`ns`, layer 0), and
-    `whiteouts` what their XUNLINK records hide."""
+    `whiteouts` what their XUNLINK records hide. The own tree is made with the union's
+    writer layers (`Namespace(layer_of=union.layer_of)`): its XEXTENT records name other
+    writers by their ids."""
 
     def __init__(self, ns: Namespace, union: Union, backing: str, own: str | None) -> None:
         self.ns = ns
@@ -78,7 +80,6 @@ class Peers:
         if own:
             union.writer_ids[0] = own
             union.layers[own] = 0
-        ns.layer_of = union.layer_of
 
     # ------------------------------------------------------------ layers
     def tree_layer_of(self, writer: str) -> int | None:
@@ -326,8 +327,8 @@ class Peers:
 def load_foreign(ns: Namespace, backing: str, own_writer: str | None, union: Union,
                  only: str | None = None) -> Peers:
     """The writers of `backing` read, their view over `ns` (own_writer's tree is `ns` itself;
-    None: every writer's tree is read, as the offline tools do). `union.conflicts` lists
-    the paths where versions conflict."""
+    None: every writer's tree is read, as the offline tools do; made with the union's writer
+    layers: Peers). `union.conflicts` lists the paths where versions conflict."""
     peers = Peers(ns, union, backing, own_writer)
     peers.load(only)
     union.conflicts = peers.view.conflict_list()

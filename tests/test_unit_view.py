@@ -151,8 +151,9 @@ def test_the_own_writer_carries_out_the_same_whiteouts_in_any_order(tmp_path, se
     own_index = os.path.join(backing, backingdir.WRITERS_DIR, "w0", backingdir.INDEX_NAME)
 
     def own_view() -> Peers:
-        ns = Namespace(now_ns=0)
-        peers = Peers(ns, Union(), backing, "w0")
+        union = Union()
+        ns = Namespace(now_ns=0, layer_of=union.layer_of)
+        peers = Peers(ns, union, backing, "w0")
         peers.union.writer_dirs[0] = os.path.dirname(own_index)
         replay(ns, own_index)
         return peers
@@ -309,8 +310,9 @@ def test_a_tree_thousands_of_levels_deep_comes_and_goes(tmp_path):
     # (the top one, with all below it)
     assert whole.whiteouts.carry_out(whole.union.layers["w1"]) == 1
     assert whole.trees[whole.union.layers["w1"]].inodes.keys() == {ROOT_INO}
-    ns = Namespace(now_ns=0)
-    own = Peers(ns, Union(), backing, "w1")
+    union = Union()
+    ns = Namespace(now_ns=0, layer_of=union.layer_of)
+    own = Peers(ns, union, backing, "w1")
     own.union.writer_dirs[0] = wdirs["w1"]
     replay(ns, os.path.join(wdirs["w1"], backingdir.INDEX_NAME))
     own.load()

@@ -126,8 +126,8 @@ def compact_writer(backing: str, writer: str, log_bytes: int, progress: bool) ->
     wd = WriterDir(backing, writer)
     wd.open()  # the lock: refuses while mounted
     try:
-        ns = Namespace(now_ns=0)
         union = Union()
+        ns = Namespace(now_ns=0, layer_of=union.layer_of)
         # Every writer's index: the writer's entries other writers removed (their XUNLINK
         # records) leave its tree here, and its inode numbers stay (other writers' records
         # name them), so nothing another writer deleted comes back.
@@ -190,8 +190,8 @@ def compact_merge(backing: str, into: str, log_bytes: int, progress: bool) -> di
             w = WriterDir(backing, os.path.basename(d))
             w.open()
             locks.append(w)
-        ns = Namespace(now_ns=0)
         union = Union()
+        ns = Namespace(now_ns=0, layer_of=union.layer_of)
         peers = load_foreign(ns, backing, None, union)
         before = sum(_sizes(d) for d in dirs)
         root = os.path.join(backing, backingdir.WRITERS_DIR)

@@ -30,8 +30,8 @@ class Snapshot:
             if writer is None or os.path.basename(d) == writer:
                 check_index_header(os.path.join(d, backingdir.INDEX_NAME))
         self.backing = backing
-        self.ns = Namespace(now_ns=0)
         self.union = Union()
+        self.ns = Namespace(now_ns=0, layer_of=self.union.layer_of)
         load_foreign(self.ns, backing, None, self.union, only=writer)
         self.warnings = self.union.warnings
 
