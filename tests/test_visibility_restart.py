@@ -321,10 +321,10 @@ def test_the_background_looks_go_on_while_something_is_open_and_pause_while_noth
     assert trio.run(looks_while, False) == (0, 1)
 
 
-def test_the_kernels_invalidations_go_to_the_descriptor_the_fast_path_gives(tmp_path):
-    """Once the fast path has /dev/fuse (libfuse's descriptor is a socket toward it), the
-    refresher's invalidations are written to the descriptor it gave their channel, in order,
-    each counted. No mount: a pipe stands in for /dev/fuse."""
+def test_the_kernels_invalidations_go_to_the_descriptor_their_channel_is_given(tmp_path):
+    """Once the fast path has /dev/fuse (libfuse's descriptor is a socket toward it) it gives
+    the refresher's invalidations channel a descriptor of it: from then on they are written
+    there, in order, each counted. No mount: a pipe stands in for /dev/fuse."""
     trio = pytest.importorskip("trio")
     from ckptfs.datapath.journal import Journal
     from ckptfs.fuse.refresh import ATTRS, Invalidations, Refresher, notification
