@@ -198,7 +198,8 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
     bound by anyone first: only an answer from the user who mounted, or root, and from the
     process whose pid it reports, is taken), or one the daemon of a detached mount still
     holds (lazily unmounted with files open: it serves on, and a new mount may have the same
-    device number; only an answer for this mount point is taken)."""
+    device number; only an answer for this mount point is taken, and one that ends while
+    the client waits is no answer)."""
     e = ckptfs_mount_at(mountpoint)
     if e is None:
         return None
@@ -227,6 +228,8 @@ def _status_socket(mountpoint: str, timeout: float) -> dict | None:
                 chunks.append(b)
         except socket.timeout:
             raise OSError(errno.ETIMEDOUT, f"{who} does not answer") from None
+        except ConnectionResetError:
+            return None  # (its listener closed unanswered: a daemon ending, not this mount's)
     finally:
         s.close()
     if not chunks:

@@ -152,11 +152,15 @@ def test_a_ckptfs_package_where_the_daemon_starts_never_runs(tmp_path, mounts):
 
 
 _SQUATTER = r"""
-import json, os, socket, sys
+import json, os, select, socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.bind(b"\0ckptfs-status-" + sys.argv[1].encode())
 s.listen(8)
 print("bound", flush=True)
+if sys.argv[2] == "ends":  # a daemon ending: its listener closes with a client unanswered
+    select.select([s], [], [])
+    s.close()
+    time.sleep(3600)
 while True:
     c, _ = s.accept()
     c.sendall(json.dumps({"pid": int(sys.argv[2]) if sys.argv[2] != "self" else os.getpid(),
@@ -177,15 +181,19 @@ def _next_anon_dev(tmp_path) -> str:
         subprocess.run(["umount", str(probe)], check=True)
 
 
-@pytest.mark.parametrize("who", ["another_user", "a_detached_mounts_daemon"])
+@pytest.mark.parametrize("who", ["another_user", "a_detached_mounts_daemon",
+                                 "a_detached_mounts_daemon_that_ends"])
 def test_a_status_socket_bound_first_is_not_believed(tmp_path, mounts, who):
     """The status socket's name of the next mount is bound before its daemon binds it: by a
     user, who answers "pid 4194304, nothing uncommitted"; or by root's daemon of a mount
     detached earlier (a hung daemon serves on; the next mount may get its device number),
-    which answers with its own pid for its own mount point. Status and umount ask the mount
-    instead."""
+    which answers with its own pid for its own mount point, or which ends while the client
+    waits (its listener closes unanswered: the client's read fails with ECONNRESET). Status
+    and umount ask the mount instead."""
     as_user = (lambda: (os.setgid(USER), os.setuid(USER))) if who == "another_user" else None
-    pid, where = ("4194304", "/") if who == "another_user" else ("self", str(tmp_path))
+    pid, where = {"another_user": ("4194304", "/"),
+                  "a_detached_mounts_daemon": ("self", str(tmp_path)),
+                  "a_detached_mounts_daemon_that_ends": ("ends", "")}[who]
     for _ in range(5):
         dev = _next_anon_dev(tmp_path)
         squatter = subprocess.Popen(["/usr/bin/python3", "-c", _SQUATTER, dev, pid, where],
