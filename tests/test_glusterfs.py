@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import mmap
 import multiprocessing
 import os
 import random
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from ckptfs import api
+from ckptfs.bench import throttle
 from helpers import (
     CRASH_WRITER_OPTS, DAEMONS, MiB, RANKS, Volume, backing_files, check_all, check_rank,
     check_tree, cli, content, dcp_save_load, fill, four_writers, gpt_state_dict, kill_mid_write,
@@ -172,6 +174,41 @@ def small_gluster(gluster):
     finally:
         if vol.started:
             vol.down()
+
+
+def _brick_ports_listening() -> set[int]:
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, timeout=30).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines()
+            if '(("glusterfsd"' in line}
+
+
+def test_bench_throttle_limits_the_gluster_bricks_traffic_then_goes(small_gluster):
+    """`bench e2e --throttle`'s limit (bench/throttle.py) on a volume whose brick path is
+    long (the plain `gluster volume status` table wraps it onto a line of its own): the
+    brick's port found, its traffic held to the rate (16 MiB O_DIRECT at 8 MB/s cannot take
+    under ~2 s; unthrottled loopback takes a fraction of that), the qdisc gone after."""
+    path = small_gluster.subdir("throttle")
+    ports = throttle.brick_ports(path)
+    assert len(ports) == 1 and set(ports) <= _brick_ports_listening(), ports
+    buf = mmap.mmap(-1, 16 * MiB)
+    buf.write(content("t", 16 * MiB))
+    fd = os.open(os.path.join(path, "f"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        with throttle.Throttle(path, 8_000_000):
+            qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                                   text=True, timeout=30).stdout
+            assert "htb" in qdisc, qdisc
+            t0 = time.monotonic()
+            assert os.pwrite(fd, buf, 0) == 16 * MiB
+            os.fsync(fd)
+            took = time.monotonic() - t0
+        assert took >= 0.75 * 16 * MiB / 8e6, f"16 MiB in {took:.2f} s: not throttled"
+    finally:
+        os.close(fd)
+        buf.close()
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert "htb" not in qdisc, qdisc
 
 
 def test_full_volume_enospc_then_recovery(small_gluster, mounts):

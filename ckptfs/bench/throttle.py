@@ -10,8 +10,8 @@ replaced. This kernel has htb and u32 (not netem, prio or flower)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
+from xml.etree import ElementTree
 
 from ckptfs import api
 
@@ -31,8 +31,14 @@ def brick_ports(path: str) -> list[int]:
         raise RuntimeError(f"{path} is not on a GlusterFS volume: --throttle limits the "
                            "loopback traffic of a volume's bricks")
     volume = entry.source.rsplit(":", 1)[-1].strip("/")
-    out = _run("gluster", "--mode=script", "volume", "status", volume).stdout
-    ports = [int(m.group(1)) for m in re.finditer(r"^Brick \S+\s+(\d+)\s", out, re.M)]
+    # (the XML: the plain table wraps a long brick path onto a line of its own)
+    out = _run("gluster", "--mode=script", "volume", "status", volume, "--xml").stdout
+    try:
+        nodes = ElementTree.fromstring(out).iter("node")
+        ports = [int(n.findtext("ports/tcp") or n.findtext("port")) for n in nodes
+                 if n.findtext("path", "").startswith("/")]  # (bricks, not daemons)
+    except (ElementTree.ParseError, TypeError, ValueError):
+        ports = []
     if not ports:
         raise RuntimeError(f"no brick ports in `gluster volume status {volume}`")
     return ports
