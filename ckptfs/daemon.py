@@ -509,9 +509,10 @@ async def _serve(cfg: MountConfig, wd: WriterDir | None, facts: dict, ready,
                 nursery.start_soon(stats_exporter, ops, cfg.prometheus_file, 5.0)
             nursery.start_soon(_signals, nursery, request_wait)
             nursery.start_soon(_tune_later, real_mountpoint, cfg.readahead_kb)
-            status_sock = open_status_socket(real_mountpoint)
-            if status_sock is not None:  # (bound before "ready": a client may ask at once)
-                nursery.start_soon(serve_status, ops, status_sock)
+            # (bound before "ready": a client may ask at once)
+            status_sock, held = open_status_socket(real_mountpoint)
+            if status_sock is not None or held is not None:
+                nursery.start_soon(status_service, ops, real_mountpoint, status_sock, held)
             if ready:
                 ready(f"ready: {cfg.backing} mounted at {cfg.mountpoint} (pid {os.getpid()})")
             if request_wait is not None:
@@ -566,26 +567,46 @@ def fsname(backing: str) -> str:
                    for b in path)
 
 
-def open_status_socket(mountpoint: str) -> socket.socket | None:
+STATUS_BIND_RETRY_S = 5.0  # a status socket's name held by another process: tried this often
+
+
+def open_status_socket(mountpoint: str) -> tuple[socket.socket | None, str | None]:
     """The listening socket of serve_status: an abstract unix socket named after the mount's
-    device (api.status_socket_name; no file to clean up, it goes with the process)."""
+    device (api.status_socket_name; no file to clean up, it goes with the process). Without
+    one, the device ('major:minor') when another process holds the name (worth trying again
+    later), else None."""
     dev = mount_device(mountpoint)
     if dev is None:
-        return None
+        return None, None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind(status_socket_name(dev))
         sock.listen(8)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            log.warning("status socket for %s is held by another process (a hung daemon of a "
-                        "detached mount?): status through the mount only", dev)
-        else:
-            log.info("status socket for %s: %s (status through the mount only)", dev,
-                     exc.strerror or exc)
         sock.close()
-        return None
-    return sock
+        if exc.errno == errno.EADDRINUSE:
+            return None, dev
+        log.info("status socket for %s: %s (status through the mount only)", dev,
+                 exc.strerror or exc)
+        return None, None
+    return sock, None
+
+
+async def status_service(ops, mountpoint: str, sock: socket.socket | None,
+                         held: str | None) -> None:
+    """serve_status on `sock`; or, where another process holds the name (`held`: the daemon
+    of a detached mount that had this device number, still ending or hung), the name tried
+    again every STATUS_BIND_RETRY_S, status going through the mount meanwhile."""
+    if sock is None:
+        log.warning("status socket for %s is held by another process (a daemon of a detached "
+                    "mount?): status through the mount until it is free", held)
+        while sock is None:
+            await trio.sleep(STATUS_BIND_RETRY_S)
+            sock, held = await trio.to_thread.run_sync(open_status_socket, mountpoint)
+            if held is None and sock is None:
+                return
+        log.info("status socket for %s: bound", mountpoint)
+    await serve_status(ops, sock)
 
 
 async def serve_status(ops, listener: socket.socket) -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import cli
+from helpers import cli, wait_for
 
 from ckptfs import api
 from ckptfs.format import backingdir
@@ -210,6 +210,12 @@ def test_a_status_socket_bound_first_is_not_believed(tmp_path, mounts, who):
             assert st["pid"] == m.proc.pid, st
             res = cli("status", m.mountpoint)
             assert res.returncode == 0 and f"pid {m.proc.pid}" in res.stdout, res.stdout
+            # once the name is free again the mount's own daemon takes it (tried every 5 s)
+            squatter.kill()
+            squatter.wait()
+            wait_for(lambda: api._status_socket(m.mountpoint, 10) is not None, timeout=30,
+                     what="the daemon's own status socket")
+            assert api._status_socket(m.mountpoint, 10)["pid"] == m.proc.pid
             res = cli("umount", m.mountpoint, timeout=60)
             assert res.returncode == 0, res.stderr
             assert m.proc.wait(timeout=30) == 0
