@@ -147,9 +147,14 @@ def test_node_tier_contender_reports_each_level(tmp_path):
         assert tier["disk_save"] in system.disk_busy_seconds(), tier
         assert 0 < tier["disk_save_busy_s"] <= tier["save_wall_s"] + 0.02, tier
         assert tier["disk_save_busy_s"] <= tier["disk_backing_busy_s"], tier
+    # the drain's progress by node-durable and its rate after: all of the checkpoint copied
+    drained = tier["drained_by_node_bytes"] + tier["drain_after_mb_s"] * 1e6 * (
+        tier["backing_durable_s"] - tier["durable_s"])
+    assert 0 <= tier["drained_by_node_bytes"] <= 1.2 * tier["bytes"], tier
+    assert drained >= 0.9 * tier["bytes"], tier
     m = res["summary"]["ckptfs_tier"]["median"]
     assert m["busy_cpus_save"] >= 0 and m["busy_cpus_backing"] >= 0, m
-    assert "busy CPUs" in proc.stdout
+    assert "busy CPUs" in proc.stdout and "the drain copied" in proc.stdout
     assert _our_mounts(str(tmp_path)) == []
     assert os.listdir(work) == [] and os.listdir(local) == []
 

@@ -281,7 +281,7 @@ FIELDS = ("blocked_s", "durable_s", "backing_durable_s", "restore_s", "files_cre
           "daemon_save_cpu_s", "daemon_restore_cpu_s", "daemon_backing_cpu_s",
           "busy_save_cpu_s", "bench_save_cpu_s", "gluster_save_cpu_s", "disk_save_busy_s",
           "busy_backing_cpu_s", "bench_backing_cpu_s", "gluster_backing_cpu_s",
-          "disk_backing_busy_s")
+          "disk_backing_busy_s", "drained_by_node_bytes", "drain_save_mb_s", "drain_after_mb_s")
 
 
 def summarize(runs: list[dict], keys: list[str], payload: int) -> dict:
@@ -600,8 +600,13 @@ def main(argv: list[str]) -> int:
     print(format_table(summary, w.payload_bytes, len(w.names)))
     for key, s in summary.items():
         if s["median"].get("backing_durable_s") is not None:
-            print(f"  {key}: backing-durable after {s['median']['backing_durable_s']:.3f} s "
+            m = s["median"]
+            print(f"  {key}: backing-durable after {m['backing_durable_s']:.3f} s "
                   "(the durable column: node-durable)")
+            if m.get("drain_after_mb_s") is not None:
+                print(f"  {key}: the drain copied {m['drained_by_node_bytes'] / 1e6:.0f} MB by "
+                      f"node-durable ({m['drain_save_mb_s']:.0f} MB/s), then "
+                      f"{m['drain_after_mb_s']:.0f} MB/s until backing-durable")
         for e in s["errors"]:
             print(f"  {key}: {e}")
     verdicts, fl = targets.judge(summary, runs), targets.floor(summary)

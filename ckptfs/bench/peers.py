@@ -418,9 +418,19 @@ class CkptfsTier(Ckptfs):
         super().save(run)
 
     def after_save(self, run) -> None:
+        # How far the drain got while the save ran (until node-durable) and its rate after:
+        # where the volume's writes slow down beside the save, backing-durable is the save
+        # plus the volume's own write (docs/benchmarks.md, "What bounds them")
+        node_s = time.perf_counter() - run.t_save
+        at_node = run.mount.status().get("tier_drained_bytes", 0)
         with Watchdog(run.mount, run.cfg.step_timeout, "sync --level backing"):
             run.mount.sync("backing")
-        run.extra["backing_durable_s"] = time.perf_counter() - run.t_save
+        backing_s = run.extra["backing_durable_s"] = time.perf_counter() - run.t_save
+        drained = run.mount.status().get("tier_drained_bytes", 0)
+        run.extra["drained_by_node_bytes"] = at_node
+        run.extra["drain_save_mb_s"] = at_node / node_s / 1e6
+        if backing_s > node_s:
+            run.extra["drain_after_mb_s"] = (drained - at_node) / (backing_s - node_s) / 1e6
         run.extra.update(cpu_since(run.cpu0, "backing"))
         run.extra["daemon_backing_cpu_s"] = _cpu_delta(run.mount.pid, run.daemon_cpu0)
         super().after_save(run)
