@@ -116,6 +116,7 @@ def test_a_commit_is_copied_up_to_its_ends_then_its_index(tier):
     side.wait_drained(1)
     assert _backing(backing, data_log_name(1)) == a, "copied up to the commit's end, not past"
     assert _backing(backing, INDEX_NAME)[INDEX_HEADER.size:] == b"commit-1"
+    assert d.stats.bytes == len(a) + len(b"commit-1"), d.stats.bytes  # (what was copied)
     # the log closed since (None: its size is final) and a second one: both copied whole
     b = content("b", 2 * MiB)
     _write_log(local, 2, 0, b)

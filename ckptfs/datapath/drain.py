@@ -61,7 +61,7 @@ class Note:
 
 class DrainStats:
     def __init__(self) -> None:
-        self.bytes = 0  # data log and index bytes copied to the backing directory
+        self.bytes = 0  # data log and index bytes copied to the backing directory (so far)
         self.seconds = 0.0  # spent copying them
         self.cycles = 0
         self.rate = 0.0  # bytes/s of the last cycle that copied at least 8 MiB
@@ -232,9 +232,10 @@ class Drain:
         if self.index.lfd < 0:
             with self.swap_lock:
                 self.index.open_local()
-        copied += self.index.copy(note.index_end)
+        index_bytes = self.index.copy(note.index_end)
+        copied += index_bytes
         self.stats.cycles += 1
-        self.stats.bytes += copied
+        self.stats.bytes += index_bytes  # (the data logs' bytes are counted as they go)
         dt = time.perf_counter() - t0
         self.stats.seconds += dt
         if copied >= 8 << 20 and dt > 0:
@@ -303,6 +304,7 @@ class Drain:
                 finally:
                     for _, v, _ in reqs:
                         v.release()
+                self.stats.bytes += nxt - off  # (as it goes: the status shows the progress)
                 off, turn = nxt, turn ^ 1
                 if ahead is not None:
                     res = self._reap_ahead()
