@@ -232,8 +232,9 @@ class Peers:
         valid (a LOOKUP in a directory it keeps a name of, an open of a file it knows); one
         it lost leaves the view, one it gained joins, and the kernel forgets the attributes
         that changed. Under a new layer (the kernel's old numbers then stale: an open of
-        one is answered ESTALE) when `same_layer` is false or the new tree gives a number the
-        kernel knows to another kind of entry. Returns the layer."""
+        one, or a LOOKUP that finds nothing in one of its directories, is answered ESTALE,
+        and the kernel walks the path again) when `same_layer` is false or the new tree
+        gives a number the kernel knows to another kind of entry. Returns the layer."""
         view = self.view
         wid = self.union.writer_of(layer)
         known = {x.ino: x for x in self.ns.inodes.values()
@@ -260,6 +261,8 @@ class Peers:
                     view.changed.append((INODE, ino))
             return layer
         self.drop_tree(layer)
+        view.renumbered_dirs.update(ino for ino, x in known.items()
+                               if x.children is not None and ino in view.gone)
         return self.add_tree(wdir, scan, ident, built=built)
 
     # ------------------------------------------------------------ index tails

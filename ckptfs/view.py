@@ -138,6 +138,9 @@ class View:
         self.conflicts: dict[tuple[Inode, bytes], list[tuple[int, Inode]]] = {}
         self.names: dict[int, tuple[Inode, bytes]] = {}  # view ino -> where it is (one name)
         self.gone: set[int] = set()
+        # directories the kernel knows that left the view because their writer's tree was read
+        # again under new numbers (they are still there, under another number)
+        self.renumbered_dirs: set[int] = set()
         self.dirty: set[int] = set()  # changed by another writer since the kernel saw them
         self.changed: list[tuple] = []
         self.adopt: list[XUnlinkRec] = []  # whiteouts of own entries, to carry out
@@ -431,6 +434,7 @@ class View:
         nothing about it is kept (a long job on several nodes removes files all day)."""
         self.gone.discard(ino)
         self.dirty.discard(ino)
+        self.renumbered_dirs.discard(ino)
         if self.own:
             self.whiteouts.forget(self.own, self.ns, [ino])
 
@@ -558,6 +562,7 @@ class View:
         self.names.pop(old, None)
         self.gone.discard(old)
         self.dirty.discard(old)
+        self.renumbered_dirs.discard(old)
 
     def conflict_list(self) -> list[Conflict]:
         out = []

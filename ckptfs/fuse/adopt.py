@@ -71,6 +71,16 @@ class OtherWriters:
             view.dirty.discard(x.ino)
             raise pyfuse3.FUSEError(errno.ESTALE)
 
+    def fresh_dir(self, ino: int) -> None:
+        """A LOOKUP that finds nothing in a directory whose writer's tree was read again
+        under new numbers (an index rewritten while a READ held one of its logs: the kernel
+        still holds the old number) fails with ESTALE, not ENOENT: the kernel then walks the
+        path again (LOOKUP_REVAL) and finds the entry under the directory's new number. (In
+        a directory another writer removed it stays ENOENT.)"""
+        view = self.view
+        if view is not None and ino in view.renumbered_dirs:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+
     def others_at(self, v: Inode, name: bytes) -> bool:
         """Whether `name` in view directory v has a version of another writer (the one shown,
         or one a conflict hides)."""

@@ -294,6 +294,7 @@ class CkptOperations(pyfuse3.Operations):
             await self.others.refresh()
         x = self.find(parent_inode, name)
         if x is None:
+            self.others.fresh_dir(parent_inode)
             raise _err(errno.ENOENT)
         x.lookups += 1
         return self._attr(x)
