@@ -261,8 +261,8 @@ class Peers:
                     view.changed.append((INODE, ino))
             return layer
         self.drop_tree(layer)
-        view.renumbered_dirs.update(ino for ino, x in known.items()
-                               if x.children is not None and ino in view.gone)
+        view.renumbered_dirs.update(
+            ino for ino, x in known.items() if x.children is not None and ino in view.gone)
         return self.add_tree(wdir, scan, ident, built=built)
 
     # ------------------------------------------------------------ index tails

@@ -225,7 +225,7 @@ class Dispatch:
                     await ops.others.refresh()
                 x = ops.find(nodeid, body[:body.index(b"\0")])
                 if x is None:
-                    ops.others.fresh_dir(nodeid)  # (ESTALE in a directory that left the view)
+                    ops.others.fresh_dir(nodeid)  # (ESTALE in a directory renumbered)
                     if q.answers is not None:
                         q.answers.dir_names(nodeid)
                     self.reply_error(unique, errno.ENOENT)
