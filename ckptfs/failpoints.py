@@ -7,7 +7,8 @@ queue threads handed over: FastPath.serve_ring), `statfs` (a request handler pyf
 CkptOperations.statfs).
 
 With CKPTFS_HOLD=NAME:PATH, the code waits at hold point NAME while the file PATH exists: the
-tests hold the node tier's drain (`drain`) to see changes that are node-durable only."""
+tests hold the node tier's drain (`drain`) to see changes that are node-durable only, and a
+chunk load of the read path (`loader`) to keep a READ in flight."""
 
 from __future__ import annotations
 

@@ -294,6 +294,59 @@ def test_compaction_keeps_what_other_writers_removed_removed(mounts):
 
 
 @pytest.mark.timeout(90)
+def test_a_lookup_in_a_directory_a_peers_reread_renumbered_is_estale(mounts, tmp_path):
+    """When this mount reads another writer's rewritten index (an index snapshot) while a
+    READ holds one of that writer's logs, the writer's tree takes a new layer and the
+    kernel's numbers of it go stale. A LOOKUP in such a directory answers ESTALE, not
+    ENOENT: through a descriptor of the old directory the application sees ESTALE (NFS's
+    stale handle), a path from the mount point is walked again and finds the name."""
+    import threading
+    hold = tmp_path / "hold-loads"
+    backing = mounts.backing()
+    a = mounts.mount(backing, writer_id="w0", staging_size="8M", segment_size="1M",
+                     idle_flush=0.1, clean_idle=0.1, index_snapshot_min="2K",
+                     index_snapshot_ratio=1.1)
+    b = mounts.mount(backing, ro=True, refresh=0.2, env={"CKPTFS_HOLD": f"loader:{hold}"})
+    am, bm = a.mountpoint, b.mountpoint
+    os.mkdir(f"{am}/D")
+    first = os.urandom(1 << 20)
+    with open(f"{am}/D/f1", "wb") as f:
+        f.write(first)
+    a.sync()
+    wait_for(lambda: exists(b, "D/f1"), timeout=0.2 + SLACK_S, step=0.02)
+    fd = os.open(f"{bm}/D", os.O_RDONLY | os.O_DIRECTORY)  # (D by its number before)
+    got: list = []
+    hold.touch()
+    reader = threading.Thread(target=lambda: got.append(open(f"{bm}/D/f1", "rb").read()))
+    try:
+        reader.start()
+        wait_for(lambda: b.status()["read_loads_in_flight"] >= 1, timeout=20, step=0.02)
+        snaps = a.status()["index_snapshots"]
+        for k in range(40):  # (the index grows past the snapshot's ratio)
+            with open(f"{am}/D/tmp{k}", "wb") as f:
+                f.write(b"x" * 100)
+            os.unlink(f"{am}/D/tmp{k}")
+        with open(f"{am}/D/f2", "wb") as f:
+            f.write(b"second")
+        a.sync()
+        wait_for(lambda: a.status()["index_snapshots"] > snaps, timeout=20, step=0.02)
+        wait_for(lambda: b.status()["writers_reread"] >= 1, timeout=0.2 + SLACK_S, step=0.02)
+        assert b.status()["read_loads_in_flight"] >= 1  # (the READ held a's log throughout)
+        with pytest.raises(OSError) as e:
+            os.stat("f2", dir_fd=fd)
+        assert e.value.errno == errno.ESTALE
+        assert os.stat(f"{bm}/D/f2").st_size == 6  # (a LOOKUP: no load, which waits)
+    finally:
+        hold.unlink(missing_ok=True)
+        reader.join(timeout=30)
+        os.close(fd)
+    assert got == [first]
+    with open(f"{bm}/D/f2", "rb") as f:
+        assert f.read() == b"second"
+    assert "Traceback" not in mounts.log(b)
+
+
+@pytest.mark.timeout(90)
 def test_no_new_name_in_a_directory_another_writer_removed(mounts):
     """A directory this mount still holds open (a working directory, say) that another
     writer's change removed takes no new names: ENOENT, as in a directory removed here, and

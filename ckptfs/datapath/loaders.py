@@ -222,6 +222,8 @@ class Loaders:
                     result = (batch, 0)
             else:
                 result = job
+                while failpoints.held("loader"):  # (tests: a READ kept in flight)
+                    time.sleep(0.01)
                 try:
                     job.got = self.pread(job)
                 except Exception as exc:
