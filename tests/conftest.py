@@ -8,9 +8,11 @@ tests are skipped where this kernel has no such switch)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -159,6 +161,25 @@ def gdir(gluster, request):
 
 
 # ---------------------------------------------------------------- a second client ("node")
+def _client_attached(log: str, timeout: float = 20.0) -> bool:
+    """Whether the gluster client writing `log` attached to every brick its volume file
+    names. Now and then a client's handshake with one brick ends in "volume-id changed ...
+    Needs remount" (the ids it prints equal): that brick stays unreachable (ENOTCONN) for
+    the life of the mount, so the caller mounts again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log, errors="replace") as f:
+            text = f.read()
+        if "Needs remount" in text:
+            return False
+        wanted = set(re.findall(r"\] 0-([\w.-]+-client-\d+): parent translators are ready", text))
+        got = set(re.findall(r"\] 0-([\w.-]+-client-\d+): Connected, attached to remote", text))
+        if wanted and wanted <= got:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.fixture
 def second_client(gluster, tmp_path):
     """The volume mounted a second time: another gluster client, with caches of its own, as
@@ -167,8 +188,15 @@ def second_client(gluster, tmp_path):
     mp2 = str(tmp_path / "client2")
     os.mkdir(mp2)
     src = api.mount_at(os.path.realpath(gluster.mount)).source
-    subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={tmp_path}/client2.log", src,
-                    mp2], check=True, timeout=60, capture_output=True)  # (not in /var/log)
+    for attempt in range(3):
+        log = f"{tmp_path}/client2-{attempt}.log"  # (not in /var/log)
+        subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={log}", src, mp2],
+                       check=True, timeout=60, capture_output=True)
+        if _client_attached(log):
+            break
+        subprocess.run(["umount", "-l", mp2], timeout=30, capture_output=True)
+    else:
+        pytest.fail(f"the second gluster client did not reach every brick: {log}")
     try:
         yield lambda p: os.path.join(mp2, os.path.relpath(p, gluster.mount))
     finally:

@@ -46,6 +46,20 @@ def _blocks(d: str) -> int:
                if n.startswith("data-"))
 
 
+def _tier_mount(mounts, tmp_path, held: bool = False, **opts):
+    """A mount with the node tier (OPTS, then `opts`) over a fresh backing directory, its
+    local directory tmp_path/local. Its drain waits while the file `hold` exists (made here
+    with `held`). Returns (mount, backing, local, hold)."""
+    backing, local = mounts.backing(), str(tmp_path / "local")
+    os.mkdir(local)
+    hold = str(tmp_path / "hold-drain")
+    if held:
+        open(hold, "w").close()
+    m = mounts.mount(backing, local_dir=local, env={"CKPTFS_HOLD": f"drain:{hold}"},
+                     **dict(OPTS, **opts))
+    return m, backing, local, hold
+
+
 def test_a_save_drains_into_an_ordinary_backing_directory(mounts, tmp_path):
     backing, local = mounts.backing(), str(tmp_path / "local")
     os.mkdir(local)
@@ -82,11 +96,8 @@ def test_levels_and_a_killed_daemon_with_node_durability(mounts, tmp_path):
     --level backing` times out. kill -9. Without the local directory (a copy of the backing
     directory, a fresh local one) exactly step 0 is there; with it, step 1 is back bit-exact,
     the drain finishes once let go, and the backing directory alone then shows both."""
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-drain")
+    m, backing, local, hold = _tier_mount(mounts, tmp_path, durability="node")
     env = {"CKPTFS_HOLD": f"drain:{hold}"}
-    m = mounts.mount(backing, local_dir=local, durability="node", env=env, **OPTS)
     step0 = {f"step0/t{i}.pt": _write(m.mountpoint, f"step0/t{i}.pt", 300_000 * (i + 1))
              for i in range(4)}
     api.sync(m.mountpoint, "backing")
@@ -164,12 +175,7 @@ def test_local_space_is_bounded_and_writers_wait_for_the_drain(mounts, tmp_path)
     is held fill the tier and the writer waits (it neither fails nor finishes); let go, it
     finishes, drained logs are removed to make room, and every file reads back (from the
     backing copy where the local one is gone)."""
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-drain")
-    open(hold, "w").close()
-    m = mounts.mount(backing, local_dir=local, local_size="12M",
-                     env={"CKPTFS_HOLD": f"drain:{hold}"}, **OPTS)
+    m, backing, local, hold = _tier_mount(mounts, tmp_path, held=True, local_size="12M")
     files: dict[str, bytes] = {}
     errors: list[BaseException] = []
 
@@ -209,12 +215,7 @@ def test_the_daemons_memory_does_not_grow_with_the_backlog(mounts, tmp_path):
     """With the drain held, 320 MB wait on the local disk to be drained: the daemon's resident
     memory at 320 MB of backlog is within 24 MiB of what it was at 32 MB (what it keeps per
     commit is a note of where the logs end, never their bytes); let go, the backlog drains."""
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-drain")
-    open(hold, "w").close()
-    m = mounts.mount(backing, local_dir=local, local_size="1G",
-                     env={"CKPTFS_HOLD": f"drain:{hold}"}, **OPTS)
+    m, _, _, hold = _tier_mount(mounts, tmp_path, held=True, local_size="1G")
     files: dict[str, bytes] = {}
 
     def save(first: int, n: int) -> int:
@@ -364,11 +365,7 @@ def test_the_readme_recipe_dcp_async_save_and_a_rotation(mounts, tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-drain")
-    m = mounts.mount(backing, local_dir=local, durability="node",
-                     env={"CKPTFS_HOLD": f"drain:{hold}"}, **OPTS)
+    m, backing, local, hold = _tier_mount(mounts, tmp_path, durability="node")
     gen = torch.Generator().manual_seed(7)
     states = {s: {f"layer{i}.weight": torch.randn(64 * (i + 1), 257, generator=gen)
                   for i in range(6)} for s in (1, 2)}
@@ -405,12 +402,9 @@ def test_index_snapshots_reach_the_backing_directory(mounts, tmp_path):
     while the drain is held after a snapshot leaves the backing index a prefix of the
     replaced one (kept as index.pre-swap); the remount with the same local directory
     replaces it, and the backing directory alone then holds the live tree."""
-    backing, local = mounts.backing(), str(tmp_path / "local")
-    os.mkdir(local)
-    hold = str(tmp_path / "hold-drain")
     opts = dict(OPTS, durability="node", clean_idle=0.2, index_snapshot_min="4K")
+    m, backing, local, hold = _tier_mount(mounts, tmp_path, **opts)
     env = {"CKPTFS_HOLD": f"drain:{hold}"}
-    m = mounts.mount(backing, local_dir=local, env=env, **opts)
     own_b = os.path.join(backing, "writers", "w", "index.log")
     own_l = os.path.join(local, "writers", "w")
     live: dict[str, bytes] = {}
