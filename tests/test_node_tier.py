@@ -170,6 +170,35 @@ def test_a_local_directory_of_another_backing_directory_is_refused(mounts, tmp_p
     assert res.returncode != 0 and "needs the node tier" in res.stderr, res.stderr
 
 
+def test_a_damaged_local_index_is_refused_and_says_so(mounts, tmp_path):
+    """Bytes of the local index changed where the drain had copied them (a bad sector): the
+    mount is refused, saying the local index is damaged (not that the backing directory
+    changed); with the local directory moved away, every drained file reads back from the
+    backing directory."""
+    m, backing, local, _ = _tier_mount(mounts, tmp_path)
+    files = {}
+    for i in range(6):
+        files[f"t{i}.pt"] = _write(m.mountpoint, f"t{i}.pt", 100_000 + i)
+        api.sync(m.mountpoint, "backing")  # (a commit group each)
+    m.stop()
+    index = os.path.join(local, "writers", "w", "index.log")
+    with open(index, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    mp = str(tmp_path / "mp")
+    os.mkdir(mp)
+    res = cli("mount", backing, mp, "--local-dir", local, "--writer-id", "w")
+    assert res.returncode != 0 and "node tier's index" in res.stderr \
+        and "is damaged (" in res.stderr and "checksum" in res.stderr, res.stderr
+    assert not api.is_mounted(mp)
+    os.rename(local, local + ".away")
+    again = mounts.mount(backing)
+    check_files(files, again.mountpoint)
+
+
 def test_local_space_is_bounded_and_writers_wait_for_the_drain(mounts, tmp_path):
     """--local-size 12M with 1 MiB segments (data logs of 3 MiB): 40 MB saved while the drain
     is held fill the tier and the writer waits (it neither fails nor finishes); let go, it

@@ -159,13 +159,27 @@ def _same_records(fd: int, size: int, bfd: int, bsize: int) -> bool:
     return True
 
 
+def _local_damage(path: str, fd: int) -> str:
+    """The first damage a scan of the index open as `fd` finds (a group that fails its
+    checksum, a record that does not parse; not a torn tail), or "" for none. Read a piece at
+    a time, from a descriptor of its own."""
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            scan = records.scan_index_file(path, f)
+    except FormatError as exc:
+        return str(exc)
+    return next((w for w in scan.warnings
+                 if getattr(w, "kind", None) != records.TORN_TAIL), "")
+
+
 def reconcile(local: Dir, backing: Dir) -> int:
     """Before replay: make the local index the one to replay, and return how many bytes of it
     the backing index already holds (where the drain goes on); -1 when the backing index is
     a prefix of the index an index snapshot replaced (PRE_SWAP): the drain replaces it whole.
     A node that lost its local directory (or a first mount with the tier) starts from a copy
     of the backing index. A backing index that is not a prefix of the local one (beyond a
-    torn group the drain was writing) is refused: the local directory does not continue it."""
+    torn group the drain was writing) is refused: the local directory does not continue it,
+    or its index is damaged (said so)."""
     bsize = lsize = 0
     try:
         bfd = backing.open(INDEX_NAME, os.O_RDONLY)
@@ -222,6 +236,13 @@ def reconcile(local: Dir, backing: Dir) -> int:
                         return -1
                 finally:
                     os.close(pfd)
+            damage = _local_damage(local.join(INDEX_NAME), lfd)
+            if damage:
+                raise TierError(
+                    f"the node tier's index {local.join(INDEX_NAME)} is damaged ({damage}) "
+                    f"where the backing index {backing.join(INDEX_NAME)} holds other bytes: "
+                    "move the local directory away to mount from the backing directory "
+                    "(what was drained; changes that were node-durable only are lost then)")
             raise TierError(
                 f"the backing index {backing.join(INDEX_NAME)} is not a prefix of the node "
                 f"tier's {local.join(INDEX_NAME)}: the backing directory changed without "
