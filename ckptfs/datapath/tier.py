@@ -172,6 +172,37 @@ def _local_damage(path: str, fd: int) -> str:
                  if getattr(w, "kind", None) != records.TORN_TAIL), "")
 
 
+def _repair_local(local: Dir, lfd: int, lsize: int, bdata: bytes, valid: int) -> bool:
+    """A local index damaged only where the drain had copied it (a bad sector, a stray
+    write: commit groups that fail their checksums, all before `valid`, the end of the
+    backing index's complete groups `bdata` holds) gets those bytes back from the backing
+    copy, if every other byte before `valid` is the backing copy's (so it is this index's
+    copy, not another's) and the result reads without damage. Whether it was repaired."""
+    path = local.join(INDEX_NAME)
+    ldata = _read_all(lfd, 0, lsize)
+    try:
+        scan = records.scan_index(path, ldata)
+    except FormatError:  # (its header: nothing vouches for the rest)
+        return False
+    if not scan.damaged or any(end > valid for _, end in scan.damaged):
+        return False
+    pos = INDEX_HEADER.size
+    if ldata[:pos] != bdata[:pos]:
+        return False
+    for start, end in [*scan.damaged, (valid, valid)]:
+        if ldata[pos:start] != bdata[pos:start]:
+            return False
+        pos = max(pos, end)
+    fixed = bdata[:valid] + ldata[valid:]
+    if any(getattr(w, "kind", None) != records.TORN_TAIL
+           for w in records.scan_index(path, fixed).warnings):
+        return False
+    write_atomic(local, INDEX_NAME, fixed)
+    log.warning("node tier: %s was damaged at bytes %s; repaired from the backing copy",
+                path, ", ".join(f"{a}-{b}" for a, b in scan.damaged))
+    return True
+
+
 def reconcile(local: Dir, backing: Dir) -> int:
     """Before replay: make the local index the one to replay, and return how many bytes of it
     the backing index already holds (where the drain goes on); -1 when the backing index is
@@ -179,7 +210,7 @@ def reconcile(local: Dir, backing: Dir) -> int:
     A node that lost its local directory (or a first mount with the tier) starts from a copy
     of the backing index. A backing index that is not a prefix of the local one (beyond a
     torn group the drain was writing) is refused: the local directory does not continue it,
-    or its index is damaged (said so)."""
+    or its index is damaged (said so) where the backing copy cannot mend it."""
     bsize = lsize = 0
     try:
         bfd = backing.open(INDEX_NAME, os.O_RDONLY)
@@ -236,6 +267,9 @@ def reconcile(local: Dir, backing: Dir) -> int:
                         return -1
                 finally:
                     os.close(pfd)
+            if _repair_local(local, lfd, lsize, bdata, valid):
+                local.unlink(PRE_SWAP, missing_ok=True)
+                return valid
             damage = _local_damage(local.join(INDEX_NAME), lfd)
             if damage:
                 raise TierError(

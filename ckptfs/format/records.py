@@ -479,6 +479,9 @@ class IndexScan:
     group_after_damage: list[bool] = field(default_factory=list)
     valid_bytes: int = INDEX_HEADER.size  # where the next record may be appended
     warnings: list[str] = field(default_factory=list)
+    # the byte ranges [start, end) skipped as damaged: a commit group from its start to where
+    # replay resumed, or from there to the end of the index when it could not
+    damaged: list[tuple[int, int]] = field(default_factory=list)
     last_seq: int = 0
     version: int = 1  # the header's
     stopped: bool = False  # ended at scan_index's stop_at, before the end of the bytes
@@ -687,16 +690,19 @@ def scan_index(path: str, data: bytes, tail: bool = False, on_group: OnGroup | N
         if resume is None:
             if tail and problem.startswith("torn"):
                 break  # (being appended to right now)
+            torn = problem.startswith("torn") and blen <= MAX_RECORD_BODY
             scan.warnings.append(Damage(
-                TORN_TAIL if problem.startswith("torn") and blen <= MAX_RECORD_BODY
-                else INDEX_ENDED,
+                TORN_TAIL if torn else INDEX_ENDED,
                 f"{path}: {problem} at byte {at}; the rest of the index ({base + end - at} "
                 "bytes) is ignored"))
+            if not torn:
+                scan.damaged.append((scan.valid_bytes, base + end))
             break
         scan.warnings.append(Damage(
             GROUP_SKIPPED, f"{path}: {problem} at byte {at}; {len(group)} records before "
             f"it and the bytes up to {base + resume} (the damaged commit group) skipped, "
             "replay resumes there"))
+        scan.damaged.append((scan.valid_bytes, base + resume))
         group = []
         after_damage = True
         pos = resume
