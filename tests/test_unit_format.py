@@ -120,7 +120,7 @@ def test_scan_of_clean_index(tmp_path):
     assert scan.group_times == [10, 20, 30]
     assert scan.last_seq == 3
     assert scan.valid_bytes == INDEX_HEADER.size + len(data)
-    assert scan.warnings == []
+    assert scan.warnings == [] and scan.damaged == []
 
 
 def test_scan_of_empty_and_torn_header(tmp_path):
@@ -160,6 +160,7 @@ def test_torn_tail_ends_the_scan(tmp_path, cut):
     assert "torn" in scan.warnings[0] and f"byte {INDEX_HEADER.size + len(good)}" in \
         scan.warnings[0]
     assert scan.warnings[0].kind == records.TORN_TAIL  # nothing acknowledged is lost
+    assert scan.damaged == []  # (a tear is not damage)
 
 
 def test_records_after_the_last_commit_are_not_applied(tmp_path):
@@ -186,6 +187,8 @@ def test_checksum_damage_in_the_middle_skips_one_group(tmp_path):
     assert "checksum mismatch" in w and f"byte {INDEX_HEADER.size + len(g1)}" in w
     assert f"up to {INDEX_HEADER.size + len(g1) + len(g2)}" in w
     assert w.kind == records.GROUP_SKIPPED
+    # (the bytes skipped: the damaged group whole, from its start)
+    assert scan.damaged == [(INDEX_HEADER.size + len(g1), INDEX_HEADER.size + len(g1) + len(g2))]
 
 
 def test_checksum_damage_in_the_last_group_ends_the_scan(tmp_path):
@@ -197,6 +200,7 @@ def test_checksum_damage_in_the_last_group_ends_the_scan(tmp_path):
     assert scan.valid_bytes == INDEX_HEADER.size + len(g1)
     assert "checksum mismatch" in scan.warnings[0]
     assert "the rest of the index" in scan.warnings[0]
+    assert scan.damaged == [(INDEX_HEADER.size + len(g1), INDEX_HEADER.size + len(g1) + len(g2))]
     assert scan.warnings[1:] and "2 records after the last commit" in scan.warnings[1]
 
 
@@ -210,6 +214,8 @@ def test_an_oversized_record_costs_the_records_up_to_the_next_commit(tmp_path):
     scan = records.read_index(path)
     assert scan.groups == [list(G1), list(G2)]  # (g3 ends the damaged stretch: its COMMIT)
     assert scan.valid_bytes == os.path.getsize(path) and scan.last_seq == 4
+    start = INDEX_HEADER.size + len(g1)
+    assert scan.damaged == [(start, start + len(huge) + len(g3))]
     assert len(scan.warnings) == 1 and "oversized" in scan.warnings[0]
     assert scan.warnings[0].kind == records.GROUP_SKIPPED
 
