@@ -49,6 +49,15 @@ def cli(*args, timeout: float = 120, check: bool = False, **kw) -> subprocess.Co
     return r
 
 
+def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
+    """Byte `at` of file `path` changed in place (XOR `mask`): a bad sector, bit rot."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def content(name: str, size: int) -> bytes:
     """Deterministic bytes of a file called `name`: pseudo-random (seeded by the name, never
     periodic, so misplaced, stale or foreign bytes are detected), with the name and offset

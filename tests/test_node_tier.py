@@ -21,8 +21,8 @@ import time
 
 import pytest
 from helpers import (
-    CRASH_WRITER_OPTS, MiB, check_files, check_tree, cli, content, kill_mid_write, proc_status,
-    read_journal, status_reaches, wait_for, wait_unmounted, write_file, writer_main,
+    CRASH_WRITER_OPTS, MiB, check_files, check_tree, cli, content, flip_byte, kill_mid_write,
+    proc_status, read_journal, status_reaches, wait_for, wait_unmounted, write_file, writer_main,
 )
 
 from ckptfs import api
@@ -170,14 +170,6 @@ def test_a_local_directory_of_another_backing_directory_is_refused(mounts, tmp_p
     assert res.returncode != 0 and "needs the node tier" in res.stderr, res.stderr
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("backing_too", [False, True])
 def test_a_damaged_local_index_is_mended_from_the_backing_copy_or_refused(
         mounts, tmp_path, backing_too):
@@ -196,14 +188,14 @@ def test_a_damaged_local_index_is_mended_from_the_backing_copy_or_refused(
     m.stop()
     index = os.path.join(local, "writers", "w", "index.log")
     at = os.path.getsize(index) // 2
-    _flip(index, at)
+    flip_byte(index, at)
     if not backing_too:
         again = mounts.mount(backing, local_dir=local, **OPTS)
         check_files(files, again.mountpoint)
         assert "repaired from the backing copy" in mounts.log(again)
         again.stop()
         return
-    _flip(os.path.join(backing, "writers", "w", "index.log"), at + 1)  # (other bytes)
+    flip_byte(os.path.join(backing, "writers", "w", "index.log"), at + 1)  # (other bytes)
     mp = str(tmp_path / "mp")
     os.mkdir(mp)
     res = cli("mount", backing, mp, "--local-dir", local, "--writer-id", "w")

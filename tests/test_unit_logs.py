@@ -12,6 +12,7 @@ import os
 import pytest
 import trio
 from crc32c import crc32c
+from helpers import flip_byte
 
 from ckptfs.datapath.readcache import CHUNK_BYTES, ReadCache
 from ckptfs.datapath.reader import Reader
@@ -40,11 +41,7 @@ def _runs(tmp_path):
 
 
 def _flip(wdir, number: int, offset: int) -> None:
-    with open(os.path.join(wdir, data_log_name(number)), "r+b") as f:
-        f.seek(offset)
-        c = f.read(1)
-        f.seek(offset)
-        f.write(bytes([c[0] ^ 0x40]))
+    flip_byte(os.path.join(wdir, data_log_name(number)), offset, 0x40)
 
 
 def test_runs_read_back_checked(tmp_path):

@@ -159,48 +159,36 @@ def _same_records(fd: int, size: int, bfd: int, bsize: int) -> bool:
     return True
 
 
-def _local_damage(path: str, fd: int) -> str:
-    """The first damage a scan of the index open as `fd` finds (a group that fails its
-    checksum, a record that does not parse; not a torn tail), or "" for none. Read a piece at
-    a time, from a descriptor of its own."""
-    try:
-        with os.fdopen(os.dup(fd), "rb") as f:
-            scan = records.scan_index_file(path, f)
-    except FormatError as exc:
-        return str(exc)
-    return next((w for w in scan.warnings
-                 if getattr(w, "kind", None) != records.TORN_TAIL), "")
-
-
-def _repair_local(local: Dir, lfd: int, lsize: int, bdata: bytes, valid: int) -> bool:
+def _mend_local(local: Dir, lfd: int, lsize: int, bdata: bytes, valid: int) -> tuple[bool, str]:
     """A local index damaged only where the drain had copied it (a bad sector, a stray
     write: commit groups that fail their checksums, all before `valid`, the end of the
     backing index's complete groups `bdata` holds) gets those bytes back from the backing
     copy, if every other byte before `valid` is the backing copy's (so it is this index's
-    copy, not another's) and the result reads without damage. Whether it was repaired."""
+    copy, not another's) and the result reads without damage. Returns (whether it was
+    mended, the first damage the local index has: "" for none)."""
     path = local.join(INDEX_NAME)
     ldata = _read_all(lfd, 0, lsize)
     try:
         scan = records.scan_index(path, ldata)
-    except FormatError:  # (its header: nothing vouches for the rest)
-        return False
-    if not scan.damaged or any(end > valid for _, end in scan.damaged):
-        return False
+    except FormatError as exc:  # (its header: nothing vouches for the rest)
+        return False, str(exc)
+    if not scan.damaged:
+        return False, ""
+    damage = next(w for w in scan.warnings if getattr(w, "kind", None) != records.TORN_TAIL)
     pos = INDEX_HEADER.size
-    if ldata[:pos] != bdata[:pos]:
-        return False
+    if any(end > valid for _, end in scan.damaged) or ldata[:pos] != bdata[:pos]:
+        return False, damage
     for start, end in [*scan.damaged, (valid, valid)]:
         if ldata[pos:start] != bdata[pos:start]:
-            return False
+            return False, damage
         pos = max(pos, end)
     fixed = bdata[:valid] + ldata[valid:]
-    if any(getattr(w, "kind", None) != records.TORN_TAIL
-           for w in records.scan_index(path, fixed).warnings):
-        return False
+    if records.scan_index(path, fixed).damaged:
+        return False, damage
     write_atomic(local, INDEX_NAME, fixed)
     log.warning("node tier: %s was damaged at bytes %s; repaired from the backing copy",
                 path, ", ".join(f"{a}-{b}" for a, b in scan.damaged))
-    return True
+    return True, damage
 
 
 def reconcile(local: Dir, backing: Dir) -> int:
@@ -267,10 +255,10 @@ def reconcile(local: Dir, backing: Dir) -> int:
                         return -1
                 finally:
                     os.close(pfd)
-            if _repair_local(local, lfd, lsize, bdata, valid):
+            mended, damage = _mend_local(local, lfd, lsize, bdata, valid)
+            if mended:
                 local.unlink(PRE_SWAP, missing_ok=True)
                 return valid
-            damage = _local_damage(local.join(INDEX_NAME), lfd)
             if damage:
                 raise TierError(
                     f"the node tier's index {local.join(INDEX_NAME)} is damaged ({damage}) "
